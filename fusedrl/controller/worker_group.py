@@ -1,0 +1,118 @@
+"""Single-controller plumbing: a resource pool of device slots and the group of fused workers on it.
+
+Remote calls are written at the call site as ``lambda w: w.some_method.remote(...)``, so every call into
+a worker can be found with grep; this module only decides *which* workers get *which* shard:
+
+    group.run_all(lambda w: w.sync_weights.remote())                         # every rank, same args
+    group.run_rank0(lambda w: w.master_address.remote())                     # rank 0 only
+    group.run_split(lambda w, shard: w.rollout_generate.remote(shard, s), batch)  # DP split, gather
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from fusedrl.batch import RolloutBatch, gather_from_ranks, split_for_ranks
+
+
+@dataclass
+class ResourcePool:
+    """``nnodes x slots_per_node`` device slots as one Ray placement group.
+
+    A slot is a GPU where GPUs exist and one CPU core otherwise (``trainer.n_gpus_per_node`` then counts
+    CPU slots). ``cpus_per_slot`` CPUs go with each slot for the worker's host-side work.
+    """
+
+    slots_per_node: int
+    nnodes: int = 1
+    use_gpu: bool = False
+    cpus_per_slot: float = 1.0
+    pg: PlacementGroup | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.slots_per_node * self.nnodes
+
+    def create(self, timeout_s: float = 120.0) -> PlacementGroup:
+        bundle: dict[str, float] = {"CPU": self.cpus_per_slot}
+        if self.use_gpu:
+            bundle["GPU"] = 1.0
+        pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            raise RuntimeError(
+                f"Ray could not reserve {self.world_size} slots of {bundle} within {timeout_s:.0f}s "
+                f"(cluster has {ray.cluster_resources()}). Lower trainer.n_gpus_per_node / trainer.nnodes."
+            )
+        self.pg = pg
+        return pg
+
+    def release(self) -> None:
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+class WorkerGroup:
+    """The fused workers of one resource pool, rank-ordered."""
+
+    def __init__(self, worker_cls: type, pool: ResourcePool, config: dict[str, Any]) -> None:
+        self.pool = pool
+        pg = pool.pg if pool.pg is not None else pool.create()
+        remote_cls = ray.remote(worker_cls)
+        self.workers = [
+            remote_cls.options(
+                num_cpus=pool.cpus_per_slot,
+                num_gpus=1 if pool.use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank
+                ),
+                name=None,
+            ).remote(config, rank=rank, world_size=pool.world_size)
+            for rank in range(pool.world_size)
+        ]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    # ------------------------------------------------------------------ calls
+    def run_all(self, call: Callable[[Any], ray.ObjectRef]) -> list[Any]:
+        """Call every rank with the same arguments; results in rank order."""
+        return ray.get([call(w) for w in self.workers])
+
+    def run_rank0(self, call: Callable[[Any], ray.ObjectRef]) -> Any:
+        return ray.get(call(self.workers[0]))
+
+    def run_split(self, call: Callable[[Any, RolloutBatch], ray.ObjectRef], batch: RolloutBatch) -> list[Any]:
+        """Split ``batch`` by DP rank (padding to a multiple of the world size), call each rank on its
+        shard, and return the per-rank results with the padding still in (see `gather_batches`,
+        `gather_tensors`)."""
+        shards, _ = split_for_ranks(batch, self.world_size)
+        return ray.get([call(w, shard) for w, shard in zip(self.workers, shards)])
+
+    def split_pad(self, batch: RolloutBatch) -> int:
+        return (-batch.num_samples) % self.world_size
+
+    def gather_batches(self, shards: Sequence[RolloutBatch], batch: RolloutBatch) -> RolloutBatch:
+        """Per-rank batch results back into one batch in the original row order."""
+        return gather_from_ranks(shards, self.split_pad(batch))
+
+    def gather_tensors(self, parts: Sequence[torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
+        """Per-rank ``[b, ...]`` tensors back into ``[B, ...]`` in the original row order."""
+        full = torch.cat(list(parts), dim=0)
+        pad = self.split_pad(batch)
+        return full if pad == 0 else full[: full.shape[0] - pad]
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        self.pool.release()

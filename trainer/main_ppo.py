@@ -1,0 +1,42 @@
+"""Entry point: ``python -m fusedrl.trainer.main_ppo key=value ...`` (Hydra-style overrides).
+
+The config is validated before Ray starts; every problem is printed at once and the exit code is 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from fusedrl.config import ConfigError, load_config
+
+
+def run_ppo(config: DictConfig, trainer_cls: type | None = None) -> dict[str, float]:
+    """Start Ray, build the trainer (``trainer_cls`` lets a user plug in a subclass), train, clean up."""
+    from fusedrl.trainer.ppo_trainer import PPOTrainer, init_ray
+
+    init_ray(config)
+    trainer = (trainer_cls or PPOTrainer)(config)
+    try:
+        trainer.init_workers()
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(overrides)
+    except ConfigError as err:
+        print(f"fusedrl: {err}", file=sys.stderr)
+        return 2
+    print(OmegaConf.to_yaml(config), flush=True)
+    run_ppo(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

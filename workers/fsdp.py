@@ -1,0 +1,129 @@
+"""FSDP2 for the fused worker's models: build, shard, and stream full tensors out of the shards.
+
+Sharding follows the usual FSDP2 recipe, as a short ordered series of steps: every decoder layer is its
+own ``fully_shard`` unit (so only one layer is gathered at a time in forward/backward), then the root
+module takes the embeddings, the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def to_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_mesh() -> DeviceMesh:
+    """A 1-D data-parallel mesh over the whole (already initialised) default process group."""
+    return init_device_mesh(device_type(), (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def load_causal_lm(path: str, dtype: str, attn_implementation: str = "sdpa") -> nn.Module:
+    """Load a Hugging Face causal LM on CPU in ``dtype`` (the *master* dtype of training)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=to_dtype(dtype), attn_implementation=attn_implementation)
+    model.config.use_cache = False  # training forwards never use the KV cache
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a HF causal LM (``model.model.layers`` for Llama/Qwen-style models)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: cannot find decoder layers at model.model.layers")
+    return list(layers)
+
+
+def apply_fsdp2(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``model`` in place with FSDP2: one unit per decoder layer, then the root."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+@dataclass
+class StreamStats:
+    """Bookkeeping of one weight stream: how many full tensors were alive at once, at most.
+
+    ``peak_live_bytes`` counts the gathered tensors the stream created that were still referenced by
+    anyone (us or the engine's loader) when the next one was created. With one rank and no dtype change
+    no tensor is created (the shard *is* the full tensor) and it stays 0.
+    """
+
+    num_tensors: int = 0
+    total_bytes: int = 0
+    largest_bytes: int = 0
+    peak_live_bytes: int = 0
+    _live: dict[int, int] = field(default_factory=dict)
+
+    def _track(self, t: torch.Tensor) -> None:
+        key = id(t)
+        self._live[key] = t.numel() * t.element_size()
+        weakref.finalize(t, self._live.pop, key, None)
+        self.peak_live_bytes = max(self.peak_live_bytes, sum(self._live.values()))
+
+
+def stream_full_tensors(model: nn.Module, stats: StreamStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` for every parameter and persistent buffer, one at a time.
+
+    Collective: every rank must consume the whole iterator in the same order, because each
+    ``DTensor.full_tensor()`` is an all-gather. The gathered tensor is handed to the caller and dropped
+    here, so with a consumer that copies and forgets, about one tensor is alive at a time and no second
+    copy of the model ever exists.
+    """
+    for name, tensor in model.state_dict().items():
+        if isinstance(tensor, DTensor):
+            if tensor.device_mesh.size() == 1:
+                full = tensor.to_local()  # the shard is the whole tensor: pass our own storage
+                is_new = False
+            else:
+                full = tensor.full_tensor()
+                is_new = True
+        else:
+            full, is_new = tensor, False
+        if stats is not None:
+            nbytes = full.numel() * full.element_size()
+            stats.num_tensors += 1
+            stats.total_bytes += nbytes
+            stats.largest_bytes = max(stats.largest_bytes, nbytes)
+            if is_new:
+                stats._track(full)
+        # state_dict() tensors are already detached; yield the very object we track, so the
+        # bookkeeping sees exactly when the consumer lets go of it.
+        yield name, full
+        del full
+
+
+def largest_parameter_bytes(model: nn.Module) -> int:
+    """Full (unsharded) size in bytes of the model's largest parameter."""
+    return max(p.numel() * p.element_size() for p in model.parameters())

@@ -1,0 +1,64 @@
+"""The rollout interface shared by every engine, and the padding that turns samples into a batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from fusedrl.batch import RolloutBatch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingConfig:
+    """Sampling controls of one generate call (train: ``rollout.*``; validation: ``rollout.val_kwargs``)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = True
+
+
+class Rollout(Protocol):
+    """What the fused worker needs of a rollout engine."""
+
+    def generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def sleep(self, level: int) -> None: ...
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+
+def unpadded_prompts(batch: RolloutBatch) -> list[list[int]]:
+    """Prompt ids without their left padding."""
+    return [row[mask.bool()].tolist() for row, mask in zip(batch.prompts, batch.prompt_mask)]
+
+
+def attach_responses(
+    batch: RolloutBatch,
+    samples: Sequence[tuple[Sequence[int], Sequence[float]]],
+    *,
+    max_response_length: int,
+    pad_token_id: int,
+) -> RolloutBatch:
+    """Right-pad ``(token_ids, log_probs)`` samples to ``[B, Tr]`` and set them on ``batch``."""
+    b = batch.num_samples
+    responses = torch.full((b, max_response_length), pad_token_id, dtype=torch.long)  # [B, Tr]
+    response_mask = torch.zeros((b, max_response_length), dtype=torch.long)  # [B, Tr]
+    log_probs = torch.zeros((b, max_response_length), dtype=torch.float32)  # [B, Tr]
+    for i, (ids, lps) in enumerate(samples):
+        n = min(len(ids), max_response_length)
+        responses[i, :n] = torch.as_tensor(list(ids[:n]), dtype=torch.long)
+        response_mask[i, :n] = 1
+        log_probs[i, :n] = torch.as_tensor(list(lps[:n]), dtype=torch.float32)
+    batch.responses = responses
+    batch.response_mask = response_mask
+    batch.rollout_log_probs = log_probs
+    return batch

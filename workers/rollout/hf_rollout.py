@@ -1,0 +1,75 @@
+"""Rollout with Hugging Face ``generate`` on the actor's own FSDP2 module (debug / fallback engine).
+
+It shares the actor's parameters, so there is nothing to sync. Every FSDP2 forward is a collective, so
+ranks that finish early keep stepping (``synced_gpus``) until all ranks are done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fusedrl.batch import RolloutBatch
+from fusedrl.workers.logprob import response_log_probs
+from fusedrl.workers.rollout.base import SamplingConfig
+
+
+class HFRollout:
+    def __init__(self, model: nn.Module, *, max_response_length: int, eos_token_id: int, pad_token_id: int) -> None:
+        self.model = model
+        self.max_response_length = max_response_length
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+
+    @torch.no_grad()
+    def generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
+        self.model.eval()
+        prompt_len = batch.prompts.shape[1]
+        position_ids = (batch.prompt_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, Tp]
+        kwargs = dict(
+            attention_mask=batch.prompt_mask,
+            max_new_tokens=sampling.max_tokens,
+            do_sample=sampling.do_sample and sampling.temperature > 0,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+            synced_gpus=dist.is_initialized() and dist.get_world_size() > 1,
+        )
+        if kwargs["do_sample"]:
+            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0) or None)
+        del position_ids  # generate derives positions from the attention mask
+        out = self.model.generate(batch.prompts, **kwargs)  # [B, Tp + t]
+        generated = out[:, prompt_len:]  # [B, t]
+        b = batch.num_samples
+        responses = torch.full((b, self.max_response_length), self.pad_token_id, dtype=torch.long)  # [B, Tr]
+        response_mask = torch.zeros_like(responses)  # [B, Tr]
+        for i in range(b):
+            ids = generated[i].tolist()
+            # Keep tokens up to and including the first EOS; generate pads finished rows afterwards.
+            n = ids.index(self.eos_token_id) + 1 if self.eos_token_id in ids else len(ids)
+            n = min(n, self.max_response_length)
+            responses[i, :n] = torch.as_tensor(ids[:n])
+            response_mask[i, :n] = 1
+        batch.responses = responses
+        batch.response_mask = response_mask
+        # The engine's "own" log-probs: the same model scores its samples (temperature-scaled).
+        log_probs, _ = response_log_probs(self.model, batch, temperature=max(sampling.temperature, 1e-6))
+        batch.rollout_log_probs = log_probs.float() * response_mask
+        return batch
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # Same module as the actor: consume the stream (it is collective) and drop it.
+        for _ in named_tensors:
+            pass
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def sleep(self, level: int) -> None:
+        pass
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        pass

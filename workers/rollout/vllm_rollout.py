@@ -1,0 +1,68 @@
+"""Rollout on an in-process vLLM engine (the default)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from fusedrl.batch import RolloutBatch
+from fusedrl.third_party.vllm import EngineConfig, SampleParams, VLLMEngine
+from fusedrl.workers.rollout.base import SamplingConfig, attach_responses, unpadded_prompts
+
+_GIB = 1 << 30
+
+
+class VLLMRollout:
+    """Data-parallel rollout: each fused worker's engine generates its own shard of the prompts.
+
+    ``cfg`` is ``actor_rollout_ref.rollout``. Must be built after ``torch.distributed`` is initialised.
+    """
+
+    def __init__(
+        self, cfg: dict[str, Any], *, model_path: str, seed: int, max_model_len: int, eos_token_id: int, pad_token_id: int
+    ) -> None:
+        self.cfg = cfg
+        self.max_response_length = int(cfg["response_length"])
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.engine = VLLMEngine(
+            EngineConfig(
+                model_path=model_path,
+                dtype=cfg.get("dtype", "bfloat16"),
+                seed=seed,
+                tensor_parallel_size=int(cfg.get("tensor_model_parallel_size", 1)),
+                max_model_len=max_model_len,
+                kv_cache_memory_bytes=int(float(cfg.get("cpu_kv_cache_gb", 0.25)) * _GIB),
+                gpu_memory_utilization=float(cfg.get("gpu_memory_utilization", 0.5)),
+                enable_sleep_mode=bool(cfg.get("free_cache_engine", True)),
+                enable_prefix_caching=bool(cfg.get("enable_prefix_caching", True)),
+                max_num_seqs=int(cfg.get("max_num_seqs", 256)),
+            )
+        )
+
+    def generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
+        params = SampleParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature if sampling.do_sample else 0.0,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            stop_token_ids=(self.eos_token_id,),
+        )
+        samples = self.engine.generate(unpadded_prompts(batch), params)
+        return attach_responses(
+            batch, samples, max_response_length=self.max_response_length, pad_token_id=self.pad_token_id
+        )
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(named_tensors)
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.wake_up(tags)
