@@ -142,7 +142,7 @@ class WorkerDict:
         return metrics
 
     # ------------------------------------------------------------------ weight sync
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, *, reset_prefix_cache: bool = True) -> dict[str, float]:
         """Stream the actor's FSDP2 shards, one full tensor at a time, into the rollout engine in place.
 
         Collective across ranks (each ``full_tensor`` is an all-gather). No-op for the HF rollout, which
@@ -155,7 +155,7 @@ class WorkerDict:
         self.events.append("rollout.wake_up(weights)")
         self.rollout.wake_up(["weights"])
         stats = StreamStats()
-        self.rollout.update_weights(self.actor.stream_weights(stats))
+        self.rollout.update_weights(self.actor.stream_weights(stats), reset_prefix_cache=reset_prefix_cache)
         self.events.append("rollout.update_weights")
         return {
             "timing_s/sync_weights_inner": time.perf_counter() - t0,
@@ -178,6 +178,21 @@ class WorkerDict:
     def ref_state(self) -> dict[str, torch.Tensor]:
         assert self.ref is not None
         return {n: p.to_local().detach().clone() for n, p in self.ref.model.named_parameters()}
+
+    def measure_weight_stream(self, hoard: bool) -> dict[str, float]:
+        """Stream the actor's weights to a consumer that copies-and-drops (like the engine's loader) or,
+        with ``hoard=True``, keeps every tensor (a second full copy). Returns the stream's bookkeeping, so a
+        test can show the accounting tells the two apart. Collective."""
+        assert self.actor is not None
+        stats = StreamStats()
+        kept = []
+        for _name, tensor in self.actor.stream_weights(stats):
+            if hoard:
+                kept.append(tensor)
+            del tensor  # a copy-and-drop consumer lets go before asking for the next tensor
+        del kept
+        return {"peak_live_bytes": float(stats.peak_live_bytes), "largest_bytes": float(stats.largest_bytes),
+                "total_bytes": float(stats.total_bytes)}
 
     def ping(self) -> int:
         return self.rank

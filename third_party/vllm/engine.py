@@ -146,17 +146,20 @@ class VLLMEngine:
         return results
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, reset_prefix_cache: bool = True
+    ) -> None:
         """Swap new weights into the engine's existing parameters, in place.
 
         ``named_tensors`` yields Hugging Face names and *full* tensors (any float dtype). It is consumed
         lazily inside vLLM's loader, so a generator that gathers one FSDP shard at a time keeps only
         about one tensor alive. The in-process ``collective_rpc`` calls the worker directly: nothing is
-        pickled.
+        pickled. ``reset_prefix_cache=False`` exists only so tests can show what goes wrong without it.
         """
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         # KV blocks computed under the old weights must not be reused (GRPO repeats prompts).
-        self.reset_prefix_cache()
+        if reset_prefix_cache:
+            self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()

@@ -60,10 +60,11 @@ class HFRollout:
         batch.rollout_log_probs = log_probs.float() * response_mask
         return batch
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # Same module as the actor: consume the stream (it is collective) and drop it.
-        for _ in named_tensors:
-            pass
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, reset_prefix_cache: bool = True
+    ) -> None:
+        # Same module as the actor: nothing to copy. The fused worker does not even build the stream.
+        del named_tensors, reset_prefix_cache
 
     def reset_prefix_cache(self) -> None:
         pass

@@ -55,8 +55,10 @@ class VLLMRollout:
             batch, samples, max_response_length=self.max_response_length, pad_token_id=self.pad_token_id
         )
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.engine.update_weights(named_tensors)
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, reset_prefix_cache: bool = True
+    ) -> None:
+        self.engine.update_weights(named_tensors, reset_prefix_cache=reset_prefix_cache)
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()

@@ -1,0 +1,37 @@
+"""Shared fixtures: a tiny Qwen2 model + tokenizer built locally, and arithmetic parquet data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from fusedrl.utils.tiny_model import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model")), preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def arithmetic_data(tmp_path_factory) -> tuple[str, str]:
+    from fusedrl.data.arithmetic import write_arithmetic_parquet
+
+    out: Path = tmp_path_factory.mktemp("arith")
+    return write_arithmetic_parquet(str(out), n_train=64, n_test=16, seed=0)
