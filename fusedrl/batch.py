@@ -19,14 +19,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tensordict import tensorclass
+from tensordict import TensorClass
 
 # Per-sample Python values (not tensors). They are stacked per row by tensordict, so slicing works.
 NON_TENSOR_FIELDS = ("uid", "data_source", "ground_truth", "extra_info")
 
 
-@tensorclass
-class RolloutBatch:
+class RolloutBatch(TensorClass):  # type: ignore[misc]
     """Samples of one RL step. Leading dimension ``B`` on every field.
 
     Prompt (from the dataset):
@@ -85,7 +84,14 @@ class RolloutBatch:
     ) -> RolloutBatch:
         """A batch holding only prompts, as the dataset yields it."""
         b = prompts.shape[0]
-        for name, seq in (("uid", uid), ("data_source", data_source), ("ground_truth", ground_truth)):
+        checks: list[tuple[str, Sequence[Any]]] = [
+            ("uid", uid),
+            ("data_source", data_source),
+            ("ground_truth", ground_truth),
+        ]
+        if extra_info is not None:
+            checks.append(("extra_info", extra_info))
+        for name, seq in checks:
             if len(seq) != b:
                 raise ValueError(f"RolloutBatch.from_prompts: {name} has {len(seq)} items for {b} prompts")
         return cls(
@@ -123,7 +129,7 @@ class RolloutBatch:
         return input_ids, attention_mask, position_ids
 
     # ------------------------------------------------------------------ reshaping
-    def repeat_interleave(self, n: int) -> RolloutBatch:
+    def repeat_samples(self, n: int) -> RolloutBatch:
         """Each row repeated ``n`` times in a row: [p0, p0, p1, p1, ...] for n=2 (GRPO's groups)."""
         if n == 1:
             return self
@@ -160,7 +166,7 @@ def concat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
     """Concatenate batches along the sample dimension (fields set in one must be set in all)."""
     if not batches:
         raise ValueError("concat() of no batches")
-    return torch.cat(list(batches), dim=0)
+    return torch.cat(list(batches), dim=0)  # type: ignore[return-value,arg-type]
 
 
 def pad_to_multiple(batch: RolloutBatch, multiple: int) -> tuple[RolloutBatch, int]:

@@ -40,8 +40,8 @@ def _config_dir() -> Path:
 def _all_keys(cfg: Any, prefix: str = "") -> list[str]:
     keys: list[str] = []
     if isinstance(cfg, DictConfig):
-        for k in cfg.keys():
-            full = f"{prefix}{k}"
+        for k in cfg:
+            full = f"{prefix}{k!s}"
             keys.append(full)
             node = cfg._get_node(k)
             if isinstance(node, DictConfig):
@@ -63,21 +63,33 @@ def _unknown_override_keys(base: DictConfig, overrides: Sequence[str]) -> list[s
     return problems
 
 
-def load_config(overrides: Sequence[str] = (), config_name: str = "ppo_trainer", validate_config: bool = True) -> DictConfig:
+def load_config(
+    overrides: Sequence[str] = (), config_name: str = "ppo_trainer", validate_config: bool = True
+) -> DictConfig:
     """Compose ``config_name`` with Hydra-style ``key=value`` overrides; validate unless told not to."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     config_dir = str(_config_dir())
     base = OmegaConf.load(os.path.join(config_dir, f"{config_name}.yaml"))
-    problems = _unknown_override_keys(base, overrides)
+    assert isinstance(base, DictConfig)
+    unknown = _unknown_override_keys(base, overrides)
+    bad_keys = {p.split("`")[1] for p in unknown}
+    usable = [ov for ov in overrides if ov.split("=", 1)[0] not in bad_keys]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            cfg = compose(config_name=config_name, overrides=usable)
+    except Exception as err:  # Hydra's parse / type errors: report them like every other problem
+        raise ConfigError([*unknown, f"command line: {err}".replace("\n", " ")]) from err
+    problems = list(unknown)
+    if validate_config:
+        try:
+            validate(cfg)
+        except ConfigError as err:
+            problems.extend(err.problems)
     if problems:
         raise ConfigError(problems)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        cfg = compose(config_name=config_name, overrides=list(overrides))
-    if validate_config:
-        validate(cfg)
     return cfg
 
 
@@ -103,7 +115,10 @@ def validate(cfg: DictConfig) -> None:
     files = _get(cfg, "data.train_files")
     if files is not None and not OmegaConf.is_missing(cfg.data, "train_files"):
         for f in [files] if isinstance(files, str) else list(files):
-            need(os.path.exists(f), f"`data.train_files`: file `{f}` does not exist. Generate it (see examples/data_preprocess/) or fix the path.")
+            need(
+                os.path.exists(f),
+                f"`data.train_files`: file `{f}` does not exist. Generate it (see examples/data_preprocess/) or fix the path.",
+            )
     val_files = _get(cfg, "data.val_files")
     if val_files:
         for f in [val_files] if isinstance(val_files, str) else list(val_files):
@@ -116,17 +131,32 @@ def validate(cfg: DictConfig) -> None:
             "Point it at a local folder; build a tiny one with `python -m fusedrl.utils.tiny_model --out DIR`.",
         )
 
-    # --- batch-size arithmetic
-    world = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
-    n = int(cfg.actor_rollout_ref.rollout.n)
-    bsz = int(cfg.data.train_batch_size)
-    mini = int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
-    micro = int(cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)
-    need(world >= 1, f"`trainer.n_gpus_per_node` x `trainer.nnodes` = {world}: need at least one device slot.")
-    need(n >= 1, f"`actor_rollout_ref.rollout.n`={n}: must be >= 1.")
-    need(bsz >= 1, f"`data.train_batch_size`={bsz}: must be >= 1.")
-    need(micro >= 1, f"`actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`={micro}: must be >= 1.")
-    if world >= 1 and n >= 1 and bsz >= 1 and mini >= 1:
+    def number(key: str, kind: type = int) -> Any:
+        """``cfg[key]`` as ``kind``, or None (and one problem) when it is not one."""
+        value = _get(cfg, key)
+        try:
+            if isinstance(value, bool) or value is None:
+                raise TypeError
+            return kind(value)
+        except (TypeError, ValueError):
+            problems.append(f"`{key}`={value!r}: must be {'an integer' if kind is int else 'a number'}.")
+            return None
+
+    def positive(key: str) -> int | None:
+        value = number(key)
+        if value is not None and value < 1:
+            problems.append(f"`{key}`={value}: must be >= 1.")
+            return None
+        return value
+
+    # --- batch-size arithmetic (checked only when every number in it is valid)
+    slots, nnodes = positive("trainer.n_gpus_per_node"), positive("trainer.nnodes")
+    n = positive("actor_rollout_ref.rollout.n")
+    bsz = positive("data.train_batch_size")
+    mini = positive("actor_rollout_ref.actor.ppo_mini_batch_size")
+    positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    if slots is not None and nnodes is not None and n is not None and bsz is not None and mini is not None:
+        world = slots * nnodes
         need(
             (bsz * n) % world == 0,
             f"`data.train_batch_size` x `actor_rollout_ref.rollout.n` = {bsz * n} samples do not divide across "
@@ -142,50 +172,79 @@ def validate(cfg: DictConfig) -> None:
             f"`actor_rollout_ref.actor.ppo_mini_batch_size` x n = {mini * n} samples per mini-batch do not divide "
             f"across {world} workers. Make ppo_mini_batch_size * n a multiple of {world}.",
         )
-    else:
-        need(mini >= 1, f"`actor_rollout_ref.actor.ppo_mini_batch_size`={mini}: must be >= 1.")
-    need(int(cfg.data.max_prompt_length) > 0, "`data.max_prompt_length`: must be > 0.")
-    need(int(cfg.data.max_response_length) > 0, "`data.max_response_length`: must be > 0.")
-    need(cfg.data.truncation in ("filter", "error"), f"`data.truncation`={cfg.data.truncation!r}: use `filter` or `error`.")
+    for key in ("data.max_prompt_length", "data.max_response_length"):
+        positive(key)
+    need(
+        cfg.data.truncation in ("filter", "error"),
+        f"`data.truncation`={cfg.data.truncation!r}: use `filter` or `error`.",
+    )
 
     # --- algorithm names
     est = cfg.algorithm.adv_estimator
-    need(est in list_adv_estimators(), f"`algorithm.adv_estimator`={est!r}: unknown. Known: {', '.join(list_adv_estimators())}.")
-    if est in ("grpo", "rloo") and n < 2:
+    need(
+        est in list_adv_estimators(),
+        f"`algorithm.adv_estimator`={est!r}: unknown. Known: {', '.join(list_adv_estimators())}.",
+    )
+    if est in ("grpo", "rloo") and n is not None and n < 2:
         problems.append(
             f"`actor_rollout_ref.rollout.n`={n}: `{est}` compares samples of the same prompt, so every advantage "
             "would be 0. Use n >= 2."
         )
     actor = cfg.actor_rollout_ref.actor
     mode = actor.policy_loss.loss_mode
-    need(mode in list_policy_losses(), f"`actor_rollout_ref.actor.policy_loss.loss_mode`={mode!r}: unknown. Known: {', '.join(list_policy_losses())}.")
-    need(actor.loss_agg_mode in AGG_MODES, f"`actor_rollout_ref.actor.loss_agg_mode`={actor.loss_agg_mode!r}: unknown. Known: {', '.join(AGG_MODES)}.")
+    need(
+        mode in list_policy_losses(),
+        f"`actor_rollout_ref.actor.policy_loss.loss_mode`={mode!r}: unknown. Known: {', '.join(list_policy_losses())}.",
+    )
+    need(
+        actor.loss_agg_mode in AGG_MODES,
+        f"`actor_rollout_ref.actor.loss_agg_mode`={actor.loss_agg_mode!r}: unknown. Known: {', '.join(AGG_MODES)}.",
+    )
     need(
         actor.kl_loss_type in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"),
         f"`actor_rollout_ref.actor.kl_loss_type`={actor.kl_loss_type!r}: use k1, k2, k3 (low_var_kl) or abs.",
     )
-    need(float(actor.optim.lr) > 0, f"`actor_rollout_ref.actor.optim.lr`={actor.optim.lr}: must be > 0.")
+    lr = number("actor_rollout_ref.actor.optim.lr", float)
+    need(lr is None or lr > 0, f"`actor_rollout_ref.actor.optim.lr`={lr}: must be > 0.")
 
     # --- rollout
     rollout = cfg.actor_rollout_ref.rollout
-    need(rollout.name in ("vllm", "hf"), f"`actor_rollout_ref.rollout.name`={rollout.name!r}: use `vllm` or `hf`.")
     need(
-        int(rollout.tensor_model_parallel_size) == 1,
+        rollout.name in ("vllm", "hf"),
+        f"`actor_rollout_ref.rollout.name`={rollout.name!r}: use `vllm` or `hf`.",
+    )
+    need(
+        number("actor_rollout_ref.rollout.tensor_model_parallel_size") in (1, None),
         f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={rollout.tensor_model_parallel_size}: only 1 "
         "(data-parallel rollout) is supported in this release. Set it to 1.",
     )
-    need(float(rollout.temperature) > 0, f"`actor_rollout_ref.rollout.temperature`={rollout.temperature}: must be > 0 for training rollouts.")
+    temperature = number("actor_rollout_ref.rollout.temperature", float)
+    need(
+        temperature is None or temperature > 0,
+        f"`actor_rollout_ref.rollout.temperature`={rollout.temperature}: must be > 0 for training rollouts.",
+    )
     if rollout.name == "vllm":
         from fusedrl.third_party.vllm import vllm_available
 
-        need(vllm_available(), "`actor_rollout_ref.rollout.name`=vllm but `import vllm` fails here. Run `make install` or use `rollout.name=hf`.")
+        need(
+            vllm_available(),
+            "`actor_rollout_ref.rollout.name`=vllm but `import vllm` fails here. Run `make install` or use `rollout.name=hf`.",
+        )
 
-    loggers = list(cfg.trainer.logger)
+    loggers = logger_names(cfg)
     for name in loggers:
-        need(name in ("console", "jsonl"), f"`trainer.logger`: unknown logger {name!r}. Known: console, jsonl.")
+        need(
+            name in ("console", "jsonl"), f"`trainer.logger`: unknown logger {name!r}. Known: console, jsonl."
+        )
 
     if problems:
         raise ConfigError(problems)
+
+
+def logger_names(cfg: DictConfig) -> list[str]:
+    """``trainer.logger`` as a list (a bare ``trainer.logger=console`` is accepted too)."""
+    value = cfg.trainer.logger
+    return [str(value)] if isinstance(value, str) else [str(v) for v in value]
 
 
 def to_plain_dict(cfg: DictConfig) -> dict[str, Any]:

@@ -55,7 +55,7 @@ class Tracker:
         if "jsonl" in self.backends:
             os.makedirs(run_dir, exist_ok=True)
             self.jsonl_path = os.path.join(run_dir, "metrics.jsonl")
-            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 (lives as long as the run)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         if "console" in self.backends:

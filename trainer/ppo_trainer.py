@@ -16,6 +16,7 @@ Quickstart (CPU, two fused workers, a tiny model built locally)::
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +27,7 @@ from omegaconf import DictConfig
 
 from fusedrl.algorithms import get_adv_estimator
 from fusedrl.batch import RolloutBatch
-from fusedrl.config import to_plain_dict
+from fusedrl.config import logger_names, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
 from fusedrl.data.dataset import PromptLoader, RLDataset
 from fusedrl.rewards import default_compute_score
@@ -75,8 +76,10 @@ class PPOTrainer:
         self.reward_fn = NaiveRewardManager(self.tokenizer, compute_score or default_compute_score)
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
         steps_per_epoch = len(self.train_loader)
-        self.total_steps = int(config.trainer.total_training_steps or steps_per_epoch * int(config.trainer.total_epochs))
-        self.tracker = Tracker(list(config.trainer.logger), run_dir=str(config.trainer.default_local_dir))
+        self.total_steps = int(
+            config.trainer.total_training_steps or steps_per_epoch * int(config.trainer.total_epochs)
+        )
+        self.tracker = Tracker(logger_names(config), run_dir=str(config.trainer.default_local_dir))
         self.global_step = 0
         self.group: WorkerGroup | None = None
 
@@ -90,7 +93,11 @@ class PPOTrainer:
         worker_config = to_plain_dict(self.config)
         worker_config["_tokens"] = {
             "eos_token_id": int(self.tokenizer.eos_token_id),
-            "pad_token_id": int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id),
+            "pad_token_id": int(
+                self.tokenizer.pad_token_id
+                if self.tokenizer.pad_token_id is not None
+                else self.tokenizer.eos_token_id
+            ),
         }
         self.group = WorkerGroup(WorkerDict, pool, worker_config)
         addr, port = self.group.run_rank0(lambda w: w.master_address.remote())
@@ -118,8 +125,10 @@ class PPOTrainer:
             self.global_step += 1
             last = self.train_step(prompts)
             test_freq = int(self.config.trainer.test_freq)
-            if self.val_dataset is not None and test_freq > 0 and (
-                self.global_step % test_freq == 0 or self.global_step == self.total_steps
+            if (
+                self.val_dataset is not None
+                and test_freq > 0
+                and (self.global_step % test_freq == 0 or self.global_step == self.total_steps)
             ):
                 last.update(self.validate())
             self.tracker.log(last, self.global_step)
@@ -178,7 +187,7 @@ class PPOTrainer:
         """Repeat each prompt ``n`` times and sample one response per row on the fused workers."""
         r = self.config.actor_rollout_ref.rollout
         n = int(r.val_kwargs.n) if validate else int(r.n)
-        batch = prompts.repeat_interleave(n)
+        batch = prompts.repeat_samples(n)
         sampling = self.sampling(validate)
         to_send = batch.select_fields("prompts", "prompt_mask")
         shards = self.workers.run_split(lambda w, shard: w.rollout_generate.remote(shard, sampling), to_send)
@@ -292,8 +301,13 @@ def init_ray(config: DictConfig) -> None:
         return
     slots = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
     num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, slots)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}
-    for key in ("VLLM_LOGGING_LEVEL", "PYTHONPATH", "HF_HUB_OFFLINE"):
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+        # vLLM's INFO lines (one per request batch, per reload) would drown the per-step log.
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
+    for key in ("PYTHONPATH", "HF_HUB_OFFLINE", "OMP_NUM_THREADS"):
         if key in os.environ:
             env[key] = os.environ[key]
     ray.init(
@@ -301,5 +315,5 @@ def init_ray(config: DictConfig) -> None:
         include_dashboard=False,
         object_store_memory=int(float(config.trainer.ray_object_store_gb) * (1 << 30)),
         runtime_env={"env_vars": env},
-        logging_level="WARNING",
+        logging_level=logging.WARNING,
     )

@@ -29,9 +29,7 @@ def _sharded_model(model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any]) -> nn.Mo
         model.gradient_checkpointing_enable()
     param_dtype = fsdp_cfg.get("param_dtype")
     model.to(device_type())
-    return apply_fsdp2(
-        model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None
-    )
+    return apply_fsdp2(model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None)
 
 
 class RefRole:
@@ -47,7 +45,10 @@ class RefRole:
     def compute_log_prob(self, batch: RolloutBatch, *, temperature: float) -> torch.Tensor:
         """``log pi_ref(response)``: ``[B, Tr]``."""
         return batched_log_probs(
-            self.model, batch, temperature=temperature, micro_batch_size=self.cfg["log_prob_micro_batch_size_per_gpu"]
+            self.model,
+            batch,
+            temperature=temperature,
+            micro_batch_size=self.cfg["log_prob_micro_batch_size_per_gpu"],
         )
 
 
@@ -74,10 +75,14 @@ class ActorRole:
         self.num_skipped_steps = 0
 
     # ------------------------------------------------------------------ inference
-    def compute_log_prob(self, batch: RolloutBatch, *, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    def compute_log_prob(
+        self, batch: RolloutBatch, *, temperature: float, micro_batch_size: int
+    ) -> torch.Tensor:
         """``log pi_old(response)`` before the update: ``[B, Tr]``."""
         self.model.eval()
-        return batched_log_probs(self.model, batch, temperature=temperature, micro_batch_size=micro_batch_size)
+        return batched_log_probs(
+            self.model, batch, temperature=temperature, micro_batch_size=micro_batch_size
+        )
 
     # ------------------------------------------------------------------ training
     def _loss_terms(
@@ -86,7 +91,9 @@ class ActorRole:
         cfg = self.cfg
         mode = cfg.get("loss_agg_mode", "token-mean")
         entropy_coeff = float(cfg.get("entropy_coeff", 0.0))
-        log_prob, entropy = response_log_probs(self.model, mb, temperature=temperature, with_entropy=True)  # [b, Tr]
+        log_prob, entropy = response_log_probs(
+            self.model, mb, temperature=temperature, with_entropy=True
+        )  # [b, Tr]
         clip = float(cfg.get("clip_ratio", 0.2))
         pg_loss, pg_metrics = self.policy_loss(
             log_prob,
@@ -128,14 +135,17 @@ class ActorRole:
                 # Normaliser of the whole mini-batch across ranks and micro-batches, so the gradient does
                 # not depend on how the batch was split. FSDP averages gradients over ranks, hence / W.
                 local = torch.tensor(
-                    [agg_denominator(mini.response_mask, mode), float(mini.response_mask.sum())], dtype=torch.float64
+                    [agg_denominator(mini.response_mask, mode), float(mini.response_mask.sum())],
+                    dtype=torch.float64,
                 )
                 dist.all_reduce(local)
                 norm, token_norm = (v / self.world_size for v in local.tolist())
                 self.optimizer.zero_grad(set_to_none=True)
                 mini_terms: dict[str, torch.Tensor] = {}
                 for mb in micro_batches(mini, micro_rows):
-                    loss, terms = self._loss_terms(mb, temperature=temperature, norm=norm, token_norm=token_norm)
+                    loss, terms = self._loss_terms(
+                        mb, temperature=temperature, norm=norm, token_norm=token_norm
+                    )
                     loss.backward()
                     for key, value in terms.items():
                         mini_terms[key] = mini_terms.get(key, 0.0) + value
@@ -155,7 +165,9 @@ class ActorRole:
 
     def _clip_and_step(self) -> float:
         """Clip the global grad norm and step; a non-finite norm skips the step (counted)."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.cfg.get("grad_clip", 1.0)))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), float(self.cfg.get("grad_clip", 1.0))
+        )
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         value = float(grad_norm)

@@ -18,8 +18,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def to_dtype(name: str) -> torch.dtype:
@@ -41,7 +47,9 @@ def load_causal_lm(path: str, dtype: str, attn_implementation: str = "sdpa") -> 
     """Load a Hugging Face causal LM on CPU in ``dtype`` (the *master* dtype of training)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=to_dtype(dtype), attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=to_dtype(dtype), attn_implementation=attn_implementation
+    )
     model.config.use_cache = False  # training forwards never use the KV cache
     return model
 
@@ -93,7 +101,9 @@ class StreamStats:
         self.peak_live_bytes = max(self.peak_live_bytes, sum(self._live.values()))
 
 
-def stream_full_tensors(model: nn.Module, stats: StreamStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_full_tensors(
+    model: nn.Module, stats: StreamStats | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for every parameter and persistent buffer, one at a time.
 
     Collective: every rank must consume the whole iterator in the same order, because each

@@ -46,9 +46,12 @@ def response_log_probs(
 
 
 @torch.no_grad()
-def batched_log_probs(model: nn.Module, batch: RolloutBatch, *, temperature: float, micro_batch_size: int) -> torch.Tensor:
+def batched_log_probs(
+    model: nn.Module, batch: RolloutBatch, *, temperature: float, micro_batch_size: int
+) -> torch.Tensor:
     """No-grad log-probs of the whole batch, ``micro_batch_size`` rows per forward. ``[B, Tr]``."""
     parts = [
-        response_log_probs(model, mb, temperature=temperature)[0] for mb in micro_batches(batch, micro_batch_size)
+        response_log_probs(model, mb, temperature=temperature)[0]
+        for mb in micro_batches(batch, micro_batch_size)
     ]
     return torch.cat(parts, dim=0) * batch.response_mask  # [B, Tr], 0 on padding

@@ -54,7 +54,9 @@ class WorkerDict:
     # ------------------------------------------------------------------ setup
     def master_address(self) -> tuple[str, int]:
         """Rank 0 is asked for the rendezvous address of torch.distributed."""
-        return "127.0.0.1" if self.config["trainer"]["nnodes"] == 1 else socket.gethostbyname(socket.gethostname()), _free_port()
+        return "127.0.0.1" if self.config["trainer"]["nnodes"] == 1 else socket.gethostbyname(
+            socket.gethostname()
+        ), _free_port()
 
     def init_roles(self, master_addr: str, master_port: int) -> dict[str, float]:
         """Join the process group, then build actor, reference and rollout. Collective."""
@@ -71,7 +73,9 @@ class WorkerDict:
         if device_type() == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         backend = "nccl" if device_type() == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=30))
+        dist.init_process_group(
+            backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=30)
+        )
         seed = int(self.config["actor_rollout_ref"]["rollout"].get("seed", 0))
         torch.manual_seed(seed)  # identical init on every rank (FSDP2 shards the same weights)
 
@@ -86,7 +90,9 @@ class WorkerDict:
 
     def _needs_ref(self) -> bool:
         arr = self.config["actor_rollout_ref"]
-        return bool(arr["actor"].get("use_kl_loss", False) or self.config["algorithm"].get("use_kl_in_reward", False))
+        return bool(
+            arr["actor"].get("use_kl_loss", False) or self.config["algorithm"].get("use_kl_in_reward", False)
+        )
 
     def _build_rollout(self) -> Any:
         arr = self.config["actor_rollout_ref"]
@@ -191,8 +197,11 @@ class WorkerDict:
                 kept.append(tensor)
             del tensor  # a copy-and-drop consumer lets go before asking for the next tensor
         del kept
-        return {"peak_live_bytes": float(stats.peak_live_bytes), "largest_bytes": float(stats.largest_bytes),
-                "total_bytes": float(stats.total_bytes)}
+        return {
+            "peak_live_bytes": float(stats.peak_live_bytes),
+            "largest_bytes": float(stats.largest_bytes),
+            "total_bytes": float(stats.total_bytes),
+        }
 
     def ping(self) -> int:
         return self.rank

@@ -66,8 +66,8 @@ class WorkerGroup:
     def __init__(self, worker_cls: type, pool: ResourcePool, config: dict[str, Any]) -> None:
         self.pool = pool
         pg = pool.pg if pool.pg is not None else pool.create()
-        remote_cls = ray.remote(worker_cls)
-        self.workers = [
+        remote_cls: Any = ray.remote(worker_cls)
+        self.workers: list[Any] = [
             remote_cls.options(
                 num_cpus=pool.cpus_per_slot,
                 num_gpus=1 if pool.use_gpu else 0,
@@ -114,5 +114,5 @@ class WorkerGroup:
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
-        self.workers = []
+        self.workers.clear()
         self.pool.release()

@@ -96,9 +96,21 @@ def test_two_grpo_steps_train_actor_not_reference(trainer):
     ref_before = _merged_states(trainer, "ref")
     metrics = trainer.fit()
     assert trainer.global_step == 2
-    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/score/mean", "response_length/mean"):
+    for key in (
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy",
+        "critic/score/mean",
+        "response_length/mean",
+    ):
         assert key in metrics and torch.isfinite(torch.tensor(metrics[key])), key
-    for key in ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor", "timing_s/sync_weights"):
+    for key in (
+        "timing_s/gen",
+        "timing_s/old_log_prob",
+        "timing_s/ref",
+        "timing_s/update_actor",
+        "timing_s/sync_weights",
+    ):
         assert metrics[key] > 0, key
 
     actor_after = _merged_states(trainer, "actor")
@@ -106,7 +118,9 @@ def test_two_grpo_steps_train_actor_not_reference(trainer):
     names = list(actor_before[0])
     assert len(names) > 10
     unchanged = [
-        n for n in names if all(torch.equal(before[n], after[n]) for before, after in zip(actor_before, actor_after))
+        n
+        for n in names
+        if all(torch.equal(before[n], after[n]) for before, after in zip(actor_before, actor_after))
     ]
     assert unchanged == [], f"actor parameters that did not change: {unchanged}"
     for before, after in zip(ref_before, ref_after):
@@ -146,8 +160,12 @@ def _long_prompt_batch(trainer, copies: int):
     from fusedrl.batch import RolloutBatch
 
     tok = trainer.tokenizer
-    text = "Add these numbers carefully: " + " + ".join(str(i) for i in range(40, 80)) + ". What is the total?"
-    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    text = (
+        "Add these numbers carefully: " + " + ".join(str(i) for i in range(40, 80)) + ". What is the total?"
+    )
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
     ids = tok.encode(rendered, add_special_tokens=False)
     tp = int(trainer.config.data.max_prompt_length)
     assert 128 < len(ids) <= tp, f"the prompt must span more than one 128-token KV block, got {len(ids)}"
@@ -157,7 +175,10 @@ def _long_prompt_batch(trainer, copies: int):
     prompts[:, tp - len(ids) :] = torch.tensor(ids)
     mask[:, tp - len(ids) :] = 1
     return RolloutBatch.from_prompts(
-        prompts, mask, uid=[f"long-{i}" for i in range(copies)], data_source=["arithmetic"] * copies,
+        prompts,
+        mask,
+        uid=[f"long-{i}" for i in range(copies)],
+        data_source=["arithmetic"] * copies,
         ground_truth=["0"] * copies,
     )
 

@@ -170,7 +170,7 @@ def test_dataset_uid_stable_and_multi_file(tmp_path, tokenizer):
     ds3 = RLDataset([x, y], tokenizer, max_prompt_length=64)
     assert len({ds3[0]["uid"], ds3[1]["uid"]}) == 2
     # Repeating a collated batch keeps the uid of each prompt on all its samples.
-    batch = collate([ds1[0], ds1[3]], tokenizer.pad_token_id, 64).repeat_interleave(2)
+    batch = collate([ds1[0], ds1[3]], tokenizer.pad_token_id, 64).repeat_samples(2)
     assert batch.field_list("uid") == ["a-0", "a-0", "b-0", "b-0"]
 
 

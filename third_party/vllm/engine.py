@@ -82,6 +82,9 @@ class VLLMEngine:
             )
         from vllm import LLM
 
+        # With skip_tokenizer_init, vLLM's renderer still tries a chat-template warm-up and logs the
+        # resulting "no tokenizer" traceback as a warning; it is expected here, so keep it out of the log.
+        logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
         original_set_num_threads = torch.set_num_threads
         kwargs: dict = dict(
             model=cfg.model_path,
@@ -136,7 +139,9 @@ class VLLMEngine:
         for out in outputs:
             completion = out.outputs[0]
             token_ids = list(completion.token_ids)
-            logprobs = [float(step[tok].logprob) for tok, step in zip(token_ids, completion.logprobs or [])]
+            logprobs = [
+                float(step[tok].logprob) for tok, step in zip(token_ids, completion.logprobs or []) if step
+            ]
             if len(logprobs) != len(token_ids):
                 raise RuntimeError(
                     f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens; "

@@ -18,7 +18,9 @@ from fusedrl.workers.rollout.base import SamplingConfig
 
 
 class HFRollout:
-    def __init__(self, model: nn.Module, *, max_response_length: int, eos_token_id: int, pad_token_id: int) -> None:
+    def __init__(
+        self, model: nn.Module, *, max_response_length: int, eos_token_id: int, pad_token_id: int
+    ) -> None:
         self.model = model
         self.max_response_length = max_response_length
         self.eos_token_id = eos_token_id
@@ -39,9 +41,11 @@ class HFRollout:
             synced_gpus=dist.is_initialized() and dist.get_world_size() > 1,
         )
         if kwargs["do_sample"]:
-            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0) or None)
+            kwargs.update(
+                temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0) or None
+            )
         del position_ids  # generate derives positions from the attention mask
-        out = self.model.generate(batch.prompts, **kwargs)  # [B, Tp + t]
+        out = self.model.generate(batch.prompts, **kwargs)  # type: ignore[operator]  # [B, Tp + t]
         generated = out[:, prompt_len:]  # [B, t]
         b = batch.num_samples
         responses = torch.full((b, self.max_response_length), self.pad_token_id, dtype=torch.long)  # [B, Tr]

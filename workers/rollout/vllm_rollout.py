@@ -21,7 +21,14 @@ class VLLMRollout:
     """
 
     def __init__(
-        self, cfg: dict[str, Any], *, model_path: str, seed: int, max_model_len: int, eos_token_id: int, pad_token_id: int
+        self,
+        cfg: dict[str, Any],
+        *,
+        model_path: str,
+        seed: int,
+        max_model_len: int,
+        eos_token_id: int,
+        pad_token_id: int,
     ) -> None:
         self.cfg = cfg
         self.max_response_length = int(cfg["response_length"])

@@ -1,0 +1,335 @@
+"""load_config / validate on real files: overrides land, verl keys exist, every problem is reported at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from fusedrl.config import ConfigError, load_config
+
+# The vLLM check depends on the machine; the hf engine keeps these tests about the config alone.
+HF = "actor_rollout_ref.rollout.name=hf"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    from fusedrl.data.arithmetic import write_arithmetic_parquet
+    from fusedrl.utils.tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp("config_files")
+    model = build_tiny_model(str(root / "model"))
+    train, test = write_arithmetic_parquet(str(root / "data"), n_train=16, n_test=4, seed=0)
+    return {"model": model, "train": train, "test": test, "root": str(root)}
+
+
+@pytest.fixture
+def base(files) -> list[str]:
+    """The smallest valid command line."""
+    return [f"data.train_files={files['train']}", f"actor_rollout_ref.model.path={files['model']}", HF]
+
+
+def problems_of(overrides: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides)
+    err = info.value
+    assert str(len(err.problems)) in str(err).splitlines()[0]
+    for p in err.problems:  # every problem is in the message
+        assert p in str(err)
+    return err.problems
+
+
+def problem_naming(problems: list[str], key: str) -> str:
+    hits = [p for p in problems if p.startswith(f"`{key}`")]
+    assert len(hits) == 1, f"expected one problem about `{key}`, got {problems}"
+    return hits[0]
+
+
+# ---------------------------------------------------------------------- valid command lines
+
+
+def test_valid_command_line_applies_overrides(files):
+    cfg = load_config(
+        [
+            f"data.train_files={files['train']}",
+            f"data.val_files={files['test']}",
+            f"actor_rollout_ref.model.path={files['model']}",
+            HF,
+            "data.train_batch_size=4",
+            "data.max_prompt_length=48",
+            "data.max_response_length=16",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.optim.lr=3e-5",
+            "algorithm.adv_estimator=rloo",
+            "trainer.n_gpus_per_node=4",
+            "trainer.total_epochs=3",
+            "trainer.total_training_steps=5",
+        ]
+    )
+    assert cfg.data.train_files == files["train"]
+    assert cfg.data.val_files == files["test"]
+    assert cfg.data.train_batch_size == 4
+    assert cfg.data.max_prompt_length == 48
+    assert cfg.data.max_response_length == 16
+    assert cfg.actor_rollout_ref.model.path == files["model"]
+    assert cfg.actor_rollout_ref.rollout.name == "hf"
+    assert cfg.actor_rollout_ref.rollout.n == 2
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 2
+    assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(3e-5)
+    assert cfg.algorithm.adv_estimator == "rloo"
+    assert cfg.trainer.n_gpus_per_node == 4
+    assert cfg.trainer.nnodes == 1
+    assert cfg.trainer.total_epochs == 3
+    assert cfg.trainer.total_training_steps == 5
+
+
+def test_verl_style_keys_exist_with_defaults(base):
+    from omegaconf import OmegaConf
+
+    cfg = load_config(base)
+    for key in (
+        "data.train_files",
+        "data.train_batch_size",
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "actor_rollout_ref.model.path",
+        "actor_rollout_ref.rollout.n",
+        "actor_rollout_ref.actor.optim.lr",
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "algorithm.adv_estimator",
+        "trainer.n_gpus_per_node",
+        "trainer.nnodes",
+        "trainer.total_epochs",
+        "trainer.total_training_steps",
+    ):
+        parent, _, leaf = key.rpartition(".")
+        assert leaf in OmegaConf.select(cfg, parent), key
+    # Defaults from trainer/config/ppo_trainer.yaml.
+    assert cfg.data.train_batch_size == 8
+    assert cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.trainer.total_training_steps is None
+
+
+def test_list_of_train_files(files):
+    cfg = load_config(
+        [
+            f"data.train_files=[{files['train']},{files['test']}]",
+            f"actor_rollout_ref.model.path={files['model']}",
+            HF,
+        ]
+    )
+    assert list(cfg.data.train_files) == [files["train"], files["test"]]
+
+
+def test_validate_can_be_skipped():
+    cfg = load_config([HF], validate_config=False)
+    assert cfg.actor_rollout_ref.rollout.name == "hf"
+
+
+# ---------------------------------------------------------------------- problems, all at once
+
+
+def test_missing_required_keys_reported_together():
+    problems = problems_of([HF])
+    assert len(problems) == 2, problems
+    for key in ("data.train_files", "actor_rollout_ref.model.path"):
+        assert "required" in problem_naming(problems, key)
+
+
+def test_several_problems_reported_in_one_error(files):
+    # world = 2 x 1 = 2; 3 prompts x 3 samples = 9 does not divide by 2; mini 2 does not divide 3;
+    # mini x n = 6 does divide by 2, so exactly five problems.
+    missing = f"{files['root']}/no_such_train.parquet"
+    overrides = [
+        f"data.train_files={missing}",
+        f"actor_rollout_ref.model.path={files['model']}",
+        HF,
+        "algorithm.adv_estimator=not_an_estimator",
+        "trainer.n_gpus_per_node=2",
+        "data.train_batch_size=3",
+        "actor_rollout_ref.rollout.n=3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.loss_agg_mode=not_a_mode",
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides)
+    err = info.value
+    message = str(err)
+    assert len(err.problems) == 5, err.problems
+    assert message.startswith("5 config problem(s):")
+    for key in (
+        "data.train_files",
+        "algorithm.adv_estimator",
+        "data.train_batch_size",
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "actor_rollout_ref.actor.loss_agg_mode",
+    ):
+        assert f"`{key}`" in message, key
+    assert missing in problem_naming(err.problems, "data.train_files")
+    assert "not_an_estimator" in problem_naming(err.problems, "algorithm.adv_estimator")
+    assert "grpo" in problem_naming(err.problems, "algorithm.adv_estimator")  # lists the known ones
+    divisible = problem_naming(err.problems, "data.train_batch_size")
+    assert "9" in divisible and "2 workers" in divisible
+    assert "not_a_mode" in problem_naming(err.problems, "actor_rollout_ref.actor.loss_agg_mode")
+    mini = problem_naming(err.problems, "actor_rollout_ref.actor.ppo_mini_batch_size")
+    assert "does not divide" in mini and "=3" in mini
+
+
+def test_model_path_without_config_json(files, tmp_path):
+    problems = problems_of(
+        [f"data.train_files={files['train']}", f"actor_rollout_ref.model.path={tmp_path}", HF]
+    )
+    assert len(problems) == 1
+    assert "config.json" in problem_naming(problems, "actor_rollout_ref.model.path")
+
+
+def test_missing_val_file(base, files):
+    problems = problems_of([*base, f"data.val_files={files['root']}/nope.parquet"])
+    assert len(problems) == 1
+    assert "nope.parquet" in problem_naming(problems, "data.val_files")
+
+
+def test_typo_in_override_key_suggests_the_real_key(base):
+    problems = problems_of([*base, "data.train_batch_sise=4"])
+    assert len(problems) == 1
+    problem = problem_naming(problems, "data.train_batch_sise")
+    assert "unknown key" in problem
+    assert "`data.train_batch_size`" in problem
+
+
+def test_unknown_key_without_close_match_suggests_plus(base):
+    problem = problem_naming(problems_of([*base, "zzz.qqq=1"]), "zzz.qqq")
+    assert "+key=value" in problem
+
+
+def test_new_key_with_plus_is_accepted(base):
+    cfg = load_config([*base, "+trainer.my_note=hello"])
+    assert cfg.trainer.my_note == "hello"
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_group_estimator_needs_several_samples(base, estimator):
+    problems = problems_of([*base, f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=1"])
+    assert len(problems) == 1
+    problem = problem_naming(problems, "actor_rollout_ref.rollout.n")
+    assert estimator in problem and "n >= 2" in problem
+
+
+def test_gae_allows_single_sample(base):
+    cfg = load_config([*base, "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1"])
+    assert cfg.actor_rollout_ref.rollout.n == 1
+
+
+def test_rollout_name_hf_passes(base):
+    assert load_config(base).actor_rollout_ref.rollout.name == "hf"
+
+
+def test_rollout_name_unknown_fails(base):
+    problems = problems_of([*base, "actor_rollout_ref.rollout.name=foo"])
+    assert len(problems) == 1
+    assert "'foo'" in problem_naming(problems, "actor_rollout_ref.rollout.name")
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("data.train_batch_size=0", "data.train_batch_size"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size=0", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+        (
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=0",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        ),
+        ("trainer.n_gpus_per_node=0", "trainer.n_gpus_per_node"),
+        ("data.truncation=cut", "data.truncation"),
+        (
+            "actor_rollout_ref.actor.policy_loss.loss_mode=nope",
+            "actor_rollout_ref.actor.policy_loss.loss_mode",
+        ),
+        ("actor_rollout_ref.actor.kl_loss_type=k9", "actor_rollout_ref.actor.kl_loss_type"),
+        ("actor_rollout_ref.actor.optim.lr=0", "actor_rollout_ref.actor.optim.lr"),
+        (
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        ),
+        ("actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.rollout.temperature"),
+        ("trainer.logger=[console,wandb]", "trainer.logger"),
+    ],
+)
+def test_single_bad_value_names_its_key(base, override, key):
+    problems = problems_of([*base, override])
+    assert len(problems) == 1, problems
+    problem_naming(problems, key)
+
+
+def test_non_numeric_batch_size_is_a_config_error(base):
+    problem_naming(problems_of([*base, "data.train_batch_size=abc"]), "data.train_batch_size")
+
+
+# ---------------------------------------------------------------------- main_ppo
+
+
+def _assert_exit_2_without_ray(capsys, argv: list[str], keys: list[str], monkeypatch) -> str:
+    import ray
+
+    from fusedrl.trainer import main_ppo
+
+    def no_training(*args, **kwargs):  # pragma: no cover - only hit on a regression
+        raise AssertionError("main() went on to start training despite config problems")
+
+    monkeypatch.setattr(main_ppo, "run_ppo", no_training)
+    was_initialized = ray.is_initialized()
+    assert main_ppo.main(argv) == 2
+    captured = capsys.readouterr()
+    assert not ray.is_initialized()
+    assert not was_initialized
+    assert captured.out == ""
+    assert "config problem(s)" in captured.err
+    for key in keys:
+        assert f"`{key}`" in captured.err, key
+    return captured.err
+
+
+def test_main_bad_args_exit_2_without_ray(capsys, monkeypatch):
+    err = _assert_exit_2_without_ray(
+        capsys,
+        ["actor_rollout_ref.rollout.name=foo", "algorithm.adv_estimator=nope", "data.train_batch_size=16"],
+        [
+            "data.train_files",
+            "actor_rollout_ref.model.path",
+            "actor_rollout_ref.rollout.name",
+            "algorithm.adv_estimator",
+        ],
+        monkeypatch,
+    )
+    assert err.startswith("fusedrl: 4 config problem(s):")
+
+
+def test_main_typo_exit_2_without_ray(capsys, monkeypatch, base):
+    err = _assert_exit_2_without_ray(
+        capsys, [*base, "data.train_batch_sise=4"], ["data.train_batch_sise"], monkeypatch
+    )
+    assert "data.train_batch_size" in err
+
+
+def test_unknown_key_reported_with_other_problems(tmp_path):
+    from fusedrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(["data.train_batch_sise=4", "actor_rollout_ref.rollout.name=hf"])
+    text = str(err.value)
+    assert "data.train_batch_size" in text  # the suggestion
+    assert "data.train_files" in text and "actor_rollout_ref.model.path" in text  # and the missing keys
+
+
+def test_unparsable_override_is_a_config_error():
+    from fusedrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="command line"):
+        load_config(["data.train_files=[a,b", "actor_rollout_ref.rollout.name=hf"])
+
+
+def test_bare_string_logger_is_one_logger(base):
+    from fusedrl.config import load_config, logger_names
+
+    cfg = load_config([*base, "trainer.logger=console"])
+    assert logger_names(cfg) == ["console"]
