@@ -46,6 +46,9 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
     Advantages (pure functions on the driver):
         advantages:     [B, Tr] float32.
         returns:        [B, Tr] float32.
+    Per-sample controls of the rollout:
+        sample_seeds:   [B] int64, the sampling seed of each row, so a resumed run samples the same tokens.
+        reward_baselines: [B] float32, the greedy response's reward for the row's prompt (ReMax).
     Per-sample non-tensor values:
         uid:            list[str], the prompt's id; the n samples of one prompt share it (GRPO groups).
         data_source:    list[str], picks the scoring function.
@@ -65,6 +68,8 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
     critic_values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    sample_seeds: torch.Tensor | None = None
+    reward_baselines: torch.Tensor | None = None
     uid: Any = None
     data_source: Any = None
     ground_truth: Any = None

@@ -207,6 +207,25 @@ def validate(cfg: DictConfig) -> None:
     lr = number("actor_rollout_ref.actor.optim.lr", float)
     need(lr is None or lr > 0, f"`actor_rollout_ref.actor.optim.lr`={lr}: must be > 0.")
 
+    alg = cfg.algorithm
+    need(
+        alg.kl_ctrl.type in ("fixed", "adaptive"),
+        f"`algorithm.kl_ctrl.type`={alg.kl_ctrl.type!r}: use fixed or adaptive.",
+    )
+    need(
+        alg.kl_penalty in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"),
+        f"`algorithm.kl_penalty`={alg.kl_penalty!r}: use kl (k1), mse (k2), low_var_kl (k3) or abs.",
+    )
+    need(
+        alg.filter_groups.metric in ("score", "seq_reward"),
+        f"`algorithm.filter_groups.metric`={alg.filter_groups.metric!r}: use score (the sequence's task reward).",
+    )
+    if alg.use_kl_in_reward and alg.kl_ctrl.type == "adaptive":
+        need(
+            float(alg.kl_ctrl.target_kl or 0) > 0 and int(alg.kl_ctrl.horizon or 0) > 0,
+            "`algorithm.kl_ctrl`: adaptive needs target_kl > 0 and horizon > 0.",
+        )
+
     # --- rollout
     rollout = cfg.actor_rollout_ref.rollout
     need(

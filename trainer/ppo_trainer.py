@@ -26,7 +26,8 @@ import torch
 from omegaconf import DictConfig
 
 from fusedrl.algorithms import get_adv_estimator
-from fusedrl.batch import RolloutBatch
+from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
+from fusedrl.batch import RolloutBatch, concat
 from fusedrl.config import logger_names, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
 from fusedrl.data.dataset import PromptLoader, RLDataset
@@ -80,8 +81,13 @@ class PPOTrainer:
             config.trainer.total_training_steps or steps_per_epoch * int(config.trainer.total_epochs)
         )
         self.tracker = Tracker(logger_names(config), run_dir=str(config.trainer.default_local_dir))
+        kl_ctrl = config.algorithm.kl_ctrl
+        self.kl_ctrl = build_kl_controller(
+            kl_ctrl.type, float(kl_ctrl.kl_coef), kl_ctrl.target_kl, kl_ctrl.horizon
+        )
         self.global_step = 0
         self.group: WorkerGroup | None = None
+        self._data_iter: Iterator[RolloutBatch] | None = None
 
     # ------------------------------------------------------------------ setup
     def init_workers(self) -> None:
@@ -117,36 +123,36 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Metrics:
-        """Train for ``total_steps`` steps; returns the last step's metrics."""
+        """Train until ``total_steps``; returns the last step's metrics."""
         last: Metrics = {}
         if self.config.trainer.val_before_train and self.val_dataset is not None:
             self.tracker.log(self.validate(), self.global_step)
-        for prompts in self._train_batches():
+        while self.global_step < self.total_steps:
             self.global_step += 1
-            last = self.train_step(prompts)
+            last = self.train_step()
             test_freq = int(self.config.trainer.test_freq)
+            is_last = self.global_step == self.total_steps
             if (
                 self.val_dataset is not None
                 and test_freq > 0
-                and (self.global_step % test_freq == 0 or self.global_step == self.total_steps)
+                and (self.global_step % test_freq == 0 or is_last)
             ):
                 last.update(self.validate())
             self.tracker.log(last, self.global_step)
         return last
 
-    def train_step(self, prompts: RolloutBatch) -> Metrics:
-        """One RL step on a batch of prompts. Every stage is a method a subclass may override."""
+    def train_step(self) -> Metrics:
+        """One RL step. Every stage is a method a subclass may override."""
         metrics: Metrics = {}
         with timer("step", metrics):
-            with timer("gen", metrics):
-                batch = self.generate(prompts)
-            with timer("reward", metrics):
-                batch = self.compute_rewards(batch, metrics)
+            batch = self.collect_batch(metrics)  # generate + reward (+ dynamic sampling)
             with timer("old_log_prob", metrics):
                 batch = self.compute_log_probs(batch)
             if self.use_reference:
                 with timer("ref", metrics):
                     batch = self.compute_ref_log_probs(batch)
+            if self.config.algorithm.use_kl_in_reward:
+                batch = self.apply_kl_penalty(batch, metrics)
             with timer("adv", metrics):
                 batch = self.compute_advantages(batch)
             with timer("update_actor", metrics):
@@ -156,12 +162,65 @@ class PPOTrainer:
         metrics.update(self.batch_metrics(batch, metrics["timing_s/step"]))
         return metrics
 
-    def _train_batches(self) -> Iterator[RolloutBatch]:
-        while self.global_step < self.total_steps:
-            for prompts in self.train_loader:
-                yield prompts
-                if self.global_step >= self.total_steps:
-                    return
+    def next_prompts(self) -> RolloutBatch:
+        """The next batch of prompts; epochs roll over (the loader's position is checkpointed)."""
+        if self._data_iter is None:
+            self._data_iter = self._endless(self.train_loader)
+        return next(self._data_iter)
+
+    @staticmethod
+    def _endless(loader: PromptLoader) -> Iterator[RolloutBatch]:
+        while True:
+            yield from loader
+
+    def collect_batch(self, metrics: Metrics) -> RolloutBatch:
+        """Generate and score one step's samples.
+
+        With ``algorithm.filter_groups.enable`` (DAPO's dynamic sampling) groups whose samples all scored
+        the same carry no GRPO signal; they are dropped and more prompts are generated until
+        ``data.train_batch_size`` informative groups are collected (at most ``max_num_gen_batches`` rounds).
+        """
+        fg = self.config.algorithm.filter_groups
+        n = int(self.config.actor_rollout_ref.rollout.n)
+        want = int(self.config.data.train_batch_size)
+        kept: list[RolloutBatch] = []
+        num_groups = 0
+        for round_index in range(10**9):
+            prompts = self.next_prompts()
+            with timer("gen", metrics):
+                batch = self.generate(prompts, seed_offset=round_index)
+            with timer("reward", metrics):
+                batch = self.compute_rewards(batch, metrics)
+            if getattr(self.adv_fn, "needs_greedy_baseline", False):
+                with timer("gen_baseline", metrics):
+                    batch = self.compute_reward_baselines(prompts, batch)
+            if not fg.enable:
+                return batch
+            batch = self.filter_groups(batch)
+            kept.append(batch)
+            num_groups += batch.num_samples // n
+            metrics["filter_groups/num_gen_batches"] = float(round_index + 1)
+            if num_groups >= want:
+                return concat(kept)[: want * n]
+            limit = int(fg.max_num_gen_batches)
+            if limit > 0 and round_index + 1 >= limit:
+                raise RuntimeError(
+                    f"dynamic sampling found only {num_groups} of {want} groups with differing rewards after "
+                    f"{limit} generation rounds (algorithm.filter_groups.max_num_gen_batches). The task is too "
+                    "easy or too hard for the policy: raise max_num_gen_batches, change the data, or disable "
+                    "algorithm.filter_groups.enable."
+                )
+        raise AssertionError("unreachable")
+
+    def filter_groups(self, batch: RolloutBatch) -> RolloutBatch:
+        """Keep only groups (rows sharing a uid) whose sequence scores are not all equal."""
+        scores = batch.token_level_scores.sum(-1)  # [B]
+        uids = batch.field_list("uid")
+        by_uid: dict[str, list[int]] = {}
+        for i, u in enumerate(uids):
+            by_uid.setdefault(u, []).append(i)
+        keep = [i for rows in by_uid.values() if float(scores[rows].std()) > 0 for i in rows]
+        return batch[torch.tensor(keep, dtype=torch.long)]
 
     # ------------------------------------------------------------------ steps
     @property
@@ -183,13 +242,23 @@ class PPOTrainer:
             do_sample=bool(src.get("do_sample", True)),
         )
 
-    def generate(self, prompts: RolloutBatch, *, validate: bool = False) -> RolloutBatch:
-        """Repeat each prompt ``n`` times and sample one response per row on the fused workers."""
+    def generate(
+        self, prompts: RolloutBatch, *, validate: bool = False, seed_offset: int = 0
+    ) -> RolloutBatch:
+        """Repeat each prompt ``n`` times and sample one response per row on the fused workers.
+
+        Each row gets its own sampling seed, a function of (``rollout.seed``, step, round, row): a resumed
+        run regenerates exactly the samples the uninterrupted run would have.
+        """
         r = self.config.actor_rollout_ref.rollout
         n = int(r.val_kwargs.n) if validate else int(r.n)
         batch = prompts.repeat_samples(n)
+        base = int(r.seed) * 1_000_003 + self.global_step * 10_007 + seed_offset * 101
+        batch.sample_seeds = (base + torch.arange(batch.num_samples, dtype=torch.long) * 7919) % (2**31 - 1)
+        # Group ids unique to this generation call, so groups never merge across rounds or epochs.
+        batch.uid = [f"{u}@{self.global_step}.{seed_offset}" for u in batch.field_list("uid")]
         sampling = self.sampling(validate)
-        to_send = batch.select_fields("prompts", "prompt_mask")
+        to_send = batch.select_fields("prompts", "prompt_mask", "sample_seeds")
         shards = self.workers.run_split(lambda w, shard: w.rollout_generate.remote(shard, sampling), to_send)
         out = self.workers.gather_batches(shards, to_send)
         return batch.update_from(out, "responses", "response_mask", "rollout_log_probs")
@@ -200,6 +269,33 @@ class PPOTrainer:
         batch.token_level_scores = scores
         batch.token_level_rewards = scores.clone()
         metrics.update(reward_metrics)
+        return batch
+
+    def compute_reward_baselines(self, prompts: RolloutBatch, batch: RolloutBatch) -> RolloutBatch:
+        """ReMax: score one greedy response per prompt and use it as every sample's baseline."""
+        greedy = self.generate(prompts, validate=True, seed_offset=-1)  # val_kwargs: greedy, n samples
+        scores, _ = self.reward_fn(greedy)  # [P * n_val, Tr]
+        n_val = int(self.config.actor_rollout_ref.rollout.val_kwargs.n)
+        per_prompt = scores.sum(-1).view(prompts.num_samples, n_val).mean(-1)  # [P]
+        n = batch.num_samples // prompts.num_samples
+        batch.reward_baselines = per_prompt.repeat_interleave(n).float()  # [B]
+        return batch
+
+    def apply_kl_penalty(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
+        """``algorithm.use_kl_in_reward``: rewards = scores - beta * KL(actor || ref); beta adapts."""
+        alg = self.config.algorithm
+        rewards, mean_kl = apply_kl_in_reward(
+            batch.token_level_scores,
+            batch.old_log_probs,
+            batch.ref_log_probs,
+            batch.response_mask,
+            beta=self.kl_ctrl.value,
+            kind=str(alg.kl_penalty),
+        )
+        batch.token_level_rewards = rewards
+        metrics["actor/reward_kl_penalty"] = mean_kl
+        metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value
+        self.kl_ctrl.update(mean_kl, n_steps=int(self.config.data.train_batch_size))
         return batch
 
     def _model_inputs(self, batch: RolloutBatch) -> RolloutBatch:
@@ -231,6 +327,7 @@ class PPOTrainer:
             gamma=float(alg.gamma),
             lam=float(alg.lam),
             values=batch.critic_values,
+            reward_baselines=batch.reward_baselines,
         )
         batch.advantages = advantages
         batch.returns = returns

@@ -30,6 +30,7 @@ __all__ = [
     "compute_grpo_advantage",
     "compute_opo_advantage",
     "compute_reinforce_plus_plus_advantage",
+    "compute_remax_advantage",
     "compute_reinforce_plus_plus_baseline_advantage",
     "compute_rloo_advantage",
     "discounted_returns",
@@ -273,3 +274,35 @@ def compute_gae_advantage(
     returns = _zero_masked(raw_adv + vals, mask)  # [B, T]
     advantages = _zero_masked(masked_whiten(raw_adv, mask), mask)  # [B, T]
     return advantages, returns
+
+
+@register_adv_estimator("remax")
+@torch.no_grad()
+def compute_remax_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: REINFORCE with the reward of the *greedy* response to the same prompt as the baseline.
+
+    Paper: "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning Large
+    Language Models" (arXiv 2310.10505). The greedy rollout is a cheap, prompt-specific baseline that
+    needs no critic and no group of samples. Returns-to-go (gamma = 1) minus the baseline on every token.
+    ``reward_baselines`` [B] is filled by the trainer (``PPOTrainer.compute_reward_baselines``).
+    """
+    if reward_baselines is None:
+        raise ValueError(
+            "remax needs reward_baselines (the greedy response's reward per row); the trainer computes "
+            "them when algorithm.adv_estimator=remax"
+        )
+    mask = response_mask.to(_compute_dtype(token_level_rewards))  # [B, T]
+    rewards = torch.where(mask.bool(), token_level_rewards.to(mask.dtype), torch.zeros_like(mask))  # [B, T]
+    returns = rewards.flip(-1).cumsum(-1).flip(-1)  # [B, T], reward-to-go with gamma = 1
+    advantages = (returns - reward_baselines.to(mask.dtype).unsqueeze(-1)) * mask  # [B, T]
+    return advantages, returns * mask
+
+
+# Estimators that need the trainer to roll out a greedy baseline before computing advantages.
+compute_remax_advantage.needs_greedy_baseline = True  # type: ignore[attr-defined]

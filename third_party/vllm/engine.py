@@ -116,9 +116,16 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ generation
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], params: SampleParams
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        params: SampleParams,
+        seeds: Sequence[int] | None = None,
     ) -> list[tuple[list[int], list[float]]]:
-        """Sample one response per prompt. Returns ``(token_ids, log_probs)`` per prompt, in order."""
+        """Sample one response per prompt. Returns ``(token_ids, log_probs)`` per prompt, in order.
+
+        ``seeds`` gives each request its own sampling seed: the tokens then depend only on the weights, the
+        prompt and the seed, not on what the engine sampled before (exact resume, reproducible runs).
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -134,7 +141,14 @@ class VLLMEngine:
             detokenize=False,
         )
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        per_request: SamplingParams | list[SamplingParams] = sampling
+        if seeds is not None:
+            per_request = []
+            for seed in seeds:
+                sp = sampling.clone()
+                sp.seed = int(seed)
+                per_request.append(sp)
+        outputs = self.llm.generate(prompts, per_request, use_tqdm=False)
         results: list[tuple[list[int], list[float]]] = []
         for out in outputs:
             completion = out.outputs[0]

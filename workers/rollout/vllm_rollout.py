@@ -57,7 +57,8 @@ class VLLMRollout:
             top_k=sampling.top_k,
             stop_token_ids=(self.eos_token_id,),
         )
-        samples = self.engine.generate(unpadded_prompts(batch), params)
+        seeds = batch.sample_seeds.tolist() if batch.sample_seeds is not None else None
+        samples = self.engine.generate(unpadded_prompts(batch), params, seeds)
         return attach_responses(
             batch, samples, max_response_length=self.max_response_length, pad_token_id=self.pad_token_id
         )

@@ -1,0 +1,202 @@
+"""The critic role: a value model (causal-LM backbone + scalar head) under FSDP2 + AdamW, for PPO with GAE.
+
+The value model is Hugging Face's token-classification variant of the policy's architecture with one
+label: the decoder stack of the checkpoint plus a freshly initialised ``hidden -> 1`` linear head
+(``score``); the LM head of a causal-LM checkpoint is simply not loaded. Training mirrors `ActorRole`:
+mini-batch sizes in the config count prompts across all ranks, micro-batches accumulate gradients, and
+the loss normaliser of a mini-batch is summed over ranks so the gradient does not depend on the split.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fusedrl.algorithms import agg_denominator
+from fusedrl.algorithms.value import value_loss
+from fusedrl.batch import RolloutBatch
+from fusedrl.workers.fsdp import apply_fsdp2, build_mesh, device_type, to_dtype
+from fusedrl.workers.logprob import micro_batches
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# Defaults of the `critic:` config section that this role reads (verl's names).
+CRITIC_DEFAULTS: dict[str, Any] = {
+    "ppo_epochs": 1,
+    "cliprange_value": 0.5,
+    "grad_clip": 1.0,
+    "loss_agg_mode": "token-mean",
+}
+
+
+def load_value_model(path: str, dtype: str, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """Load ``path`` as a one-label token classifier on CPU in ``dtype`` (``logits``: ``[B, T, 1]``).
+
+    The head's dropout is switched off: the token-classification classes default to 0.1 when the config
+    names none, which would make the regression target noisy and ``compute_values`` differ from the
+    values seen in training mode.
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0
+    config.use_cache = False  # training forwards never use the KV cache
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, config=config, dtype=to_dtype(dtype), attn_implementation=attn_implementation
+    )
+    return model
+
+
+def _broadcast_head(model: nn.Module) -> None:
+    """Give every rank rank 0's value head.
+
+    A head missing from the checkpoint is drawn from each rank's RNG, and FSDP2 shards whatever each
+    rank holds without checking that the ranks agree. For a ``[1, H]`` head its dim-0 sharding happens
+    to keep only rank 0's row, but that is an accident of the shape; the broadcast makes it a rule.
+    """
+    head = getattr(model, "score", None)
+    if head is None or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for p in head.parameters():
+            dist.broadcast(p.data, src=0)
+
+
+class CriticRole:
+    """Value model being trained on this rank's shard of every batch.
+
+    ``critic_cfg`` is the ``critic`` config section (verl's keys): ``model.path``,
+    ``model.fsdp_config.{model_dtype,param_dtype}``, ``model.enable_gradient_checkpointing``,
+    ``optim.{lr,betas,weight_decay}``, ``ppo_mini_batch_size`` (prompts across ranks),
+    ``ppo_micro_batch_size_per_gpu``, ``forward_micro_batch_size_per_gpu``, ``ppo_epochs``,
+    ``cliprange_value``, ``grad_clip``, ``loss_agg_mode``. The process group must already be initialised.
+    """
+
+    def __init__(self, critic_cfg: dict[str, Any], *, rollout_n: int) -> None:
+        self.cfg = critic_cfg
+        self.world_size = dist.get_world_size()
+        self.rollout_n = rollout_n
+        model_cfg = critic_cfg["model"]
+        fsdp_cfg = model_cfg.get("fsdp_config") or {}
+        model = load_value_model(model_cfg["path"], fsdp_cfg.get("model_dtype") or "float32")
+        if model_cfg.get("enable_gradient_checkpointing", False):
+            model.gradient_checkpointing_enable()
+        model.to(device_type())
+        _broadcast_head(model)
+        param_dtype = fsdp_cfg.get("param_dtype")
+        self.model = apply_fsdp2(
+            model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None
+        )
+        optim = critic_cfg["optim"]
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=optim["lr"],
+            betas=tuple(optim.get("betas", (0.9, 0.999))),
+            weight_decay=optim.get("weight_decay", 0.0),
+        )
+        self.num_skipped_steps = 0
+
+    def _get(self, key: str) -> Any:
+        value = self.cfg.get(key)
+        return CRITIC_DEFAULTS[key] if value is None else value
+
+    # ------------------------------------------------------------------ forward
+    def _forward_values(self, mb: RolloutBatch) -> torch.Tensor:
+        """Values of the response positions, ``[b, Tr]`` float32, with whatever grad mode is set."""
+        input_ids, attention_mask, position_ids = mb.sequences()  # [b, Tp+Tr] each
+        prompt_len = mb.prompts.shape[1]
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        # Like the log-probs: the value for response token t is read where that token is predicted,
+        # i.e. at the hidden state of position t-1, so responses start at Tp-1.
+        return out.logits[:, prompt_len - 1 : -1, 0].float()  # [b, Tr]
+
+    @torch.no_grad()
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        """``V(prefix)`` for every response position of this rank's shard: ``[B, Tr]``, 0 on padding."""
+        self.model.eval()
+        size = self.cfg.get("forward_micro_batch_size_per_gpu") or self.cfg["ppo_micro_batch_size_per_gpu"]
+        parts = [self._forward_values(mb) for mb in micro_batches(batch, int(size))]  # [b, Tr] each
+        return torch.cat(parts, dim=0) * batch.response_mask  # [B, Tr]
+
+    # ------------------------------------------------------------------ training
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """One pass of value regression over this rank's shard (``ppo_epochs`` x mini- x micro-batches).
+
+        Needs ``batch.critic_values`` (the old values, from `compute_values` before the update) and
+        ``batch.returns``. Collective: every rank must call it with a shard of the same size.
+        """
+        if batch.critic_values is None or batch.returns is None:
+            raise ValueError("CriticRole.update: the batch needs `critic_values` (old values) and `returns`")
+        cfg = self.cfg
+        self.model.train()
+        mini_rows = int(cfg["ppo_mini_batch_size"]) * self.rollout_n // self.world_size
+        if mini_rows < 1:
+            raise ValueError(
+                f"critic.ppo_mini_batch_size={cfg['ppo_mini_batch_size']} x rollout.n={self.rollout_n} gives "
+                f"no row per rank with {self.world_size} ranks"
+            )
+        micro_rows = int(cfg["ppo_micro_batch_size_per_gpu"])
+        mode = self._get("loss_agg_mode")
+        clip = float(self._get("cliprange_value"))
+        sums: dict[str, float] = {}
+        n_mini = 0
+        for _ in range(int(self._get("ppo_epochs"))):
+            for mini in micro_batches(batch, mini_rows):
+                # Mini-batch normaliser summed over ranks; / W because FSDP averages gradients over ranks.
+                local = torch.tensor(
+                    [agg_denominator(mini.response_mask, mode), float(mini.response_mask.sum())],
+                    dtype=torch.float64,
+                )
+                dist.all_reduce(local)
+                norm, token_norm = (v / self.world_size for v in local.tolist())
+                self.optimizer.zero_grad(set_to_none=True)
+                mini_terms: dict[str, torch.Tensor] = {}
+                for mb in micro_batches(mini, micro_rows):
+                    values = self._forward_values(mb)  # [b, Tr]
+                    loss, metrics = value_loss(
+                        values,
+                        mb.critic_values,
+                        mb.returns,
+                        mb.response_mask,
+                        cliprange_value=clip,
+                        loss_agg_mode=mode,
+                        global_norm=norm,
+                    )
+                    loss.backward()
+                    # The loss already carries the global normaliser; the per-micro-batch means are
+                    # weighted by this micro-batch's share of the mini-batch's tokens.
+                    share = mb.response_mask.sum() / max(token_norm, 1e-8)  # []
+                    terms = {"vf_loss": loss.detach(), **{k: v * share for k, v in metrics.items()}}
+                    for key, value in terms.items():
+                        mini_terms[key] = mini_terms.get(key, 0.0) + value
+                grad_norm = self._clip_and_step()
+                # Each rank holds 1/W of every mini-batch quantity: sum them over ranks.
+                keys = sorted(mini_terms)
+                packed = torch.stack([mini_terms[k].float() for k in keys]) / self.world_size  # [K]
+                dist.all_reduce(packed)
+                for key, value in zip(keys, packed.tolist()):
+                    sums[key] = sums.get(key, 0.0) + value
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
+                n_mini += 1
+        out = {f"critic/{k}": v / max(n_mini, 1) for k, v in sums.items()}
+        out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out["critic/skipped_steps"] = float(self.num_skipped_steps)
+        return out
+
+    def _clip_and_step(self) -> float:
+        """Clip the global grad norm and step; a non-finite norm skips the step (counted)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self._get("grad_clip")))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        value = float(grad_norm)
+        if math.isfinite(value):
+            self.optimizer.step()
+        else:
+            self.num_skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+        return value
