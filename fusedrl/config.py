@@ -260,6 +260,14 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(problems)
 
 
+def needed_roles(cfg: DictConfig) -> dict[str, bool]:
+    """Which optional roles the fused workers must build: decided here once, passed to the workers."""
+    return {
+        "ref": bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward),
+        "critic": cfg.algorithm.adv_estimator == "gae",
+    }
+
+
 def logger_names(cfg: DictConfig) -> list[str]:
     """``trainer.logger`` as a list (a bare ``trainer.logger=console`` is accepted too)."""
     value = cfg.trainer.logger

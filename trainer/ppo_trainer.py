@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from fusedrl.algorithms import get_adv_estimator
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
 from fusedrl.batch import RolloutBatch, concat
-from fusedrl.config import logger_names, to_plain_dict
+from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
 from fusedrl.data.dataset import PromptLoader, RLDataset
 from fusedrl.rewards import default_compute_score
@@ -105,6 +105,7 @@ class PPOTrainer:
                 else self.tokenizer.eos_token_id
             ),
         }
+        worker_config["_roles"] = needed_roles(self.config)
         self.group = WorkerGroup(WorkerDict, pool, worker_config)
         addr, port = self.group.run_rank0(lambda w: w.master_address.remote())
         self.group.run_all(lambda w: w.init_roles.remote(addr, port))
@@ -153,8 +154,14 @@ class PPOTrainer:
                     batch = self.compute_ref_log_probs(batch)
             if self.config.algorithm.use_kl_in_reward:
                 batch = self.apply_kl_penalty(batch, metrics)
+            if self.use_critic:
+                with timer("values", metrics):
+                    batch = self.compute_values(batch)
             with timer("adv", metrics):
                 batch = self.compute_advantages(batch)
+            if self.use_critic:
+                with timer("update_critic", metrics):
+                    metrics.update(self.update_critic(batch))
             with timer("update_actor", metrics):
                 metrics.update(self.update_actor(batch))
             with timer("sync_weights", metrics):
@@ -229,7 +236,11 @@ class PPOTrainer:
 
     @property
     def use_reference(self) -> bool:
-        return bool(self.config.actor_rollout_ref.actor.use_kl_loss or self.config.algorithm.use_kl_in_reward)
+        return needed_roles(self.config)["ref"]
+
+    @property
+    def use_critic(self) -> bool:
+        return needed_roles(self.config)["critic"]
 
     def sampling(self, validate: bool = False) -> SamplingConfig:
         r = self.config.actor_rollout_ref.rollout
@@ -315,6 +326,21 @@ class PPOTrainer:
         parts = self.workers.run_split(lambda w, shard: w.ref_compute_log_prob.remote(shard, t), inputs)
         batch.ref_log_probs = self.workers.gather_tensors(parts, inputs)
         return batch
+
+    def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
+        """Critic values ``V(s_t)`` of every response position (PPO with GAE)."""
+        inputs = self._model_inputs(batch)
+        parts = self.workers.run_split(lambda w, shard: w.critic_compute_values.remote(shard), inputs)
+        batch.critic_values = self.workers.gather_tensors(parts, inputs)
+        return batch
+
+    def update_critic(self, batch: RolloutBatch) -> Metrics:
+        """Regress the critic on the GAE returns (clipped value loss)."""
+        inputs = batch.select_fields(
+            "prompts", "prompt_mask", "responses", "response_mask", "critic_values", "returns"
+        )
+        per_rank = self.workers.run_split(lambda w, shard: w.critic_update.remote(shard), inputs)
+        return _mean_over_ranks(per_rank)
 
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
         """A registered pure function of the batch (``algorithm.adv_estimator``)."""

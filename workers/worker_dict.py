@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.actor import ActorRole, RefRole
+from fusedrl.workers.critic import CriticRole
 from fusedrl.workers.fsdp import StreamStats, device_type
 from fusedrl.workers.rollout.base import SamplingConfig
 from fusedrl.workers.rollout.hf_rollout import HFRollout
@@ -47,6 +48,7 @@ class WorkerDict:
         self.world_size = world_size
         self.actor: ActorRole | None = None
         self.ref: RefRole | None = None
+        self.critic: CriticRole | None = None
         self.rollout: Any = None
         # Names of memory moves in call order, so tests can check the choreography.
         self.events: list[str] = []
@@ -81,18 +83,15 @@ class WorkerDict:
 
         arr = self.config["actor_rollout_ref"]
         model_cfg = arr["model"]
+        roles = self.config["_roles"]
         self.actor = ActorRole(model_cfg, arr["actor"], rollout_n=int(arr["rollout"]["n"]))
-        if self._needs_ref():
+        if roles["ref"]:
             self.ref = RefRole(model_cfg, arr["ref"])
+        if roles["critic"]:
+            self.critic = CriticRole(self.config["critic"], rollout_n=int(arr["rollout"]["n"]))
         self.rollout = self._build_rollout()
         # The engine starts from the checkpoint on disk, the actor from the same files: already in sync.
         return {"timing_s/init_roles": time.perf_counter() - t0, "memory/cpu_rss_gb": _rss_gb()}
-
-    def _needs_ref(self) -> bool:
-        arr = self.config["actor_rollout_ref"]
-        return bool(
-            arr["actor"].get("use_kl_loss", False) or self.config["algorithm"].get("use_kl_in_reward", False)
-        )
 
     def _build_rollout(self) -> Any:
         arr = self.config["actor_rollout_ref"]
@@ -146,6 +145,18 @@ class WorkerDict:
         metrics = self.actor.update(batch, temperature=temperature)
         metrics["memory/cpu_rss_gb_after_update"] = _rss_gb()
         return metrics
+
+    def critic_compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        if self.critic is None:
+            raise RuntimeError(
+                "critic_compute_values: no critic role (algorithm.adv_estimator=gae builds one)"
+            )
+        return self.critic.compute_values(batch)
+
+    def critic_update(self, batch: RolloutBatch) -> dict[str, float]:
+        if self.critic is None:
+            raise RuntimeError("critic_update: no critic role (algorithm.adv_estimator=gae builds one)")
+        return self.critic.update(batch)
 
     # ------------------------------------------------------------------ weight sync
     def sync_weights(self, *, reset_prefix_cache: bool = True) -> dict[str, float]:

@@ -17,6 +17,7 @@ from fusedrl.algorithms.registry import (
     register_policy_loss,
 )
 from fusedrl.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
+from fusedrl.algorithms.value import value_loss
 
 __all__ = [
     "agg_denominator",
@@ -35,4 +36,5 @@ __all__ = [
     "masked_whiten",
     "register_adv_estimator",
     "register_policy_loss",
+    "value_loss",
 ]

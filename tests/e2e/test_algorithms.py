@@ -16,6 +16,13 @@ pytestmark = pytest.mark.integration
 pytest.importorskip("vllm")
 
 ALGORITHMS = {
+    "ppo": [
+        "algorithm.adv_estimator=gae",
+        "algorithm.gamma=1.0",
+        "algorithm.lam=0.95",
+        "critic.optim.lr=1e-3",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+    ],
     "grpo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true"],
     "drgrpo": [
         "algorithm.adv_estimator=grpo",
@@ -23,7 +30,11 @@ ALGORITHMS = {
         "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
         "actor_rollout_ref.actor.use_kl_loss=false",
     ],
-    "rloo": ["algorithm.adv_estimator=rloo", "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true"],
+    "rloo": [
+        "algorithm.adv_estimator=rloo",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "algorithm.use_kl_in_reward=true",
+    ],
     "reinforce_plus_plus": [
         "algorithm.adv_estimator=reinforce_plus_plus",
         "algorithm.use_kl_in_reward=true",
@@ -99,7 +110,7 @@ def test_algorithm_two_steps(algorithm, ray_cluster, tiny_model_dir, arithmetic_
     assert trainer.global_step == 2
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean"):
         assert math.isfinite(metrics[key]), (key, metrics[key])
-    changed = sum(
-        any(not torch.equal(b[name], a[name]) for b, a in zip(before, after)) for name in before[0]
-    )
+    changed = sum(any(not torch.equal(b[name], a[name]) for b, a in zip(before, after)) for name in before[0])
     assert changed == len(before[0]), f"{len(before[0]) - changed} actor parameters did not change"
+    if algorithm == "ppo":  # the critic trained too
+        assert math.isfinite(metrics["critic/vf_loss"]) and metrics["critic/grad_norm"] > 0
