@@ -250,6 +250,14 @@ def validate(cfg: DictConfig) -> None:
             "`actor_rollout_ref.rollout.name`=vllm but `import vllm` fails here. Run `make install` or use `rollout.name=hf`.",
         )
 
+    tr = cfg.trainer
+    need(
+        tr.resume_mode in ("auto", "disable", "resume_path"),
+        f"`trainer.resume_mode`={tr.resume_mode!r}: use auto, disable or resume_path.",
+    )
+    if tr.resume_mode == "resume_path":
+        need(bool(tr.resume_from_path), "`trainer.resume_from_path`: required with resume_mode=resume_path.")
+
     loggers = logger_names(cfg)
     for name in loggers:
         need(

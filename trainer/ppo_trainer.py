@@ -28,6 +28,15 @@ from omegaconf import DictConfig
 from fusedrl.algorithms import get_adv_estimator
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
 from fusedrl.batch import RolloutBatch, concat
+from fusedrl.checkpoint import (
+    begin_checkpoint,
+    capture_rng_state,
+    commit_checkpoint,
+    load_trainer_state,
+    resolve_resume,
+    restore_rng_state,
+    save_trainer_state,
+)
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
 from fusedrl.data.dataset import PromptLoader, RLDataset
@@ -126,11 +135,16 @@ class PPOTrainer:
     def fit(self) -> Metrics:
         """Train until ``total_steps``; returns the last step's metrics."""
         last: Metrics = {}
+        self.load_checkpoint()
         if self.config.trainer.val_before_train and self.val_dataset is not None:
             self.tracker.log(self.validate(), self.global_step)
         while self.global_step < self.total_steps:
             self.global_step += 1
             last = self.train_step()
+            save_freq = int(self.config.trainer.save_freq)
+            if save_freq > 0 and (self.global_step % save_freq == 0 or self.global_step == self.total_steps):
+                with timer("save_checkpoint", last):
+                    self.save_checkpoint()
             test_freq = int(self.config.trainer.test_freq)
             is_last = self.global_step == self.total_steps
             if (
@@ -168,6 +182,45 @@ class PPOTrainer:
                 metrics.update(self.sync_weights())
         metrics.update(self.batch_metrics(batch, metrics["timing_s/step"]))
         return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> str:
+        """Shards from every worker + the driver's state into a temp folder, then one atomic rename."""
+        cfg = self.config.trainer
+        root = str(cfg.default_local_dir)
+        tmp = begin_checkpoint(root, self.global_step)
+        self.workers.run_all(lambda w: w.save_checkpoint.remote(tmp))
+        save_trainer_state(
+            tmp,
+            {
+                "global_step": self.global_step,
+                "dataloader": self.train_loader.state_dict(),
+                "rng": capture_rng_state(),
+                "kl_coef": self.kl_ctrl.value,
+            },
+        )
+        return commit_checkpoint(root, self.global_step, tmp, max_to_keep=cfg.max_actor_ckpt_to_keep)
+
+    def load_checkpoint(self) -> str | None:
+        """Resume per ``trainer.resume_mode``; then re-sync the engine to the restored actor."""
+        cfg = self.config.trainer
+        path = resolve_resume(str(cfg.default_local_dir), str(cfg.resume_mode), cfg.resume_from_path)
+        if path is None:
+            return None
+        state = load_trainer_state(path)
+        self.workers.run_all(lambda w: w.load_checkpoint.remote(path))
+        self.global_step = int(state["global_step"])
+        self.train_loader.load_state_dict(state["dataloader"])
+        self._data_iter = None
+        restore_rng_state(state["rng"])
+        self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
+        self.sync_weights()  # the engine still holds the weights it was built from
+        print(f"fusedrl: resumed from {path} at step {self.global_step}", flush=True)
+        return path
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write the current policy as a Hugging Face folder that transformers and vLLM load."""
+        self.workers.run_all(lambda w: w.export_hf.remote(out_dir))
 
     def next_prompts(self) -> RolloutBatch:
         """The next batch of prompts; epochs roll over (the loader's position is checkpointed)."""

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 from fusedrl.batch import RolloutBatch
+from fusedrl.checkpoint import shard_prefix
 from fusedrl.workers.actor import ActorRole, RefRole
+from fusedrl.workers.checkpoint_io import export_hf, load_fsdp_state, save_fsdp_state
 from fusedrl.workers.critic import CriticRole
 from fusedrl.workers.fsdp import StreamStats, device_type
 from fusedrl.workers.rollout.base import SamplingConfig
@@ -182,6 +184,46 @@ class WorkerDict:
             "sync/peak_live_gathered_mb": stats.peak_live_bytes / 1e6,
             "memory/cpu_rss_gb_after_sync": _rss_gb(),
         }
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, ckpt_dir: str) -> dict[str, float]:
+        """This rank's shards of the actor (and critic) with optimizer and RNG state. No collectives."""
+        assert self.actor is not None
+        info = save_fsdp_state(
+            self.actor.model,
+            self.actor.optimizer,
+            shard_prefix(ckpt_dir, self.rank, "actor"),
+            extra={"num_skipped_steps": self.actor.num_skipped_steps},
+        )
+        nbytes = info["bytes"]
+        if self.critic is not None:
+            nbytes += save_fsdp_state(
+                self.critic.model, self.critic.optimizer, shard_prefix(ckpt_dir, self.rank, "critic")
+            )["bytes"]
+        return {"checkpoint/shard_mb": nbytes / 1e6}
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict[str, float]:
+        """Restore what `save_checkpoint` wrote. The rollout engine is refreshed by the next sync."""
+        assert self.actor is not None
+        extra = load_fsdp_state(
+            self.actor.model, self.actor.optimizer, shard_prefix(ckpt_dir, self.rank, "actor")
+        )
+        self.actor.num_skipped_steps = int(extra.get("num_skipped_steps", 0))
+        if self.critic is not None:
+            load_fsdp_state(
+                self.critic.model, self.critic.optimizer, shard_prefix(ckpt_dir, self.rank, "critic")
+            )
+        return {}
+
+    def export_hf(self, out_dir: str) -> list[str]:
+        """Write the current policy as a Hugging Face folder (rank 0 writes). Collective."""
+        assert self.actor is not None
+        return export_hf(
+            self.actor.model,
+            out_dir,
+            src_model_dir=self.config["actor_rollout_ref"]["model"]["path"],
+            rank=self.rank,
+        )
 
     # ------------------------------------------------------------------ test / debug hooks
     def get_events(self) -> list[str]:
