@@ -93,6 +93,21 @@ def load_config(
     return cfg
 
 
+def _missing_keys(cfg: Any, prefix: str = "") -> list[str]:
+    """Keys set to ``???``. Interpolations to them (``${...}``) are not resolved, so each missing key is
+    reported once, under its own name."""
+    out: list[str] = []
+    if isinstance(cfg, DictConfig):
+        for k in cfg:
+            node = cfg._get_node(k)
+            full = f"{prefix}{k!s}"
+            if isinstance(node, DictConfig):
+                out.extend(_missing_keys(node, full + "."))
+            elif node is not None and not node._is_interpolation() and node._is_missing():
+                out.append(full)
+    return out
+
+
 def _get(cfg: DictConfig, key: str) -> Any:
     return OmegaConf.select(cfg, key, throw_on_missing=False)
 
@@ -108,7 +123,7 @@ def validate(cfg: DictConfig) -> None:
         if not cond:
             problems.append(msg)
 
-    for key in OmegaConf.missing_keys(cfg):
+    for key in _missing_keys(cfg):
         problems.append(f"`{key}`: required, not set. Pass `{key}=...` on the command line.")
 
     # --- paths
@@ -178,6 +193,19 @@ def validate(cfg: DictConfig) -> None:
         cfg.data.truncation in ("filter", "error"),
         f"`data.truncation`={cfg.data.truncation!r}: use `filter` or `error`.",
     )
+
+    # --- user plugins: modules imported for their registrations, by dotted path or file path
+    for module in list(cfg.algorithm.get("custom_modules") or []):
+        try:
+            import_plugin(str(module))
+        except Exception as err:
+            problems.append(f"`algorithm.custom_modules`: cannot import {module!r}: {err}")
+    if cfg.reward_model.enable:
+        rm_path = cfg.reward_model.model.path
+        need(
+            bool(rm_path) and os.path.isfile(os.path.join(str(rm_path), "config.json")),
+            f"`reward_model.model.path`={rm_path!r}: not a Hugging Face model folder (reward_model.enable=true).",
+        )
 
     # --- algorithm names
     est = cfg.algorithm.adv_estimator
@@ -258,14 +286,47 @@ def validate(cfg: DictConfig) -> None:
     if tr.resume_mode == "resume_path":
         need(bool(tr.resume_from_path), "`trainer.resume_from_path`: required with resume_mode=resume_path.")
 
-    loggers = logger_names(cfg)
-    for name in loggers:
+    from fusedrl.tracking import KNOWN_LOGGERS
+
+    for name in logger_names(cfg):
         need(
-            name in ("console", "jsonl"), f"`trainer.logger`: unknown logger {name!r}. Known: console, jsonl."
+            name in KNOWN_LOGGERS,
+            f"`trainer.logger`: unknown logger {name!r}. Known: {', '.join(KNOWN_LOGGERS)}.",
         )
+    rm = cfg.reward_model
+    need(
+        rm.reward_manager in ("naive", "batch", "dapo"),
+        f"`reward_model.reward_manager`={rm.reward_manager!r}: use naive, batch or dapo.",
+    )
+    need(rm.on_error in ("raise", "zero"), f"`reward_model.on_error`={rm.on_error!r}: use raise or zero.")
+    if rm.overlong_buffer.enable:
+        need(
+            rm.reward_manager == "dapo",
+            "`reward_model.overlong_buffer.enable`=true needs `reward_model.reward_manager=dapo`.",
+        )
+    cpath = cfg.custom_reward_function.path
+    if cpath:
+        need(os.path.isfile(str(cpath)), f"`custom_reward_function.path`: file `{cpath}` does not exist.")
 
     if problems:
         raise ConfigError(problems)
+
+
+def import_plugin(spec: str) -> None:
+    """Import a user module for the estimators / losses it registers: ``pkg.module`` or ``/path/file.py``."""
+    import importlib
+
+    if spec.endswith(".py") or os.sep in spec:
+        import importlib.util
+
+        name = "fusedrl_plugin_" + Path(spec).stem
+        loader_spec = importlib.util.spec_from_file_location(name, spec)
+        if loader_spec is None or loader_spec.loader is None or not os.path.isfile(spec):
+            raise ImportError(f"no such file: {spec}")
+        module = importlib.util.module_from_spec(loader_spec)
+        loader_spec.loader.exec_module(module)
+    else:
+        importlib.import_module(spec)
 
 
 def needed_roles(cfg: DictConfig) -> dict[str, bool]:
@@ -273,6 +334,7 @@ def needed_roles(cfg: DictConfig) -> dict[str, bool]:
     return {
         "ref": bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward),
         "critic": cfg.algorithm.adv_estimator == "gae",
+        "reward_model": bool(cfg.reward_model.enable),
     }
 
 

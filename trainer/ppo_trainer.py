@@ -40,8 +40,7 @@ from fusedrl.checkpoint import (
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
 from fusedrl.data.dataset import PromptLoader, RLDataset
-from fusedrl.rewards import default_compute_score
-from fusedrl.rewards.manager import NaiveRewardManager
+from fusedrl.rewards import build_reward_manager
 from fusedrl.tracking import Tracker, timer
 from fusedrl.workers.rollout.base import SamplingConfig
 from fusedrl.workers.worker_dict import WorkerDict
@@ -83,13 +82,20 @@ class PPOTrainer:
                 prompt_key=data.prompt_key,
                 truncation=data.truncation,
             )
-        self.reward_fn = NaiveRewardManager(self.tokenizer, compute_score or default_compute_score)
+        self.reward_fn = build_reward_manager(config, self.tokenizer, compute_score)
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
         steps_per_epoch = len(self.train_loader)
         self.total_steps = int(
             config.trainer.total_training_steps or steps_per_epoch * int(config.trainer.total_epochs)
         )
-        self.tracker = Tracker(logger_names(config), run_dir=str(config.trainer.default_local_dir))
+        self.tracker = Tracker(
+            logger_names(config),
+            run_dir=str(config.trainer.default_local_dir),
+            project_name=str(config.trainer.project_name),
+            experiment_name=str(config.trainer.experiment_name),
+            config=to_plain_dict(config),
+            total_steps=self.total_steps,
+        )
         kl_ctrl = config.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(
             kl_ctrl.type, float(kl_ctrl.kl_coef), kl_ctrl.target_kl, kl_ctrl.horizon
@@ -130,6 +136,9 @@ class PPOTrainer:
             self.group.shutdown()
             self.group = None
         self.tracker.close()
+        close = getattr(self.reward_fn, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Metrics:
@@ -328,11 +337,26 @@ class PPOTrainer:
         return batch.update_from(out, "responses", "response_mask", "rollout_log_probs")
 
     def compute_rewards(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
-        """Score responses on the driver (rule rewards are cheap; a reward-model role is a later seam)."""
+        """Score responses: the rule / custom reward on the driver, or the fused reward model when enabled."""
+        if self.config.reward_model.enable:
+            return self.compute_reward_model_scores(batch, metrics)
         scores, reward_metrics = self.reward_fn(batch)  # [B, Tr]
         batch.token_level_scores = scores
         batch.token_level_rewards = scores.clone()
         metrics.update(reward_metrics)
+        return batch
+
+    def compute_reward_model_scores(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
+        """Sequence scores from the reward-model role, placed on each response's last token."""
+        inputs = self._model_inputs(batch)
+        parts = self.workers.run_split(lambda w, shard: w.reward_model_compute_scores.remote(shard), inputs)
+        seq_scores = self.workers.gather_tensors(parts, inputs)  # [B]
+        last = (batch.response_mask.sum(-1) - 1).clamp(min=0)  # [B]
+        scores = torch.zeros(batch.response_mask.shape, dtype=torch.float32)  # [B, Tr]
+        scores[torch.arange(batch.num_samples), last] = seq_scores * (batch.response_mask.sum(-1) > 0)
+        batch.token_level_scores = scores
+        batch.token_level_rewards = scores.clone()
+        metrics["reward/rm_score/mean"] = float(seq_scores.mean())
         return batch
 
     def compute_reward_baselines(self, prompts: RolloutBatch, batch: RolloutBatch) -> RolloutBatch:

@@ -26,6 +26,7 @@ from fusedrl.workers.actor import ActorRole, RefRole
 from fusedrl.workers.checkpoint_io import export_hf, load_fsdp_state, save_fsdp_state
 from fusedrl.workers.critic import CriticRole
 from fusedrl.workers.fsdp import StreamStats, device_type
+from fusedrl.workers.reward_model import RewardModelRole
 from fusedrl.workers.rollout.base import SamplingConfig
 from fusedrl.workers.rollout.hf_rollout import HFRollout
 
@@ -51,6 +52,7 @@ class WorkerDict:
         self.actor: ActorRole | None = None
         self.ref: RefRole | None = None
         self.critic: CriticRole | None = None
+        self.reward_model: RewardModelRole | None = None
         self.rollout: Any = None
         # Names of memory moves in call order, so tests can check the choreography.
         self.events: list[str] = []
@@ -85,12 +87,18 @@ class WorkerDict:
 
         arr = self.config["actor_rollout_ref"]
         model_cfg = arr["model"]
+        from fusedrl.config import import_plugin
+
+        for module in self.config["algorithm"].get("custom_modules") or []:
+            import_plugin(str(module))  # user losses / estimators must be registered in this process too
         roles = self.config["_roles"]
         self.actor = ActorRole(model_cfg, arr["actor"], rollout_n=int(arr["rollout"]["n"]))
         if roles["ref"]:
             self.ref = RefRole(model_cfg, arr["ref"])
         if roles["critic"]:
             self.critic = CriticRole(self.config["critic"], rollout_n=int(arr["rollout"]["n"]))
+        if roles["reward_model"]:
+            self.reward_model = RewardModelRole(self.config["reward_model"])
         self.rollout = self._build_rollout()
         # The engine starts from the checkpoint on disk, the actor from the same files: already in sync.
         return {"timing_s/init_roles": time.perf_counter() - t0, "memory/cpu_rss_gb": _rss_gb()}
@@ -159,6 +167,13 @@ class WorkerDict:
         if self.critic is None:
             raise RuntimeError("critic_update: no critic role (algorithm.adv_estimator=gae builds one)")
         return self.critic.update(batch)
+
+    def reward_model_compute_scores(self, batch: RolloutBatch) -> torch.Tensor:
+        if self.reward_model is None:
+            raise RuntimeError(
+                "reward_model_compute_scores: no reward-model role (set reward_model.enable=true)"
+            )
+        return self.reward_model.compute_scores(batch)
 
     # ------------------------------------------------------------------ weight sync
     def sync_weights(self, *, reset_prefix_cache: bool = True) -> dict[str, float]:

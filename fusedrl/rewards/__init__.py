@@ -1,28 +1,57 @@
-"""Reward functions, chosen per sample by the row's ``data_source``.
+"""Reward functions, chosen per sample by the row's ``data_source``, and the reward managers.
 
 A scoring function has the signature
-``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict`` (a dict must
-hold the reward under ``"score"``; its other numeric entries are reported as metrics). `NaiveRewardManager`
-calls one on every decoded response; `default_compute_score` is the built-in dispatcher.
+``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict`` (a dict
+must hold the reward under ``"score"``; its other numeric entries are reported as metrics).
+`default_compute_score` is the built-in dispatcher; `load_custom_reward_function` loads a user's function
+from a file; `build_reward_manager` builds the manager the trainer calls as
+``manager(batch) -> (token_level_scores [B, Tr], metrics)``:
+
+- ``naive``: one scoring call per sample (optionally in worker processes with a per-sample time limit);
+- ``batch``: one call with the whole batch as lists;
+- ``dapo``: ``naive`` plus DAPO's overlong reward shaping.
+
+Built-in data sources: ``arithmetic``; ``openai/gsm8k`` / ``gsm8k``; ``lighteval/MATH``,
+``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``, ``math``, ... (needs
+``pip install math-verify``); ``countdown``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from fusedrl.rewards import arithmetic
+from fusedrl.rewards import arithmetic, countdown, gsm8k, math_boxed
+from fusedrl.rewards.custom import FileRewardFunction, load_custom_reward_function
 
-# data_source -> fn(solution_str, ground_truth) -> float
-_RULE_SCORERS: dict[str, Callable[[str, Any], float]] = {
+# data_source -> fn(solution_str, ground_truth, **kwargs) -> float
+_RULE_SCORERS: dict[str, Callable[..., float]] = {
     "arithmetic": arithmetic.compute_score,
+    "openai/gsm8k": gsm8k.compute_score,
+    "gsm8k": gsm8k.compute_score,
+    "countdown": countdown.compute_score,
 }
+MATH_DATA_SOURCES = (
+    "lighteval/MATH",
+    "lighteval/MATH-Hard",
+    "DigitalLearningGmbH/MATH-lighteval",
+    "HuggingFaceH4/MATH-500",
+    "EleutherAI/hendrycks_math",
+    "hendrycks_math",
+    "math",
+    "math500",
+)
+_RULE_SCORERS.update(dict.fromkeys(MATH_DATA_SOURCES, math_boxed.compute_score))
 
 
 def default_compute_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any
 ) -> float | dict:
-    """Score one response with the built-in rule for its ``data_source``."""
+    """Score one response with the built-in rule for its ``data_source``.
+
+    ``kwargs`` (e.g. ``format_score=0.1``, from ``reward_model.reward_kwargs``) go to the rule scorer.
+    """
     scorer = _RULE_SCORERS.get(data_source)
     if scorer is None:
         raise NotImplementedError(
@@ -30,15 +59,140 @@ def default_compute_score(
             f"write a compute_score(data_source, solution_str, ground_truth, extra_info) function and set "
             f"custom_reward_function.path (and custom_reward_function.name) to it"
         )
-    return scorer(solution_str, ground_truth)
+    return scorer(solution_str, ground_truth, **kwargs)
 
 
-def __getattr__(name: str):  # lazy: the manager imports torch, the rule scorers do not
-    if name == "NaiveRewardManager":
-        from fusedrl.rewards.manager import NaiveRewardManager
+def _warm_up_builtin() -> None:
+    """Import what the built-in rules import lazily, so a worker's first sample does not pay for it."""
+    with contextlib.suppress(ImportError):
+        import math_verify  # noqa: F401
 
-        return NaiveRewardManager
+
+# Worker processes call ``fn.warm_up()`` (when present) before their first sample.
+default_compute_score.warm_up = _warm_up_builtin  # type: ignore[attr-defined]
+
+
+def default_compute_score_batch(
+    data_sources: Sequence[str],
+    solution_strs: Sequence[str],
+    ground_truths: Sequence[Any],
+    extra_infos: Sequence[dict | None],
+    **kwargs: Any,
+) -> list[float | dict]:
+    """`default_compute_score` over lists: the default function of the ``batch`` manager."""
+    return [
+        default_compute_score(source, text, truth, extra, **kwargs)
+        for source, text, truth, extra in zip(data_sources, solution_strs, ground_truths, extra_infos)
+    ]
+
+
+_MANAGER_KINDS = ("naive", "batch", "dapo")
+_ON_ERROR = ("raise", "zero")
+
+
+def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..., Any] | None = None) -> Any:
+    """The reward manager named by ``config.reward_model.reward_manager``, configured from ``config``.
+
+    ``config`` is the trainer config (DictConfig or plain dict). Keys read (missing ones take the default):
+
+    - ``reward_model.reward_manager``: ``naive`` | ``batch`` | ``dapo`` (naive)
+    - ``reward_model.num_workers``: worker processes for naive/dapo; 0 scores inline, with no time limit (0)
+    - ``reward_model.timeout_s``: per-sample time limit in seconds when num_workers > 0 (10.0)
+    - ``reward_model.on_error``: ``raise`` | ``zero``: what a failing or timed-out sample does (raise)
+    - ``reward_model.mp_context``: ``forkserver`` | ``spawn`` | ``fork``, how workers start (forkserver)
+    - ``reward_model.reward_kwargs``: extra keyword arguments for every scoring call ({})
+    - ``reward_model.overlong_buffer.{enable, len, penalty_factor}``: dapo's shaping (false, 1024, 1.0)
+    - ``data.max_response_length``: dapo's L (default: the batch's response width)
+    - ``custom_reward_function.path`` / ``.name``: a user's function file and name (null / compute_score)
+
+    ``compute_score`` (a callable) overrides ``custom_reward_function``. A bad value raises ValueError
+    naming the key; a bad custom file raises as `load_custom_reward_function` does.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    from fusedrl.rewards.manager import BatchRewardManager, DAPORewardManager, NaiveRewardManager
+
+    cfg = config if isinstance(config, DictConfig) else OmegaConf.create(config or {})
+
+    def get(key: str, default: Any) -> Any:
+        value = OmegaConf.select(cfg, key, default=default)
+        return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+
+    kind = str(get("reward_model.reward_manager", "naive"))
+    if kind not in _MANAGER_KINDS:
+        raise ValueError(f"reward_model.reward_manager={kind!r}: use one of {list(_MANAGER_KINDS)}")
+    on_error = str(get("reward_model.on_error", "raise"))
+    if on_error not in _ON_ERROR:
+        raise ValueError(f"reward_model.on_error={on_error!r}: use one of {list(_ON_ERROR)}")
+    num_workers = get("reward_model.num_workers", 0)
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+        raise ValueError(f"reward_model.num_workers={num_workers!r}: use an integer >= 0 (0 scores inline)")
+    timeout_s = get("reward_model.timeout_s", 10.0)
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0
+    ):
+        raise ValueError(
+            f"reward_model.timeout_s={timeout_s!r}: use a number of seconds > 0 (or null: no limit)"
+        )
+    mp_context = str(get("reward_model.mp_context", "forkserver"))
+    from fusedrl.rewards.pool import START_METHODS
+
+    if mp_context not in START_METHODS:
+        raise ValueError(f"reward_model.mp_context={mp_context!r}: use one of {list(START_METHODS)}")
+    reward_kwargs = get("reward_model.reward_kwargs", None) or {}
+    if not isinstance(reward_kwargs, dict):
+        raise ValueError(f"reward_model.reward_kwargs={reward_kwargs!r}: use a mapping of keyword arguments")
+
+    fn = compute_score
+    path = get("custom_reward_function.path", None)
+    if fn is None and path:
+        file_fn = FileRewardFunction(path, get("custom_reward_function.name", None))
+        file_fn.load()  # fail now, naming the file and function, rather than at the first step
+        fn = file_fn
+
+    overlong = get("reward_model.overlong_buffer", None) or {}
+    if kind != "dapo" and overlong.get("enable", False):
+        raise ValueError(
+            f"reward_model.overlong_buffer.enable=true needs reward_model.reward_manager=dapo (got {kind!r})"
+        )
+    if kind == "batch":
+        return BatchRewardManager(tokenizer, fn, on_error=on_error, reward_kwargs=reward_kwargs)
+    common: dict[str, Any] = dict(
+        num_workers=num_workers,
+        timeout_s=timeout_s,
+        on_error=on_error,
+        mp_context=mp_context,
+        reward_kwargs=reward_kwargs,
+    )
+    if kind == "dapo":
+        return DAPORewardManager(
+            tokenizer,
+            fn,
+            overlong_buffer_enable=bool(overlong.get("enable", False)),
+            overlong_buffer_len=int(overlong.get("len", 1024)),
+            overlong_penalty_factor=float(overlong.get("penalty_factor", 1.0)),
+            max_response_length=get("data.max_response_length", None),
+            **common,
+        )
+    return NaiveRewardManager(tokenizer, fn, **common)
+
+
+def __getattr__(name: str):  # lazy: the managers import torch, the rule scorers do not
+    if name in ("NaiveRewardManager", "BatchRewardManager", "DAPORewardManager"):
+        from fusedrl.rewards import manager
+
+        return getattr(manager, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["NaiveRewardManager", "default_compute_score"]
+__all__ = [
+    "BatchRewardManager",
+    "DAPORewardManager",
+    "FileRewardFunction",
+    "MATH_DATA_SOURCES",
+    "NaiveRewardManager",
+    "build_reward_manager",
+    "default_compute_score",
+    "default_compute_score_batch",
+    "load_custom_reward_function",
+]

@@ -7,10 +7,11 @@ import re
 _INTEGER = re.compile(r"-?\d+")
 
 
-def compute_score(solution_str: str, ground_truth: str | int) -> float:
-    """1.0 if the last integer in ``solution_str`` (optional leading minus) equals ``ground_truth``, else 0.0.
+def compute_score(solution_str: str, ground_truth: str | int, format_score: float = 0.0) -> float:
+    """1.0 if the last integer in ``solution_str`` (optional leading minus) equals ``ground_truth``.
 
-    A response without any integer scores 0.0. ``ground_truth`` must hold an integer ("68", "-5", 68).
+    A response without any integer scores 0.0; one whose last integer is wrong scores ``format_score``
+    (0.0 by default). ``ground_truth`` must hold an integer ("68", "-5", 68).
     """
     try:
         expected = int(str(ground_truth).strip())
@@ -22,5 +23,5 @@ def compute_score(solution_str: str, ground_truth: str | int) -> float:
     try:
         answer = int(matches[-1])
     except ValueError:  # e.g. more digits than Python's int-from-string limit: not the answer anyway
-        return 0.0
-    return 1.0 if answer == expected else 0.0
+        return float(format_score)
+    return 1.0 if answer == expected else float(format_score)

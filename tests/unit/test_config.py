@@ -252,7 +252,7 @@ def test_rollout_name_unknown_fails(base):
             "actor_rollout_ref.rollout.tensor_model_parallel_size",
         ),
         ("actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.rollout.temperature"),
-        ("trainer.logger=[console,wandb]", "trainer.logger"),
+        ("trainer.logger=[console,mlflow]", "trainer.logger"),
     ],
 )
 def test_single_bad_value_names_its_key(base, override, key):

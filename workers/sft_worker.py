@@ -1,0 +1,269 @@
+"""The SFT worker: one process per device slot training a causal LM under FSDP2 on its data shard.
+
+A plain class; the worker group wraps it with ``ray.remote``. Two-phase construction like the fused RL
+worker: ``__init__`` records who it is, `init` joins torch.distributed (gloo on CPU, NCCL on GPU) and builds
+the sharded model and optimizer, collectively on every rank.
+
+Loss. A step's loss is the mean negative log-likelihood over every loss token of the *whole* step (all
+ranks, all micro-batches), so the gradient does not depend on how rows were split across ranks or
+micro-batches. Each micro-batch backpropagates ``sum(nll over its loss tokens) / (N_global / W)``: FSDP
+averages gradients over the ``W`` ranks, which turns that into ``sum(all nll) / N_global``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fusedrl.checkpoint import ACTOR_DIR, shard_prefix
+from fusedrl.workers.checkpoint_io import export_hf, load_fsdp_state, save_fsdp_state
+from fusedrl.workers.fsdp import apply_fsdp2, build_mesh, device_type, load_causal_lm, to_dtype
+
+Batch = dict[str, torch.Tensor]
+LR_SCHEDULERS = ("constant", "cosine")
+
+
+def lr_at(
+    step: int,
+    *,
+    base_lr: float,
+    total_steps: int,
+    warmup_steps: int,
+    scheduler: str,
+    min_lr_ratio: float = 0.0,
+) -> float:
+    """Learning rate of optimizer step ``step`` (0-based).
+
+    Linear warmup over the first ``warmup_steps`` steps (step ``s`` uses ``(s + 1) / warmup_steps`` of the
+    base rate, so the first step already moves), then ``constant`` or a half-cosine from the base rate
+    down to ``min_lr_ratio`` x base at ``total_steps``.
+    """
+    if scheduler not in LR_SCHEDULERS:
+        raise ValueError(f"unknown lr scheduler {scheduler!r}; use one of {LR_SCHEDULERS}")
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    if scheduler == "constant":
+        return base_lr
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return base_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def masked_nll(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of next-token NLL over loss tokens, number of loss tokens)`` of a right-padded batch.
+
+    Token ``t`` is predicted by the logits at ``t - 1``; ``loss_mask[:, t]`` says whether it counts.
+    """
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+    ).logits  # [b, T, V]
+    logits = logits[:, :-1, :].float()  # [b, T-1, V]
+    targets = batch["input_ids"][:, 1:]  # [b, T-1]
+    mask = batch["loss_mask"][:, 1:].to(logits.dtype)  # [b, T-1]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    return (nll.view_as(mask) * mask).sum(), mask.sum()
+
+
+def micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
+    """Consecutive slices of at most ``size`` rows, each cut to its longest row (right padding)."""
+    if size <= 0:
+        raise ValueError(f"micro-batch size must be positive, got {size}")
+    rows = int(batch["input_ids"].shape[0])
+    for start in range(0, rows, size):
+        mb = {k: v[start : start + size] for k, v in batch.items()}
+        length = max(2, int(mb["attention_mask"].sum(dim=1).max()))
+        yield {k: v[:, :length] for k, v in mb.items()}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SFTWorker:
+    """One data-parallel rank of supervised fine-tuning. ``config`` is the resolved SFT config (plain dict)
+    plus ``_total_steps`` (optimizer steps of the run, for the LR schedule) set by the driver."""
+
+    def __init__(self, config: dict[str, Any], *, rank: int, world_size: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.num_steps = 0  # optimizer steps taken (drives the LR schedule; checkpointed)
+        self.num_skipped_steps = 0  # steps dropped for a non-finite gradient norm
+        self.device = torch.device(device_type())
+
+    # ------------------------------------------------------------------ setup
+    def master_address(self) -> tuple[str, int]:
+        """Rank 0 is asked for the rendezvous address of torch.distributed."""
+        if int(self.config["trainer"]["nnodes"]) == 1:
+            return "127.0.0.1", _free_port()
+        return socket.gethostbyname(socket.gethostname()), _free_port()
+
+    def init(self, master_addr: str, master_port: int) -> dict[str, float]:
+        """Join the process group and build the FSDP2 model and AdamW. Collective."""
+        t0 = time.perf_counter()
+        slots = max(1, int(self.config["trainer"]["n_gpus_per_node"]))
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            LOCAL_RANK=str(self.rank % slots),
+            WORLD_SIZE=str(self.world_size),
+            TOKENIZERS_PARALLELISM="false",
+        )
+        if device_type() == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        backend = "nccl" if device_type() == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=30)
+        )
+        torch.manual_seed(int(self.config["trainer"].get("seed", 0)))
+
+        model_cfg = self.config["model"]
+        fsdp_cfg = model_cfg.get("fsdp_config") or {}
+        model = load_causal_lm(model_cfg["path"], fsdp_cfg.get("model_dtype", "float32"))
+        if model_cfg.get("enable_gradient_checkpointing", False):
+            model.gradient_checkpointing_enable()
+        model.to(self.device)
+        param_dtype = fsdp_cfg.get("param_dtype")
+        self.model = apply_fsdp2(
+            model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None
+        )
+        optim = self.config["optim"]
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.current_lr(),
+            betas=tuple(optim.get("betas", (0.9, 0.999))),
+            weight_decay=float(optim.get("weight_decay", 0.0)),
+        )
+        return {"timing_s/init": time.perf_counter() - t0}
+
+    def current_lr(self) -> float:
+        """The learning rate the next optimizer step uses."""
+        optim = self.config["optim"]
+        total = int(self.config.get("_total_steps") or 1)
+        return lr_at(
+            self.num_steps,
+            base_lr=float(optim["lr"]),
+            total_steps=total,
+            warmup_steps=int(float(optim.get("warmup_steps_ratio", 0.0)) * total),
+            scheduler=str(optim.get("lr_scheduler", "constant")),
+            min_lr_ratio=float(optim.get("min_lr_ratio", 0.0)),
+        )
+
+    def _parts(self) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if self.model is None or self.optimizer is None:
+            raise RuntimeError("SFTWorker: call init() first")
+        return self.model, self.optimizer
+
+    def _to_device(self, batch: Batch) -> Batch:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _all_reduce_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return [float(v) for v in t.tolist()]
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch_shard: Batch, micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step on this rank's shard: accumulate over micro-batches, clip, step. Collective.
+
+        Every rank must get a shard with the same number of rows (see `fusedrl.data.sft_dataset.shard_batch`),
+        so all ranks run the same number of forward/backward passes.
+        """
+        model, optimizer = self._parts()
+        t0 = time.perf_counter()
+        model.train()
+        batch = self._to_device(batch_shard)
+        local_tokens = float(batch["loss_mask"][:, 1:].sum())
+        (global_tokens,) = self._all_reduce_sum([local_tokens])
+        # FSDP averages gradients over ranks; dividing by N/W makes the result sum(nll) / N.
+        denom = max(global_tokens, 1.0) / self.world_size
+        optimizer.zero_grad(set_to_none=True)
+        nll_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for mb in micro_batches(batch, int(micro_batch_size)):
+            nll_sum, _ = masked_nll(model, mb)
+            (nll_sum / denom).backward()
+            nll_total += nll_sum.detach().double()
+        lr = self.current_lr()
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), float(self.config["optim"].get("clip_grad", 1.0))
+        )
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        norm = float(grad_norm)
+        if math.isfinite(norm):
+            optimizer.step()
+        else:
+            self.num_skipped_steps += 1
+        optimizer.zero_grad(set_to_none=True)
+        self.num_steps += 1
+        (nll_global,) = self._all_reduce_sum([float(nll_total)])
+        return {
+            "train/loss": nll_global / max(global_tokens, 1.0),
+            "train/lr": lr,
+            "train/grad_norm": norm,
+            "train/loss_tokens": global_tokens,
+            "train/skipped_steps": float(self.num_skipped_steps),
+            "timing_s/train_step_inner": time.perf_counter() - t0,
+        }
+
+    @torch.no_grad()
+    def eval_loss(self, batch_shard: Batch, micro_batch_size: int | None = None) -> dict[str, float]:
+        """Token-mean NLL of the whole (all ranks') batch, plus its sums to pool batches. Collective."""
+        model, _ = self._parts()
+        model.eval()
+        size = int(micro_batch_size or self.config["data"]["micro_batch_size_per_gpu"])
+        batch = self._to_device(batch_shard)
+        nll = 0.0
+        tokens = 0.0
+        for mb in micro_batches(batch, size):
+            s, n = masked_nll(model, mb)
+            nll += float(s)
+            tokens += float(n)
+        nll, tokens = self._all_reduce_sum([nll, tokens])
+        return {"loss": nll / max(tokens, 1.0), "nll_sum": nll, "num_tokens": tokens}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, ckpt_dir: str) -> dict[str, float]:
+        """This rank's model/optimizer shards, RNG and step counters. No collectives."""
+        model, optimizer = self._parts()
+        info = save_fsdp_state(
+            model,
+            optimizer,
+            shard_prefix(ckpt_dir, self.rank, ACTOR_DIR),
+            extra={"num_steps": self.num_steps, "num_skipped_steps": self.num_skipped_steps},
+        )
+        return {"checkpoint/shard_mb": info["bytes"] / 1e6}
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict[str, float]:
+        """Restore what `save_checkpoint` wrote (same world size). No collectives."""
+        model, optimizer = self._parts()
+        extra = load_fsdp_state(model, optimizer, shard_prefix(ckpt_dir, self.rank, ACTOR_DIR))
+        self.num_steps = int(extra.get("num_steps", 0))
+        self.num_skipped_steps = int(extra.get("num_skipped_steps", 0))
+        return {}
+
+    def export_hf(self, out_dir: str) -> list[str]:
+        """Write the model as a Hugging Face folder (rank 0 writes; returns its files). Collective."""
+        model, _ = self._parts()
+        return export_hf(model, out_dir, src_model_dir=self.config["model"]["path"], rank=self.rank)
+
+    # ------------------------------------------------------------------ test / debug hooks
+    def ping(self) -> int:
+        return self.rank
