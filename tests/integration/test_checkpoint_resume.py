@@ -88,7 +88,11 @@ def test_resume_equals_uninterrupted_and_export_reproduces_policy(
     _, full_state, batch = _run(_config(tiny_model_dir, train, tmp_path / "a", 4), export_and_score)
     # Interrupted: 2 steps (checkpoint at 2), then a new run of the same command resumes for 2 more.
     _run(_config(tiny_model_dir, train, tmp_path / "b", 2))
-    assert sorted(os.listdir(tmp_path / "b")) == ["global_step_2", "latest_checkpointed_iteration.txt", "metrics.jsonl"]
+    assert sorted(os.listdir(tmp_path / "b")) == [
+        "global_step_2",
+        "latest_checkpointed_iteration.txt",
+        "metrics.jsonl",
+    ]
     resumed, resumed_state, _ = _run(_config(tiny_model_dir, train, tmp_path / "b", 4))
     assert resumed.global_step == 4
 
