@@ -29,12 +29,12 @@ format: $(STAMP)
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-## Generate arithmetic data, build a tiny model, run GRPO with 2 fused workers.
+## SFT warm-start, then GRPO with 2 fused workers vs an SFT-only baseline, on a synthetic task (CPU, < 15 min).
 quickstart: $(STAMP)
 	bash examples/quickstart/run_quickstart.sh
 
 bench: $(STAMP)
-	@echo "benchmarks: see benchmarks/ (issue 6)"; ls benchmarks
+	$(PY) -m benchmarks.run_all
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -37,6 +37,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _peak_rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
 def _rss_gb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
@@ -154,6 +160,7 @@ class WorkerDict:
         assert self.actor is not None
         metrics = self.actor.update(batch, temperature=temperature)
         metrics["memory/cpu_rss_gb_after_update"] = _rss_gb()
+        metrics["memory/peak_rss_gb"] = _peak_rss_gb()
         return metrics
 
     def critic_compute_values(self, batch: RolloutBatch) -> torch.Tensor:
@@ -273,3 +280,7 @@ class WorkerDict:
 
     def ping(self) -> int:
         return self.rank
+
+    def echo_rows(self, batch: RolloutBatch) -> int:
+        """Receives a batch and answers its size: the controller round trip without any model work."""
+        return batch.num_samples

@@ -56,6 +56,7 @@ class SampleParams:
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
 
 def vllm_available() -> bool:
@@ -137,6 +138,7 @@ class VLLMEngine:
             top_k=params.top_k,
             stop_token_ids=list(params.stop_token_ids),
             seed=params.seed,
+            ignore_eos=params.ignore_eos,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
         )

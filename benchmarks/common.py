@@ -1,0 +1,83 @@
+"""Shared helpers for the benchmarks: machine description, model cache, statistics, result recording."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("FUSEDRL_BENCH_CACHE", "/tmp/fusedrl_bench"))
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{os.cpu_count()} CPU cores ({cpu}), {mem_gb:.0f} GiB RAM, {gpu}; torch {torch.__version__}"
+
+
+def model_dir(preset: str) -> str:
+    """A random-init Qwen2 of the preset, built once and cached."""
+    from fusedrl.utils.tiny_model import build_tiny_model
+
+    out = CACHE / f"model_{preset}"
+    if not (out / "config.json").exists():
+        build_tiny_model(str(out), preset=preset, seed=0)
+    return str(out)
+
+
+def arithmetic_data() -> str:
+    from fusedrl.data.arithmetic import write_arithmetic_parquet
+
+    out = CACHE / "arith"
+    if not (out / "train.parquet").exists():
+        write_arithmetic_parquet(str(out), n_train=512, n_test=64, seed=0)
+    return str(out / "train.parquet")
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def fmt(s: dict[str, float], unit: str = "", digits: int = 3) -> str:
+    return f"{s['median']:.{digits}f}{unit} ({s['min']:.{digits}f}-{s['max']:.{digits}f}, n={s['n']})"
+
+
+def run_in_subprocess(module: str, args: list[str], timeout: int = 900) -> dict:
+    """Run ``python -m module args`` and return the JSON object it prints on its last ``RESULT`` line.
+
+    Each measurement that builds a vLLM engine gets its own process: an engine lives as long as its
+    process (its teardown destroys the process group), exactly as in a fused worker.
+    """
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{module} {args} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def record(title: str, command: str, table: str, payload: dict) -> None:
+    """Print the table and a JSON line, and append both to RESULTS.md with the machine and date."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(table)
+    print("JSON " + json.dumps(payload))
+    with open(RESULTS, "a") as f:
+        f.write(f"\n### {title} — {stamp}\n\nMachine: {machine()}  \nCommand: `{command}`\n\n{table}\n\n")
+        f.write(f"<details><summary>raw</summary>\n\n```json\n{json.dumps(payload)}\n```\n</details>\n")
