@@ -281,6 +281,9 @@ class WorkerDict:
     def ping(self) -> int:
         return self.rank
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def echo_rows(self, batch: RolloutBatch) -> int:
         """Receives a batch and answers its size: the controller round trip without any model work."""
         return batch.num_samples

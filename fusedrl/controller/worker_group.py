@@ -22,6 +22,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from fusedrl.batch import RolloutBatch, gather_from_ranks, split_for_ranks
 
 
+class WorkerDiedError(RuntimeError):
+    """A fused worker's process died or raised; the group has been stopped."""
+
+
 @dataclass
 class ResourcePool:
     """``nnodes x slots_per_node`` device slots as one Ray placement group.
@@ -65,6 +69,8 @@ class WorkerGroup:
 
     def __init__(self, worker_cls: type, pool: ResourcePool, config: dict[str, Any]) -> None:
         self.pool = pool
+        roles = config.get("_roles", {})
+        self.role_names = ", ".join(["actor", "rollout", *[r for r, on in roles.items() if on]])
         pg = pool.pg if pool.pg is not None else pool.create()
         remote_cls: Any = ray.remote(worker_cls)
         self.workers: list[Any] = [
@@ -86,17 +92,42 @@ class WorkerGroup:
     # ------------------------------------------------------------------ calls
     def run_all(self, call: Callable[[Any], ray.ObjectRef]) -> list[Any]:
         """Call every rank with the same arguments; results in rank order."""
-        return ray.get([call(w) for w in self.workers])
+        return self._get([call(w) for w in self.workers])
 
     def run_rank0(self, call: Callable[[Any], ray.ObjectRef]) -> Any:
-        return ray.get(call(self.workers[0]))
+        return self._get([call(self.workers[0])])[0]
+
+    def _get(self, refs: list[ray.ObjectRef]) -> list[Any]:
+        """Results of one call per rank, failing fast.
+
+        Ranks run collectives together, so when one dies the others block in an all-gather until the
+        process-group timeout. Instead of ``ray.get`` on all (which would wait for them), results are
+        taken as they complete; the first failure stops every worker and raises `WorkerDiedError`.
+        """
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+                rank = refs.index(done[0]) if len(refs) == len(self.workers) else 0
+                died = isinstance(err, ray.exceptions.RayActorError)
+                what = "died" if died else "raised an error"
+                self.shutdown()
+                raise WorkerDiedError(
+                    f"fused worker rank {rank} (roles: {self.role_names}) {what}; all workers were stopped.\n"
+                    f"Cause: {str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}\n"
+                    "To continue, rerun the same command: with trainer.resume_mode=auto the run resumes from the "
+                    "last complete checkpoint in trainer.default_local_dir (set trainer.save_freq to have one)."
+                ) from err
+        return ray.get(list(refs))
 
     def run_split(self, call: Callable[[Any, RolloutBatch], ray.ObjectRef], batch: RolloutBatch) -> list[Any]:
         """Split ``batch`` by DP rank (padding to a multiple of the world size), call each rank on its
         shard, and return the per-rank results with the padding still in (see `gather_batches`,
         `gather_tensors`)."""
         shards, _ = split_for_ranks(batch, self.world_size)
-        return ray.get([call(w, shard) for w, shard in zip(self.workers, shards)])
+        return self._get([call(w, shard) for w, shard in zip(self.workers, shards)])
 
     def split_pad(self, batch: RolloutBatch) -> int:
         return (-batch.num_samples) % self.world_size
@@ -113,6 +144,9 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         for w in self.workers:
-            ray.kill(w)
+            try:
+                ray.kill(w)
+            except Exception:  # already dead
+                pass
         self.workers.clear()
         self.pool.release()
