@@ -51,7 +51,9 @@ class RewardModelRole:
         for mb in micro_batches(batch, int(self.cfg.get("micro_batch_size_per_gpu", 8))):
             input_ids, attention_mask, position_ids = mb.sequences()  # [b, T]
             captured: list[torch.Tensor] = []
-            handle = self.model.score.register_forward_hook(lambda _m, _i, out, sink=captured: sink.append(out))
+            handle = self.model.score.register_forward_hook(
+                lambda _m, _i, out, sink=captured: sink.append(out)
+            )
             try:
                 self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
             finally:

@@ -10,6 +10,7 @@ a worker can be found with grep; this module only decides *which* workers get *w
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -144,9 +145,7 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         for w in self.workers:
-            try:
+            with contextlib.suppress(Exception):  # already dead
                 ray.kill(w)
-            except Exception:  # already dead
-                pass
         self.workers.clear()
         self.pool.release()
