@@ -283,6 +283,12 @@ def validate(cfg: DictConfig) -> None:
         tr.resume_mode in ("auto", "disable", "resume_path"),
         f"`trainer.resume_mode`={tr.resume_mode!r}: use auto, disable or resume_path.",
     )
+    tol = tr.rollout_check_tol
+    if tol is not None and tol != "auto":
+        try:
+            float(tol)
+        except (TypeError, ValueError):
+            problems.append(f"`trainer.rollout_check_tol`={tol!r}: use auto, null or a number (e.g. 1e-3).")
     if tr.resume_mode == "resume_path":
         need(bool(tr.resume_from_path), "`trainer.resume_from_path`: required with resume_mode=resume_path.")
 

@@ -32,6 +32,7 @@ from fusedrl.checkpoint import (
     begin_checkpoint,
     capture_rng_state,
     commit_checkpoint,
+    find_latest_checkpoint,
     load_trainer_state,
     resolve_resume,
     restore_rng_state,
@@ -150,6 +151,7 @@ class PPOTrainer:
         while self.global_step < self.total_steps:
             self.global_step += 1
             last = self.train_step()
+            self.check_health(last)
             save_freq = int(self.config.trainer.save_freq)
             if save_freq > 0 and (self.global_step % save_freq == 0 or self.global_step == self.total_steps):
                 with timer("save_checkpoint", last):
@@ -191,6 +193,34 @@ class PPOTrainer:
                 metrics.update(self.sync_weights())
         metrics.update(self.batch_metrics(batch, metrics["timing_s/step"]))
         return metrics
+
+    def check_health(self, metrics: Metrics) -> None:
+        """Stop the run, with a report, on non-finite updates or a rollout that diverges from the actor."""
+        cfg = self.config.trainer
+        limit = int(cfg.max_consecutive_skipped_steps)
+        skipped = int(metrics.get("actor/consecutive_skipped_steps", 0))
+        if limit > 0 and skipped >= limit:
+            last_good = find_latest_checkpoint(str(cfg.default_local_dir))
+            raise RuntimeError(
+                f"step {self.global_step}: the last {skipped} optimizer steps were skipped because the loss or "
+                f"grad norm was not finite (trainer.max_consecutive_skipped_steps={limit}). Last good checkpoint: "
+                f"{last_good or 'none'}. Lower the learning rate or check the rewards/advantages for NaN."
+            )
+        tol = self.rollout_check_tol
+        gap = metrics.get("rollout/log_prob_abs_diff_mean")
+        if tol is not None and gap is not None and gap > tol:
+            raise RuntimeError(
+                f"step {self.global_step}: the rollout engine's log-probs differ from the actor's by {gap:.2e} on "
+                f"average (trainer.rollout_check_tol={tol:g}). The engine is running stale or corrupt weights: "
+                "the weight sync did not land. Set trainer.rollout_check_tol=null to disable this check."
+            )
+
+    @property
+    def rollout_check_tol(self) -> float | None:
+        tol = self.config.trainer.rollout_check_tol
+        if tol == "auto":
+            return 1e-3 if str(self.config.actor_rollout_ref.rollout.dtype) in ("float32", "fp32") else None
+        return None if tol is None else float(tol)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> str:

@@ -73,6 +73,7 @@ class ActorRole:
         )
         self.policy_loss = get_policy_loss(cfg.get("policy_loss", {}).get("loss_mode", "vanilla"))
         self.num_skipped_steps = 0
+        self.consecutive_skipped_steps = 0
 
     # ------------------------------------------------------------------ inference
     def compute_log_prob(
@@ -161,6 +162,7 @@ class ActorRole:
         metrics = {f"actor/{k}": v / max(n_mini, 1) for k, v in sums.items()}
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["actor/skipped_steps"] = float(self.num_skipped_steps)
+        metrics["actor/consecutive_skipped_steps"] = float(self.consecutive_skipped_steps)
         return metrics
 
     def _clip_and_step(self) -> float:
@@ -173,8 +175,10 @@ class ActorRole:
         value = float(grad_norm)
         if math.isfinite(value):
             self.optimizer.step()
+            self.consecutive_skipped_steps = 0
         else:
             self.num_skipped_steps += 1
+            self.consecutive_skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
         return value
 
