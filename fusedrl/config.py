@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -326,11 +327,14 @@ def import_plugin(spec: str) -> None:
         import importlib.util
 
         name = "fusedrl_plugin_" + Path(spec).stem
+        if name in sys.modules:  # imported already (validation, then the trainer): register once
+            return
         loader_spec = importlib.util.spec_from_file_location(name, spec)
         if loader_spec is None or loader_spec.loader is None or not os.path.isfile(spec):
             raise ImportError(f"no such file: {spec}")
         module = importlib.util.module_from_spec(loader_spec)
         loader_spec.loader.exec_module(module)
+        sys.modules[name] = module
     else:
         importlib.import_module(spec)
 

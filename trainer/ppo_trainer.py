@@ -60,7 +60,11 @@ class PPOTrainer:
     def __init__(self, config: DictConfig, *, compute_score: Any = None) -> None:
         from transformers import AutoTokenizer
 
+        from fusedrl.config import import_plugin
+
         self.config = config
+        for module in config.algorithm.get("custom_modules") or []:
+            import_plugin(str(module))  # idempotent with validate(); needed when validation was skipped
         arr = config.actor_rollout_ref
         self.tokenizer = AutoTokenizer.from_pretrained(arr.model.path)
         data = config.data
@@ -392,7 +396,9 @@ class PPOTrainer:
     def compute_reward_baselines(self, prompts: RolloutBatch, batch: RolloutBatch) -> RolloutBatch:
         """ReMax: score one greedy response per prompt and use it as every sample's baseline."""
         greedy = self.generate(prompts, validate=True, seed_offset=-1)  # val_kwargs: greedy, n samples
-        scores, _ = self.reward_fn(greedy)  # [P * n_val, Tr]
+        scores = self.compute_rewards(
+            greedy, {}
+        ).token_level_scores  # [P * n_val, Tr], same scorer as samples
         n_val = int(self.config.actor_rollout_ref.rollout.val_kwargs.n)
         per_prompt = scores.sum(-1).view(prompts.num_samples, n_val).mean(-1)  # [P]
         n = batch.num_samples // prompts.num_samples

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedrl.algorithms import agg_denominator, agg_loss, get_policy_loss, kl_penalty
+from fusedrl.algorithms import agg_loss, get_policy_loss, kl_penalty
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.fsdp import (
     StreamStats,
@@ -20,7 +19,8 @@ from fusedrl.workers.fsdp import (
     stream_full_tensors,
     to_dtype,
 )
-from fusedrl.workers.logprob import batched_log_probs, micro_batches, response_log_probs
+from fusedrl.workers.logprob import batched_log_probs, response_log_probs
+from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates
 
 
 def _sharded_model(model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any]) -> nn.Module:
@@ -72,8 +72,7 @@ class ActorRole:
             weight_decay=optim.get("weight_decay", 0.0),
         )
         self.policy_loss = get_policy_loss(cfg.get("policy_loss", {}).get("loss_mode", "vanilla"))
-        self.num_skipped_steps = 0
-        self.consecutive_skipped_steps = 0
+        self.stepper = GuardedStepper(self.model, self.optimizer, float(cfg.get("grad_clip", 1.0)))
 
     # ------------------------------------------------------------------ inference
     def compute_log_prob(
@@ -101,8 +100,8 @@ class ActorRole:
             mb.old_log_probs,
             mb.advantages,
             mb.response_mask,
-            clip_ratio_low=float(cfg.get("clip_ratio_low") or clip),
-            clip_ratio_high=float(cfg.get("clip_ratio_high") or clip),
+            clip_ratio_low=float(clip if cfg.get("clip_ratio_low") is None else cfg["clip_ratio_low"]),
+            clip_ratio_high=float(clip if cfg.get("clip_ratio_high") is None else cfg["clip_ratio_high"]),
             clip_ratio_c=float(cfg.get("clip_ratio_c", 3.0)),
             loss_agg_mode=mode,
             global_norm=norm,
@@ -126,61 +125,23 @@ class ActorRole:
         """One PPO update pass over this rank's shard (``ppo_epochs`` x mini-batches x micro-batches)."""
         cfg = self.cfg
         self.model.train()
-        mini_rows = cfg["ppo_mini_batch_size"] * self.rollout_n // self.world_size
-        micro_rows = cfg["ppo_micro_batch_size_per_gpu"]
-        mode = cfg.get("loss_agg_mode", "token-mean")
-        sums: dict[str, float] = {}
-        n_mini = 0
-        for _ in range(int(cfg.get("ppo_epochs", 1))):
-            for mini in micro_batches(batch, mini_rows):
-                # Normaliser of the whole mini-batch across ranks and micro-batches, so the gradient does
-                # not depend on how the batch was split. FSDP averages gradients over ranks, hence / W.
-                local = torch.tensor(
-                    [agg_denominator(mini.response_mask, mode), float(mini.response_mask.sum())],
-                    dtype=torch.float64,
-                )
-                dist.all_reduce(local)
-                norm, token_norm = (v / self.world_size for v in local.tolist())
-                self.optimizer.zero_grad(set_to_none=True)
-                mini_terms: dict[str, torch.Tensor] = {}
-                for mb in micro_batches(mini, micro_rows):
-                    loss, terms = self._loss_terms(
-                        mb, temperature=temperature, norm=norm, token_norm=token_norm
-                    )
-                    loss.backward()
-                    for key, value in terms.items():
-                        mini_terms[key] = mini_terms.get(key, 0.0) + value
-                grad_norm = self._clip_and_step()
-                # Each rank holds 1/W of every mini-batch quantity (normalised by W * norm): sum them.
-                keys = sorted(mini_terms)
-                packed = torch.stack([mini_terms[k].float() for k in keys]) / self.world_size
-                dist.all_reduce(packed)
-                for key, value in zip(keys, packed.tolist()):
-                    sums[key] = sums.get(key, 0.0) + value
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
-                n_mini += 1
-        metrics = {f"actor/{k}": v / max(n_mini, 1) for k, v in sums.items()}
-        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        metrics["actor/skipped_steps"] = float(self.num_skipped_steps)
-        metrics["actor/consecutive_skipped_steps"] = float(self.consecutive_skipped_steps)
-        return metrics
-
-    def _clip_and_step(self) -> float:
-        """Clip the global grad norm and step; a non-finite norm skips the step (counted)."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), float(self.cfg.get("grad_clip", 1.0))
+        metrics = minibatch_updates(
+            batch,
+            stepper=self.stepper,
+            micro_loss=lambda mb, norm, token_norm: self._loss_terms(
+                mb, temperature=temperature, norm=norm, token_norm=token_norm
+            ),
+            mini_rows=cfg["ppo_mini_batch_size"] * self.rollout_n // self.world_size,
+            micro_rows=cfg["ppo_micro_batch_size_per_gpu"],
+            epochs=int(cfg.get("ppo_epochs", 1)),
+            loss_agg_mode=cfg.get("loss_agg_mode", "token-mean"),
+            world_size=self.world_size,
         )
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        value = float(grad_norm)
-        if math.isfinite(value):
-            self.optimizer.step()
-            self.consecutive_skipped_steps = 0
-        else:
-            self.num_skipped_steps += 1
-            self.consecutive_skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-        return value
+        out = {f"actor/{k}": v for k, v in metrics.items()}
+        out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        out["actor/skipped_steps"] = float(self.stepper.num_skipped)
+        out["actor/consecutive_skipped_steps"] = float(self.stepper.consecutive_skipped)
+        return out
 
     # ------------------------------------------------------------------ weights
     def stream_weights(self, stats: StreamStats | None = None):

@@ -9,18 +9,17 @@ the loss normaliser of a mini-batch is summed over ranks so the gradient does no
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedrl.algorithms import agg_denominator
 from fusedrl.algorithms.value import value_loss
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.fsdp import apply_fsdp2, build_mesh, device_type, to_dtype
 from fusedrl.workers.logprob import micro_batches
+from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -99,7 +98,7 @@ class CriticRole:
             betas=tuple(optim.get("betas", (0.9, 0.999))),
             weight_decay=optim.get("weight_decay", 0.0),
         )
-        self.num_skipped_steps = 0
+        self.stepper = GuardedStepper(self.model, self.optimizer, float(self._get("grad_clip")))
 
     def _get(self, key: str) -> Any:
         value = self.cfg.get(key)
@@ -140,63 +139,36 @@ class CriticRole:
                 f"critic.ppo_mini_batch_size={cfg['ppo_mini_batch_size']} x rollout.n={self.rollout_n} gives "
                 f"no row per rank with {self.world_size} ranks"
             )
-        micro_rows = int(cfg["ppo_micro_batch_size_per_gpu"])
         mode = self._get("loss_agg_mode")
         clip = float(self._get("cliprange_value"))
-        sums: dict[str, float] = {}
-        n_mini = 0
-        for _ in range(int(self._get("ppo_epochs"))):
-            for mini in micro_batches(batch, mini_rows):
-                # Mini-batch normaliser summed over ranks; / W because FSDP averages gradients over ranks.
-                local = torch.tensor(
-                    [agg_denominator(mini.response_mask, mode), float(mini.response_mask.sum())],
-                    dtype=torch.float64,
-                )
-                dist.all_reduce(local)
-                norm, token_norm = (v / self.world_size for v in local.tolist())
-                self.optimizer.zero_grad(set_to_none=True)
-                mini_terms: dict[str, torch.Tensor] = {}
-                for mb in micro_batches(mini, micro_rows):
-                    values = self._forward_values(mb)  # [b, Tr]
-                    loss, metrics = value_loss(
-                        values,
-                        mb.critic_values,
-                        mb.returns,
-                        mb.response_mask,
-                        cliprange_value=clip,
-                        loss_agg_mode=mode,
-                        global_norm=norm,
-                    )
-                    loss.backward()
-                    # The loss already carries the global normaliser; the per-micro-batch means are
-                    # weighted by this micro-batch's share of the mini-batch's tokens.
-                    share = mb.response_mask.sum() / max(token_norm, 1e-8)  # []
-                    terms = {"vf_loss": loss.detach(), **{k: v * share for k, v in metrics.items()}}
-                    for key, value in terms.items():
-                        mini_terms[key] = mini_terms.get(key, 0.0) + value
-                grad_norm = self._clip_and_step()
-                # Each rank holds 1/W of every mini-batch quantity: sum them over ranks.
-                keys = sorted(mini_terms)
-                packed = torch.stack([mini_terms[k].float() for k in keys]) / self.world_size  # [K]
-                dist.all_reduce(packed)
-                for key, value in zip(keys, packed.tolist()):
-                    sums[key] = sums.get(key, 0.0) + value
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
-                n_mini += 1
-        out = {f"critic/{k}": v / max(n_mini, 1) for k, v in sums.items()}
-        out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        out["critic/skipped_steps"] = float(self.num_skipped_steps)
-        return out
 
-    def _clip_and_step(self) -> float:
-        """Clip the global grad norm and step; a non-finite norm skips the step (counted)."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self._get("grad_clip")))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        value = float(grad_norm)
-        if math.isfinite(value):
-            self.optimizer.step()
-        else:
-            self.num_skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-        return value
+        def micro_loss(mb: RolloutBatch, norm: float, token_norm: float):
+            values = self._forward_values(mb)  # [b, Tr]
+            loss, metrics = value_loss(
+                values,
+                mb.critic_values,
+                mb.returns,
+                mb.response_mask,
+                cliprange_value=clip,
+                loss_agg_mode=mode,
+                global_norm=norm,
+            )
+            # The loss already carries the global normaliser; the per-micro-batch means are weighted by
+            # this micro-batch's share of the mini-batch's tokens.
+            share = mb.response_mask.sum() / max(token_norm, 1e-8)  # []
+            return loss, {"vf_loss": loss.detach(), **{k: v * share for k, v in metrics.items()}}
+
+        metrics = minibatch_updates(
+            batch,
+            stepper=self.stepper,
+            micro_loss=micro_loss,
+            mini_rows=mini_rows,
+            micro_rows=int(cfg["ppo_micro_batch_size_per_gpu"]),
+            epochs=int(self._get("ppo_epochs")),
+            loss_agg_mode=mode,
+            world_size=self.world_size,
+        )
+        out = {f"critic/{k}": v for k, v in metrics.items()}
+        out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out["critic/skipped_steps"] = float(self.stepper.num_skipped)
+        return out

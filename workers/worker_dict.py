@@ -215,7 +215,7 @@ class WorkerDict:
             self.actor.model,
             self.actor.optimizer,
             shard_prefix(ckpt_dir, self.rank, "actor"),
-            extra={"num_skipped_steps": self.actor.num_skipped_steps},
+            extra={"num_skipped_steps": self.actor.stepper.num_skipped},
         )
         nbytes = info["bytes"]
         if self.critic is not None:
@@ -230,7 +230,7 @@ class WorkerDict:
         extra = load_fsdp_state(
             self.actor.model, self.actor.optimizer, shard_prefix(ckpt_dir, self.rank, "actor")
         )
-        self.actor.num_skipped_steps = int(extra.get("num_skipped_steps", 0))
+        self.actor.stepper.num_skipped = int(extra.get("num_skipped_steps", 0))
         if self.critic is not None:
             load_fsdp_state(
                 self.critic.model, self.critic.optimizer, shard_prefix(ckpt_dir, self.rank, "critic")

@@ -197,11 +197,12 @@ class VLLMEngine:
     # ------------------------------------------------------------------ memory
     def sleep(self, level: int = 1) -> None:
         """Release weights (level 2) and KV cache. A no-op on CPU, where vLLM has no sleep mode."""
-        if _is_cuda() and self.cfg.enable_sleep_mode:
+        if _is_cuda() and self.cfg.enable_sleep_mode and not self.is_sleeping:
             self.llm.sleep(level=level)
         self.is_sleeping = True
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        if _is_cuda() and self.cfg.enable_sleep_mode:
+        if _is_cuda() and self.cfg.enable_sleep_mode and self.is_sleeping:
             self.llm.wake_up(tags=list(tags) if tags is not None else None)
-        self.is_sleeping = False
+        # Waking only the weights leaves the KV cache asleep: still "sleeping" until the KV cache is back.
+        self.is_sleeping = tags is not None and "kv_cache" not in tags

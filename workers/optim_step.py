@@ -1,0 +1,91 @@
+"""The update loop shared by every trained role (actor, critic): mini-batches, micro-batches, one
+normaliser for the whole mini-batch across ranks, guarded optimizer steps, metrics summed over ranks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fusedrl.algorithms import agg_denominator
+from fusedrl.batch import RolloutBatch
+from fusedrl.workers.logprob import micro_batches
+
+# (micro-batch, loss normaliser, token normaliser) -> (loss to backprop, metric terms)
+MicroLoss = Callable[[RolloutBatch, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class GuardedStepper:
+    """Clip the global grad norm, then step; a non-finite norm skips the step and is counted."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    max_norm: float
+    num_skipped: int = 0
+    consecutive_skipped: int = 0
+
+    def __call__(self) -> float:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        value = float(grad_norm)
+        if math.isfinite(value):
+            self.optimizer.step()
+            self.consecutive_skipped = 0
+        else:
+            self.num_skipped += 1
+            self.consecutive_skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
+        return value
+
+
+def minibatch_updates(
+    batch: RolloutBatch,
+    *,
+    stepper: GuardedStepper,
+    micro_loss: MicroLoss,
+    mini_rows: int,
+    micro_rows: int,
+    epochs: int,
+    loss_agg_mode: str,
+    world_size: int,
+) -> dict[str, float]:
+    """``epochs`` passes of mini-batch SGD over this rank's shard; returns metrics averaged over
+    mini-batches (identical on every rank).
+
+    The loss normaliser of a mini-batch is counted over all ranks and micro-batches, so the gradient
+    does not depend on how the batch was split; FSDP averages gradients over ranks, hence ``/ W``.
+    ``micro_loss`` receives both that normaliser and the token count (for token-weighted metrics).
+    """
+    sums: dict[str, float] = {}
+    n_mini = 0
+    for _ in range(epochs):
+        for mini in micro_batches(batch, mini_rows):
+            local = torch.tensor(
+                [agg_denominator(mini.response_mask, loss_agg_mode), float(mini.response_mask.sum())],
+                dtype=torch.float64,
+            )
+            dist.all_reduce(local)
+            norm, token_norm = (v / world_size for v in local.tolist())
+            stepper.optimizer.zero_grad(set_to_none=True)
+            mini_terms: dict[str, torch.Tensor] = {}
+            for mb in micro_batches(mini, micro_rows):
+                loss, terms = micro_loss(mb, norm, token_norm)
+                loss.backward()
+                for key, value in terms.items():
+                    mini_terms[key] = mini_terms.get(key, 0.0) + value
+            grad_norm = stepper()
+            # Each rank holds 1/W of every mini-batch quantity (normalised by W * norm): sum over ranks.
+            keys = sorted(mini_terms)
+            packed = torch.stack([mini_terms[k].float() for k in keys]) / world_size  # [K]
+            dist.all_reduce(packed)
+            for key, value in zip(keys, packed.tolist()):
+                sums[key] = sums.get(key, 0.0) + value
+            sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
+            n_mini += 1
+    return {k: v / max(n_mini, 1) for k, v in sums.items()}
