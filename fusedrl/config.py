@@ -94,6 +94,13 @@ def load_config(
     return cfg
 
 
+def _looks_like_hub_id(path: str) -> bool:
+    """``org/name`` that is not a local path: transformers and vLLM download it (machines with a network)."""
+    import re
+
+    return not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
+
+
 def _missing_keys(cfg: Any, prefix: str = "") -> list[str]:
     """Keys set to ``???``. Interpolations to them (``${...}``) are not resolved, so each missing key is
     reported once, under its own name."""
@@ -140,11 +147,12 @@ def validate(cfg: DictConfig) -> None:
         for f in [val_files] if isinstance(val_files, str) else list(val_files):
             need(os.path.exists(f), f"`data.val_files`: file `{f}` does not exist.")
     if not OmegaConf.is_missing(cfg.actor_rollout_ref.model, "path"):
-        path = cfg.actor_rollout_ref.model.path
+        path = str(cfg.actor_rollout_ref.model.path)
         need(
-            os.path.isfile(os.path.join(str(path), "config.json")),
-            f"`actor_rollout_ref.model.path`: `{path}` is not a Hugging Face model folder (no config.json). "
-            "Point it at a local folder; build a tiny one with `python -m fusedrl.utils.tiny_model --out DIR`.",
+            os.path.isfile(os.path.join(path, "config.json")) or _looks_like_hub_id(path),
+            f"`actor_rollout_ref.model.path`: `{path}` is neither a Hugging Face model folder (no config.json) "
+            "nor a hub id (org/name). Point it at a local folder; build a tiny one with "
+            "`python -m fusedrl.utils.tiny_model --out DIR`.",
         )
 
     def number(key: str, kind: type = int) -> Any:

@@ -109,7 +109,10 @@ class ActorRole:
         assert entropy is not None
         entropy_loss = agg_loss(entropy, mb.response_mask, mode, norm)  # []
         loss = pg_loss - entropy_coeff * entropy_loss  # []
-        terms = {"pg_loss": pg_loss.detach(), "entropy": entropy_loss.detach()}
+        # The reported entropy is the token mean whatever the loss aggregation (comparable across modes).
+        token_share = mb.response_mask.sum() / max(token_norm, 1e-8)
+        entropy_mean = (entropy * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
+        terms = {"pg_loss": pg_loss.detach(), "entropy": (entropy_mean * token_share).detach()}
         if cfg.get("use_kl_loss", False):
             kl = kl_penalty(log_prob, mb.ref_log_probs, cfg.get("kl_loss_type", "low_var_kl"))  # [b, Tr]
             kl_loss = agg_loss(kl, mb.response_mask, mode, norm)  # []

@@ -16,60 +16,8 @@
 #   examples/data_preprocess/gsm8k.py when missing), NGPUS (default 1), PYTHON.
 #   `--print-overrides` prints the key=value list one per line and exits (nothing is downloaded or run).
 set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-PY="${PYTHON:-$ROOT/.venv/bin/python}"
-MODEL_PATH="${MODEL_PATH:-Qwen/Qwen2.5-0.5B-Instruct}"
-DATA_DIR="${DATA_DIR:-$HOME/data/gsm8k}"
-NGPUS="${NGPUS:-1}"
-PRINT_ONLY=0
-if [ "${1:-}" = "--print-overrides" ]; then PRINT_ONLY=1; shift; fi
-
-if [ "$PRINT_ONLY" = 0 ]; then
-    if [ ! -f "$DATA_DIR/train.parquet" ]; then
-        "$PY" "$ROOT/examples/data_preprocess/gsm8k.py" --local_dir "$DATA_DIR"
-    fi
-    if [ ! -d "$MODEL_PATH" ]; then  # a hub id: fetch it once (huggingface_hub caches it), use the folder
-        MODEL_PATH="$("$PY" -c 'import sys, huggingface_hub as h; print(h.snapshot_download(sys.argv[1]))' \
-            "$MODEL_PATH")"
-    fi
-fi
-
-# data: 64 prompts a step; GSM8K prompts with the chat template fit in 512 tokens
-DATA=(
-    data.train_files="$DATA_DIR/train.parquet"
-    data.val_files="$DATA_DIR/test.parquet"
-    data.train_batch_size=64
-    data.max_prompt_length=512
-    data.max_response_length=512
-    data.truncation=filter
-)
-# model and actor: fp32 master weights, bf16 compute; 4 optimizer steps per RL step
-MODEL=(
-    actor_rollout_ref.model.path="$MODEL_PATH"
-    actor_rollout_ref.model.enable_gradient_checkpointing=true
-    actor_rollout_ref.actor.optim.lr=1e-6
-    actor_rollout_ref.actor.optim.weight_decay=0.01
-    actor_rollout_ref.actor.ppo_mini_batch_size=16
-    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
-    actor_rollout_ref.actor.ppo_epochs=1
-    actor_rollout_ref.actor.grad_clip=1.0
-    actor_rollout_ref.actor.entropy_coeff=0.0
-    actor_rollout_ref.actor.fsdp_config.model_dtype=float32
-    actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16
-    actor_rollout_ref.ref.fsdp_config.param_dtype=bfloat16
-    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16
-)
-# rollout: in-process vLLM in bf16, 5 samples per prompt; it sleeps (frees its KV cache) while training
-ROLLOUT=(
-    actor_rollout_ref.rollout.name=vllm
-    actor_rollout_ref.rollout.n=5
-    actor_rollout_ref.rollout.temperature=1.0
-    actor_rollout_ref.rollout.dtype=bfloat16
-    actor_rollout_ref.rollout.gpu_memory_utilization=0.4
-    actor_rollout_ref.rollout.tensor_model_parallel_size=1
-    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16
-    actor_rollout_ref.rollout.free_cache_engine=true
-)
+RECIPE=remax
+source "$(dirname "$0")/../common/gsm8k_gpu_setup.sh"
 
 # algorithm: the reward of one greedy response per prompt (rollout.val_kwargs: greedy, n=1) is the
 # baseline of that prompt's sampled responses; no KL loss (no reference model is built)
@@ -80,19 +28,4 @@ ALGORITHM=(
     actor_rollout_ref.actor.use_kl_loss=false
 )
 
-# trainer: 2 epochs over the 7473 training problems, greedy validation on the 1319 test problems
-TRAINER=(
-    trainer.nnodes=1
-    trainer.n_gpus_per_node="$NGPUS"
-    trainer.total_epochs=2
-    trainer.val_before_train=true
-    trainer.test_freq=10
-    trainer.save_freq=50
-    trainer.max_actor_ckpt_to_keep=2
-    trainer.logger='[console,wandb]'
-    trainer.project_name=fusedrl_gsm8k
-    trainer.experiment_name=qwen2_5_0_5b_remax
-)
-OVERRIDES=("${DATA[@]}" "${MODEL[@]}" "${ROLLOUT[@]}" "${ALGORITHM[@]}" "${TRAINER[@]}" "$@")
-if [ "$PRINT_ONLY" = 1 ]; then printf '%s\n' "${OVERRIDES[@]}"; exit 0; fi
-"$PY" -m fusedrl.trainer.main_ppo "${OVERRIDES[@]}"
+run_recipe "$@"

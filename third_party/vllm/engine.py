@@ -59,6 +59,10 @@ class SampleParams:
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
 
+def _drop_chat_template_warmup(record: logging.LogRecord) -> bool:
+    return "Chat template warmup failed" not in str(record.msg)
+
+
 def vllm_available() -> bool:
     try:
         import vllm  # noqa: F401
@@ -85,7 +89,8 @@ class VLLMEngine:
 
         # With skip_tokenizer_init, vLLM's renderer still tries a chat-template warm-up and logs the
         # resulting "no tokenizer" traceback as a warning; it is expected here, so keep it out of the log.
-        logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
+        # (A filter, not a level: vLLM re-applies its logging config during construction, resetting levels.)
+        logging.getLogger("vllm.renderers.base").addFilter(_drop_chat_template_warmup)
         original_set_num_threads = torch.set_num_threads
         kwargs: dict = dict(
             model=cfg.model_path,
