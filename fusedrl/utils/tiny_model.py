@@ -60,7 +60,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=4,
         num_key_value_heads=2,
     ),
-    # ~1.1M parameters, head_dim 32: the quickstart's model (trains in minutes on 2 CPU cores)
+    # ~0.92M parameters, head_dim 32: the quickstart's model (trains in minutes on 2 CPU cores)
     "quick": dict(
         hidden_size=128,
         intermediate_size=384,
