@@ -126,9 +126,9 @@ class PPOTrainer:
             ),
         }
         worker_config["_roles"] = needed_roles(self.config)
-        self.group = WorkerGroup(WorkerDict, pool, worker_config)
-        addr, port = self.group.run_rank0(lambda w: w.master_address.remote())
-        self.group.run_all(lambda w: w.init_roles.remote(addr, port))
+        self.group = WorkerGroup.start(
+            WorkerDict, pool, worker_config, init=lambda w, addr, port: w.init_roles.remote(addr, port)
+        )
 
     @property
     def workers(self) -> WorkerGroup:

@@ -298,9 +298,9 @@ class SFTTrainer:
         )
         worker_config = to_plain_dict(self.config)
         worker_config["_total_steps"] = self.total_steps
-        self.group = WorkerGroup(SFTWorker, pool, worker_config)
-        addr, port = self.group.run_rank0(lambda w: w.master_address.remote())
-        self.group.run_all(lambda w: w.init.remote(addr, port))
+        self.group = WorkerGroup.start(
+            SFTWorker, pool, worker_config, init=lambda w, addr, port: w.init.remote(addr, port)
+        )
 
     @property
     def workers(self) -> WorkerGroup:

@@ -86,6 +86,21 @@ class WorkerGroup:
             for rank in range(pool.world_size)
         ]
 
+    @classmethod
+    def start(
+        cls,
+        worker_cls: type,
+        pool: ResourcePool,
+        config: dict[str, Any],
+        init: Callable[[Any, str, int], ray.ObjectRef],
+    ) -> WorkerGroup:
+        """Spawn the workers, get the torch.distributed rendezvous from rank 0, then run ``init`` (the
+        worker's collective set-up, e.g. ``lambda w, addr, port: w.init_roles.remote(addr, port)``) on all."""
+        group = cls(worker_cls, pool, config)
+        addr, port = group.run_rank0(lambda w: w.master_address.remote())
+        group.run_all(lambda w: init(w, addr, port))
+        return group
+
     @property
     def world_size(self) -> int:
         return len(self.workers)

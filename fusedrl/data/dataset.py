@@ -284,13 +284,17 @@ class RLDataset:
 
     @property
     def pad_token_id(self) -> int:
-        """The tokenizer's pad id, or its EOS id when it has no pad token."""
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        if pad is None:
-            pad = getattr(self.tokenizer, "eos_token_id", None)
-        if pad is None:
-            raise DataError("the tokenizer has neither a pad token nor an EOS token to pad prompts with")
-        return int(pad)
+        return tokenizer_pad_id(self.tokenizer)
+
+
+def tokenizer_pad_id(tokenizer: Any) -> int:
+    """The tokenizer's pad id, or its EOS id when it has no pad token."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    if pad is None:
+        raise DataError("the tokenizer has neither a pad token nor an EOS token to pad with")
+    return int(pad)
 
 
 def collate(rows: Sequence[Mapping], pad_token_id: int, max_prompt_length: int) -> RolloutBatch:

@@ -29,7 +29,14 @@ from typing import Any
 
 import torch
 
-from fusedrl.data.dataset import DataError, _as_file_list, _epoch_seed, _file_tags, _read_parquet
+from fusedrl.data.dataset import (
+    DataError,
+    _as_file_list,
+    _epoch_seed,
+    _file_tags,
+    _read_parquet,
+    tokenizer_pad_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -299,13 +306,7 @@ class SFTDataset:
 
     @property
     def pad_token_id(self) -> int:
-        """The tokenizer's pad id, or its EOS id when it has no pad token."""
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        if pad is None:
-            pad = getattr(self.tokenizer, "eos_token_id", None)
-        if pad is None:
-            raise DataError("the tokenizer has neither a pad token nor an EOS token to pad with")
-        return int(pad)
+        return tokenizer_pad_id(self.tokenizer)
 
     def num_loss_tokens(self) -> int:
         """Training targets over the whole dataset (the first token of a row is never a target)."""
