@@ -58,14 +58,21 @@ def fmt(s: dict[str, float], unit: str = "", digits: int = 3) -> str:
     return f"{s['median']:.{digits}f}{unit} ({s['min']:.{digits}f}-{s['max']:.{digits}f}, n={s['n']})"
 
 
-def run_in_subprocess(module: str, args: list[str], timeout: int = 900) -> dict:
+def run_in_subprocess(
+    module: str, args: list[str], timeout: int = 900, env: dict[str, str] | None = None
+) -> dict:
     """Run ``python -m module args`` and return the JSON object it prints on its last ``RESULT`` line.
 
     Each measurement that builds a vLLM engine gets its own process: an engine lives as long as its
     process (its teardown destroys the process group), exactly as in a fused worker.
     """
     proc = subprocess.run(
-        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

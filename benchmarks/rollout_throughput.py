@@ -129,6 +129,8 @@ def main() -> None:
                     "--max-tokens",
                     str(args.max_tokens),
                 ],
+                # Same threads for both: without OMP_NUM_THREADS vLLM drops torch to 1 thread "for serving".
+                env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)},
             )
             for eng in ("vllm", "hf")
         }
@@ -141,7 +143,8 @@ def main() -> None:
         )
     table = "\n".join(
         [
-            f"{args.prompts} prompts x {args.max_tokens} new tokens, sampling, float32, 1 process",
+            f"{args.prompts} prompts x {args.max_tokens} new tokens, sampling, float32, 1 process, "
+            f"OMP_NUM_THREADS={os.cpu_count()} for both engines",
             "",
             "| model | vLLM tok/s | HF generate tok/s | vLLM / HF |",
             "|---|---|---|---|",
