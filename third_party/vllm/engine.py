@@ -63,6 +63,11 @@ def _drop_chat_template_warmup(record: logging.LogRecord) -> bool:
     return "Chat template warmup failed" not in str(record.msg)
 
 
+def _drop_rotary_reload_warning(record: logging.LogRecord) -> bool:
+    # Every in-place reload "fails" to load the rotary embedding, which has no weights: expected.
+    return not ("Failed to load weights" in str(record.msg) and "RotaryEmbedding" in str(record.args))
+
+
 def vllm_available() -> bool:
     try:
         import vllm  # noqa: F401
@@ -91,6 +96,9 @@ class VLLMEngine:
         # resulting "no tokenizer" traceback as a warning; it is expected here, so keep it out of the log.
         # (A filter, not a level: vLLM re-applies its logging config during construction, resetting levels.)
         logging.getLogger("vllm.renderers.base").addFilter(_drop_chat_template_warmup)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            _drop_rotary_reload_warning
+        )
         original_set_num_threads = torch.set_num_threads
         kwargs: dict = dict(
             model=cfg.model_path,
