@@ -396,3 +396,29 @@ def restore_rng_state(state: dict[str, Any]) -> None:
                 len(saved),
                 torch.cuda.device_count(),
             )
+
+
+def save_run_checkpoint(
+    root: str, step: int, workers: Any, state: dict[str, Any], max_to_keep: int | None = None
+) -> str:
+    """One trainer checkpoint: every worker writes its shards (``w.save_checkpoint``) into a temp folder,
+    the driver adds ``state`` plus its RNG, then the folder is committed atomically. Returns its path."""
+    tmp = begin_checkpoint(root, step)
+    workers.run_all(lambda w: w.save_checkpoint.remote(tmp))
+    save_trainer_state(tmp, {**state, "rng": capture_rng_state()})
+    return commit_checkpoint(root, step, tmp, max_to_keep=max_to_keep)
+
+
+def load_run_checkpoint(
+    root: str, resume_mode: str, resume_from_path: str | None, workers: Any, loader: Any
+) -> tuple[str, dict[str, Any]] | None:
+    """Resume per ``trainer.resume_mode``: workers reload their shards (``w.load_checkpoint``), the data
+    loader its position, the driver its RNG. Returns ``(path, trainer_state)``, or None for a fresh run."""
+    path = resolve_resume(root, resume_mode, resume_from_path)
+    if path is None:
+        return None
+    state = load_trainer_state(path)
+    workers.run_all(lambda w: w.load_checkpoint.remote(path))
+    loader.load_state_dict(state["dataloader"])
+    restore_rng_state(state["rng"])
+    return path, state

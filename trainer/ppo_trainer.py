@@ -28,16 +28,7 @@ from omegaconf import DictConfig
 from fusedrl.algorithms import get_adv_estimator
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
 from fusedrl.batch import RolloutBatch, concat
-from fusedrl.checkpoint import (
-    begin_checkpoint,
-    capture_rng_state,
-    commit_checkpoint,
-    find_latest_checkpoint,
-    load_trainer_state,
-    resolve_resume,
-    restore_rng_state,
-    save_trainer_state,
-)
+from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
 from fusedrl.data.dataset import PromptLoader, RLDataset
@@ -229,33 +220,35 @@ class PPOTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> str:
         """Shards from every worker + the driver's state into a temp folder, then one atomic rename."""
-        cfg = self.config.trainer
-        root = str(cfg.default_local_dir)
-        tmp = begin_checkpoint(root, self.global_step)
-        self.workers.run_all(lambda w: w.save_checkpoint.remote(tmp))
-        save_trainer_state(
-            tmp,
-            {
-                "global_step": self.global_step,
-                "dataloader": self.train_loader.state_dict(),
-                "rng": capture_rng_state(),
-                "kl_coef": self.kl_ctrl.value,
-            },
+        tr = self.config.trainer
+        state = {
+            "global_step": self.global_step,
+            "dataloader": self.train_loader.state_dict(),
+            "kl_coef": self.kl_ctrl.value,
+        }
+        return save_run_checkpoint(
+            str(tr.default_local_dir),
+            self.global_step,
+            self.workers,
+            state,
+            max_to_keep=tr.max_actor_ckpt_to_keep,
         )
-        return commit_checkpoint(root, self.global_step, tmp, max_to_keep=cfg.max_actor_ckpt_to_keep)
 
     def load_checkpoint(self) -> str | None:
         """Resume per ``trainer.resume_mode``; then re-sync the engine to the restored actor."""
-        cfg = self.config.trainer
-        path = resolve_resume(str(cfg.default_local_dir), str(cfg.resume_mode), cfg.resume_from_path)
-        if path is None:
+        tr = self.config.trainer
+        resumed = load_run_checkpoint(
+            str(tr.default_local_dir),
+            str(tr.resume_mode),
+            tr.resume_from_path,
+            self.workers,
+            self.train_loader,
+        )
+        if resumed is None:
             return None
-        state = load_trainer_state(path)
-        self.workers.run_all(lambda w: w.load_checkpoint.remote(path))
+        path, state = resumed
         self.global_step = int(state["global_step"])
-        self.train_loader.load_state_dict(state["dataloader"])
         self._data_iter = None
-        restore_rng_state(state["rng"])
         self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
         self.sync_weights()  # the engine still holds the weights it was built from
         print(f"fusedrl: resumed from {path} at step {self.global_step}", flush=True)

@@ -23,15 +23,7 @@ import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fusedrl.checkpoint import (
-    begin_checkpoint,
-    capture_rng_state,
-    commit_checkpoint,
-    load_trainer_state,
-    resolve_resume,
-    restore_rng_state,
-    save_trainer_state,
-)
+from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint
 from fusedrl.config import ConfigError, load_config, logger_names, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
 from fusedrl.data.sft_dataset import (
@@ -404,31 +396,29 @@ class SFTTrainer:
     def save_checkpoint(self) -> str:
         """Every rank's shards + the driver's state into a temp folder, then one atomic rename."""
         tr = self.config.trainer
-        root = str(tr.default_local_dir)
-        tmp = begin_checkpoint(root, self.global_step)
-        self.workers.run_all(lambda w: w.save_checkpoint.remote(tmp))
-        save_trainer_state(
-            tmp,
-            {
-                "global_step": self.global_step,
-                "dataloader": self.train_loader.state_dict(),
-                "rng": capture_rng_state(),
-            },
+        state = {
+            "global_step": self.global_step,
+            "dataloader": self.train_loader.state_dict(),
+        }
+        return save_run_checkpoint(
+            str(tr.default_local_dir), self.global_step, self.workers, state, max_to_keep=tr.max_ckpt_to_keep
         )
-        return commit_checkpoint(root, self.global_step, tmp, max_to_keep=tr.max_ckpt_to_keep)
 
     def load_checkpoint(self) -> str | None:
         """Resume per ``trainer.resume_mode`` (``auto``: newest complete checkpoint in default_local_dir)."""
         tr = self.config.trainer
-        path = resolve_resume(str(tr.default_local_dir), str(tr.resume_mode), tr.resume_from_path)
-        if path is None:
+        resumed = load_run_checkpoint(
+            str(tr.default_local_dir),
+            str(tr.resume_mode),
+            tr.resume_from_path,
+            self.workers,
+            self.train_loader,
+        )
+        if resumed is None:
             return None
-        state = load_trainer_state(path)
-        self.workers.run_all(lambda w: w.load_checkpoint.remote(path))
+        path, state = resumed
         self.global_step = int(state["global_step"])
-        self.train_loader.load_state_dict(state["dataloader"])
         self._data_iter = None
-        restore_rng_state(state["rng"])
         print(f"fusedrl: resumed from {path} at step {self.global_step}", file=self.stream, flush=True)
         return path
 

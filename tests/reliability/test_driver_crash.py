@@ -21,14 +21,14 @@ pytest.importorskip("vllm")
 DRIVER = textwrap.dedent(
     """
     import os, sys, time
-    import fusedrl.trainer.ppo_trainer as pt
-    real_commit = pt.commit_checkpoint
+    import fusedrl.checkpoint as ckpt
+    real_commit = ckpt.commit_checkpoint
     def slow_commit(root, step, tmp, max_to_keep=None):
         if str(step) == os.environ.get("HANG_IN_COMMIT_AT", ""):
             print(f"HANGING_IN_COMMIT {step}", flush=True)
             time.sleep(3600)
         return real_commit(root, step, tmp, max_to_keep=max_to_keep)
-    pt.commit_checkpoint = slow_commit
+    ckpt.commit_checkpoint = slow_commit
     from fusedrl.trainer.main_ppo import main
     sys.exit(main(sys.argv[1:]))
     """
