@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -360,6 +360,30 @@ def logger_names(cfg: DictConfig) -> list[str]:
     """``trainer.logger`` as a list (a bare ``trainer.logger=console`` is accepted too)."""
     value = cfg.trainer.logger
     return [str(value)] if isinstance(value, str) else [str(v) for v in value]
+
+
+def cli_main(
+    argv: Sequence[str] | None,
+    load: Callable[[list[str]], DictConfig],
+    run: Callable[[DictConfig], Any],
+    *,
+    prog: str = "fusedrl",
+    show_config: bool = True,
+) -> int:
+    """The body of every entry point: ``key=value`` overrides -> validated config -> ``run(config)``.
+
+    Config problems are all printed at once to stderr, before anything starts, and the exit code is 2.
+    """
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load(overrides)
+    except ConfigError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 2
+    if show_config:
+        print(OmegaConf.to_yaml(config), flush=True)
+    run(config)
+    return 0
 
 
 def to_plain_dict(cfg: DictConfig) -> dict[str, Any]:

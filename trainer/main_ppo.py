@@ -8,9 +8,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from fusedrl.config import ConfigError, load_config
+from fusedrl.config import cli_main, load_config
 
 
 def run_ppo(config: DictConfig, trainer_cls: type | None = None) -> dict[str, float]:
@@ -27,15 +27,7 @@ def run_ppo(config: DictConfig, trainer_cls: type | None = None) -> dict[str, fl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    try:
-        config = load_config(overrides)
-    except ConfigError as err:
-        print(f"fusedrl: {err}", file=sys.stderr)
-        return 2
-    print(OmegaConf.to_yaml(config), flush=True)
-    run_ppo(config)
-    return 0
+    return cli_main(argv, load_config, lambda config: run_ppo(config))
 
 
 if __name__ == "__main__":

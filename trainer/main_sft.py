@@ -8,23 +8,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from omegaconf import OmegaConf
-
-from fusedrl.config import ConfigError
+from fusedrl.config import cli_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from fusedrl.trainer.sft_trainer import load_sft_config, run_sft
 
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    try:
-        config = load_sft_config(overrides)
-    except ConfigError as err:
-        print(f"fusedrl: {err}", file=sys.stderr)
-        return 2
-    print(OmegaConf.to_yaml(config), flush=True)
-    run_sft(config)
-    return 0
+    return cli_main(argv, load_sft_config, run_sft)
 
 
 if __name__ == "__main__":

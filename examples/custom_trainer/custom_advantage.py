@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from fusedrl.batch import RolloutBatch
-from fusedrl.config import ConfigError, load_config
+from fusedrl.config import cli_main, load_config
 from fusedrl.trainer.main_ppo import run_ppo
 from fusedrl.trainer.ppo_trainer import PPOTrainer
 
@@ -45,14 +45,13 @@ class ClippedAdvantageTrainer(PPOTrainer):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    try:
-        config = load_config(overrides)
-    except ConfigError as err:
-        print(f"custom_advantage: {err}", file=sys.stderr)
-        return 2
-    run_ppo(config, trainer_cls=ClippedAdvantageTrainer)
-    return 0
+    return cli_main(
+        argv,
+        load_config,
+        lambda config: run_ppo(config, trainer_cls=ClippedAdvantageTrainer),
+        prog="custom_advantage",
+        show_config=False,
+    )
 
 
 if __name__ == "__main__":
