@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.fusedrl-installed
 
-.PHONY: install test test-slow test-all lint format quickstart bench clean
+.PHONY: install test test-slow test-gpu test-all lint format quickstart bench clean
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -16,6 +16,10 @@ test: $(STAMP)
 ## Slow tests (longer end-to-end runs).
 test-slow: $(STAMP)
 	$(PY) -m pytest -m "slow" -q
+
+## CUDA checks (offload round trip, FSDP2 on NCCL, HF rollout on CUDA): on a GPU machine only.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m "gpu" -q tests/gpu
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q

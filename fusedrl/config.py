@@ -269,11 +269,45 @@ def validate(cfg: DictConfig) -> None:
         rollout.name in ("vllm", "hf"),
         f"`actor_rollout_ref.rollout.name`={rollout.name!r}: use `vllm` or `hf`.",
     )
+    tp = number("actor_rollout_ref.rollout.tensor_model_parallel_size")
+    slots, nnodes = _get(cfg, "trainer.n_gpus_per_node"), _get(cfg, "trainer.nnodes")
+    workers = slots * nnodes if isinstance(slots, int) and isinstance(nnodes, int) else None
+    if tp is not None:
+        need(
+            tp >= 1 and (workers is None or workers % tp == 0),
+            f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp}: must divide the number of fused "
+            f"workers (trainer.n_gpus_per_node x trainer.nnodes = {slots} x {nnodes}); each group of {tp} "
+            "consecutive workers runs one tensor-parallel engine.",
+        )
+        need(
+            tp == 1 or rollout.name == "vllm" or (workers is not None and workers % tp != 0),
+            f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp} needs rollout.name=vllm (the HF "
+            "rollout generates with the actor's FSDP2 module).",
+        )
     need(
-        number("actor_rollout_ref.rollout.tensor_model_parallel_size") in (1, None),
-        f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={rollout.tensor_model_parallel_size}: only 1 "
-        "(data-parallel rollout) is supported in this release. Set it to 1.",
+        rollout.sleep_level in (1, 2),
+        f"`actor_rollout_ref.rollout.sleep_level`={rollout.sleep_level!r}: use 1 (keep a host copy of the "
+        "engine's weights while asleep) or 2 (discard them; they are re-streamed before the next rollout).",
     )
+    if rollout.name == "hf":
+        need(
+            not actor.fsdp_config.param_offload,
+            "`actor_rollout_ref.actor.fsdp_config.param_offload`=true with `rollout.name=hf`: the HF rollout "
+            "generates with the actor's own parameters, so they cannot leave the device during rollout. Use "
+            "rollout.name=vllm or set param_offload=false.",
+        )
+    impls = {
+        key: OmegaConf.select(cfg, key)
+        for key in ("actor_rollout_ref.model.attn_implementation", "critic.model.attn_implementation")
+    }
+    if len(set(impls.values())) == 1:  # the critic follows the actor by default: report it once
+        impls.pop("critic.model.attn_implementation")
+    for key, impl in impls.items():
+        need(
+            impl in ("auto", "sdpa", "eager", "flash_attention_2"),
+            f"`{key}`={impl!r}: use auto (flash_attention_2 when available, else sdpa), sdpa, eager or "
+            "flash_attention_2.",
+        )
     temperature = number("actor_rollout_ref.rollout.temperature", float)
     need(
         temperature is None or temperature > 0,
@@ -322,9 +356,58 @@ def validate(cfg: DictConfig) -> None:
     cpath = cfg.custom_reward_function.path
     if cpath:
         need(os.path.isfile(str(cpath)), f"`custom_reward_function.path`: file `{cpath}` does not exist.")
+    problems.extend(_token_budget_problems(cfg))
 
     if problems:
         raise ConfigError(problems)
+
+
+# (switch, token budget) pairs of dynamic batch size; the budgets are checked only where the switch is on.
+_TOKEN_BUDGETS = (
+    ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+    (
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+    ),
+    (
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+    ),
+    ("critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu"),
+    ("critic.use_dynamic_bsz", "critic.forward_max_token_len_per_gpu"),
+)
+
+
+def _token_budget_problems(cfg: DictConfig) -> list[str]:
+    """Dynamic batch size: every token budget in use must hold one whole sequence (prompt + response)."""
+    roles = needed_roles(cfg)
+    try:
+        longest = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
+    except (TypeError, ValueError):
+        return []  # reported by the data.* checks
+    problems = []
+    for switch, key in _TOKEN_BUDGETS:
+        if not _get(cfg, switch) or (key.startswith("critic.") and not roles["critic"]):
+            continue
+        if key.startswith("actor_rollout_ref.ref.") and not roles["ref"]:
+            continue
+        node = OmegaConf.select(cfg, key, throw_on_missing=False)
+        source = cfg._get_node(key.split(".")[0])
+        for part in key.split(".")[1:]:
+            source = source._get_node(part)  # the raw node: is the value inherited from another key?
+        inherited = f" (it follows `{source._value()[2:-1]}`)" if source._is_interpolation() else ""
+        try:
+            budget = int(node)
+        except (TypeError, ValueError):
+            problems.append(f"`{key}`={node!r}: must be an integer number of tokens.")
+            continue
+        if budget < longest:
+            problems.append(
+                f"`{key}`={budget}{inherited}: a micro-batch must hold one whole sequence, and "
+                f"data.max_prompt_length + data.max_response_length = {longest}. Set it to at least {longest} "
+                f"(or `{switch}=false`)."
+            )
+    return problems
 
 
 def import_plugin(spec: str) -> None:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from fusedrl.algorithms import get_adv_estimator
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
+from fusedrl.balance import apply_order, balanced_rank_order, rank_token_loads, sequence_lengths
 from fusedrl.batch import RolloutBatch, concat
 from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
@@ -98,6 +99,9 @@ class PPOTrainer:
         )
         self.global_step = 0
         self.group: WorkerGroup | None = None
+        # The engines' weights differ from the actor's (after an update, or after a level-2 sleep threw
+        # them away) until the next `sync_weights`; `generate` re-syncs first when they do.
+        self.rollout_stale = False
         self._data_iter: Iterator[RolloutBatch] | None = None
 
     # ------------------------------------------------------------------ setup
@@ -167,6 +171,7 @@ class PPOTrainer:
         metrics: Metrics = {}
         with timer("step", metrics):
             batch = self.collect_batch(metrics)  # generate + reward (+ dynamic sampling)
+            batch = self.balance_batch(batch, metrics)
             with timer("old_log_prob", metrics):
                 batch = self.compute_log_probs(batch)
             if self.use_reference:
@@ -203,7 +208,7 @@ class PPOTrainer:
             )
         tol = self.rollout_check_tol
         gap = metrics.get("rollout/log_prob_abs_diff_mean")
-        if tol is not None and gap is not None and gap > tol:
+        if tol is not None and gap is not None and not gap <= tol:  # NaN (garbage weights) fails too
             raise RuntimeError(
                 f"step {self.global_step}: the rollout engine's log-probs differ from the actor's by {gap:.2e} on "
                 f"average (trainer.rollout_check_tol={tol:g}). The engine is running stale or corrupt weights: "
@@ -308,6 +313,19 @@ class PPOTrainer:
                 )
         raise AssertionError("unreachable")
 
+    def balance_batch(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
+        """Reorder rows so each DP rank's contiguous shard carries about the same real tokens
+        (``trainer.balance_batch``). Content is unchanged; advantages are computed here on the whole
+        batch by ``uid``, so a GRPO group split across ranks is fine; each epoch still uses every row once."""
+        lengths = sequence_lengths(batch)
+        world = self.workers.world_size
+        if self.config.trainer.get("balance_batch", False) and world > 1:
+            batch = apply_order(batch, order := balanced_rank_order(lengths, world))
+            lengths = [lengths[i] for i in order]
+        loads = rank_token_loads(lengths, world)
+        metrics["balance/max_over_mean_rank_tokens"] = max(loads) / max(sum(loads) / world, 1.0)
+        return batch
+
     def filter_groups(self, batch: RolloutBatch) -> RolloutBatch:
         """Keep only groups (rows sharing a uid) whose sequence scores are not all equal."""
         scores = batch.token_level_scores.sum(-1)  # [B]
@@ -358,8 +376,14 @@ class PPOTrainer:
         # Group ids unique to this generation call, so groups never merge across rounds or epochs.
         batch.uid = [f"{u}@{self.global_step}.{seed_offset}" for u in batch.field_list("uid")]
         sampling = self.sampling(validate)
+        if self.rollout_stale:
+            self.sync_weights()
         to_send = batch.select_fields("prompts", "prompt_mask", "sample_seeds")
-        shards = self.workers.run_split(lambda w, shard: w.rollout_generate.remote(shard, sampling), to_send)
+        tp = int(self.config.actor_rollout_ref.rollout.tensor_model_parallel_size)
+        shards = self.workers.run_split(
+            lambda w, shard: w.rollout_generate.remote(shard, sampling), to_send, replicas=tp
+        )
+        self.rollout_stale = self.rollout_discards_weights
         out = self.workers.gather_batches(shards, to_send)
         return batch.update_from(out, "responses", "response_mask", "rollout_log_probs")
 
@@ -473,12 +497,20 @@ class PPOTrainer:
         inputs = batch.select_fields(*fields)
         t = self.temperature
         per_rank = self.workers.run_split(lambda w, shard: w.actor_update.remote(shard, t), inputs)
+        self.rollout_stale = True
         return _mean_over_ranks(per_rank)
 
     def sync_weights(self) -> Metrics:
         """Stream the updated policy into every rollout engine in place (collective)."""
         per_rank = self.workers.run_all(lambda w: w.sync_weights.remote())
+        self.rollout_stale = False
         return _mean_over_ranks(per_rank)
+
+    @property
+    def rollout_discards_weights(self) -> bool:
+        """Whether the engines' post-rollout sleep throws their weights away (level 2)."""
+        r = self.config.actor_rollout_ref.rollout
+        return r.name == "vllm" and bool(r.free_cache_engine) and int(r.sleep_level) == 2
 
     def validate(self) -> Metrics:
         """Greedy (``rollout.val_kwargs``) generation on the validation set; mean score per data source."""

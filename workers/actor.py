@@ -16,17 +16,22 @@ from fusedrl.workers.fsdp import (
     build_mesh,
     device_type,
     load_causal_lm,
+    resolve_attn_implementation,
     stream_full_tensors,
     to_dtype,
 )
-from fusedrl.workers.logprob import batched_log_probs, response_log_probs
+from fusedrl.workers.logprob import batched_log_probs, response_log_probs, token_budget
 from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates
 
 
 def _sharded_model(model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any]) -> nn.Module:
-    model = load_causal_lm(model_cfg["path"], fsdp_cfg.get("model_dtype", "float32"))
+    model = load_causal_lm(
+        model_cfg["path"],
+        fsdp_cfg.get("model_dtype", "float32"),
+        resolve_attn_implementation(model_cfg.get("attn_implementation")),
+    )
     if model_cfg.get("enable_gradient_checkpointing", False):
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     param_dtype = fsdp_cfg.get("param_dtype")
     model.to(device_type())
     return apply_fsdp2(model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None)
@@ -37,6 +42,7 @@ class RefRole:
 
     def __init__(self, model_cfg: dict[str, Any], ref_cfg: dict[str, Any]) -> None:
         self.cfg = ref_cfg
+        self.use_remove_padding = bool(model_cfg.get("use_remove_padding", False))
         self.model = _sharded_model(model_cfg, ref_cfg.get("fsdp_config", {}))
         self.model.eval()
         for p in self.model.parameters():
@@ -49,6 +55,10 @@ class RefRole:
             batch,
             temperature=temperature,
             micro_batch_size=self.cfg["log_prob_micro_batch_size_per_gpu"],
+            max_token_len=token_budget(
+                self.cfg, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"
+            ),
+            remove_padding=self.use_remove_padding,
         )
 
 
@@ -63,6 +73,7 @@ class ActorRole:
         self.cfg = cfg
         self.world_size = dist.get_world_size()
         self.rollout_n = rollout_n
+        self.use_remove_padding = bool(model_cfg.get("use_remove_padding", False))
         self.model = _sharded_model(model_cfg, cfg.get("fsdp_config", {}))
         optim = cfg["optim"]
         self.optimizer = torch.optim.AdamW(
@@ -76,12 +87,23 @@ class ActorRole:
 
     # ------------------------------------------------------------------ inference
     def compute_log_prob(
-        self, batch: RolloutBatch, *, temperature: float, micro_batch_size: int
+        self,
+        batch: RolloutBatch,
+        *,
+        temperature: float,
+        micro_batch_size: int,
+        max_token_len: int | None = None,
     ) -> torch.Tensor:
-        """``log pi_old(response)`` before the update: ``[B, Tr]``."""
+        """``log pi_old(response)`` before the update: ``[B, Tr]``. ``max_token_len``: dynamic batch size
+        (micro-batches by token budget, ``micro_batch_size`` ignored)."""
         self.model.eval()
         return batched_log_probs(
-            self.model, batch, temperature=temperature, micro_batch_size=micro_batch_size
+            self.model,
+            batch,
+            temperature=temperature,
+            micro_batch_size=micro_batch_size,
+            max_token_len=max_token_len,
+            remove_padding=self.use_remove_padding,
         )
 
     # ------------------------------------------------------------------ training
@@ -92,7 +114,7 @@ class ActorRole:
         mode = cfg.get("loss_agg_mode", "token-mean")
         entropy_coeff = float(cfg.get("entropy_coeff", 0.0))
         log_prob, entropy = response_log_probs(
-            self.model, mb, temperature=temperature, with_entropy=True
+            self.model, mb, temperature=temperature, with_entropy=True, remove_padding=self.use_remove_padding
         )  # [b, Tr]
         clip = float(cfg.get("clip_ratio", 0.2))
         pg_loss, pg_metrics = self.policy_loss(
@@ -139,6 +161,7 @@ class ActorRole:
             epochs=int(cfg.get("ppo_epochs", 1)),
             loss_agg_mode=cfg.get("loss_agg_mode", "token-mean"),
             world_size=self.world_size,
+            max_token_len=token_budget(cfg, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
         )
         out = {f"actor/{k}": v for k, v in metrics.items()}
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]

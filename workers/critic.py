@@ -17,9 +17,16 @@ from torch import nn
 
 from fusedrl.algorithms.value import value_loss
 from fusedrl.batch import RolloutBatch
-from fusedrl.workers.fsdp import apply_fsdp2, build_mesh, device_type, to_dtype
-from fusedrl.workers.logprob import micro_batches
+from fusedrl.workers.fsdp import (
+    apply_fsdp2,
+    build_mesh,
+    device_type,
+    resolve_attn_implementation,
+    to_dtype,
+)
+from fusedrl.workers.logprob import restore_order, split_micro_batches, token_budget
 from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates
+from fusedrl.workers.packing import pack_batch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -73,7 +80,9 @@ class CriticRole:
     ``model.fsdp_config.{model_dtype,param_dtype}``, ``model.enable_gradient_checkpointing``,
     ``optim.{lr,betas,weight_decay}``, ``ppo_mini_batch_size`` (prompts across ranks),
     ``ppo_micro_batch_size_per_gpu``, ``forward_micro_batch_size_per_gpu``, ``ppo_epochs``,
-    ``cliprange_value``, ``grad_clip``, ``loss_agg_mode``. The process group must already be initialised.
+    ``cliprange_value``, ``grad_clip``, ``loss_agg_mode``; ``model.use_remove_padding`` (packed forwards),
+    ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu`` / ``forward_max_token_len_per_gpu`` (micro-batches
+    by token budget). The process group must already be initialised.
     """
 
     def __init__(self, critic_cfg: dict[str, Any], *, rollout_n: int) -> None:
@@ -81,10 +90,15 @@ class CriticRole:
         self.world_size = dist.get_world_size()
         self.rollout_n = rollout_n
         model_cfg = critic_cfg["model"]
+        self.use_remove_padding = bool(model_cfg.get("use_remove_padding", False))
         fsdp_cfg = model_cfg.get("fsdp_config") or {}
-        model = load_value_model(model_cfg["path"], fsdp_cfg.get("model_dtype") or "float32")
+        model = load_value_model(
+            model_cfg["path"],
+            fsdp_cfg.get("model_dtype") or "float32",
+            resolve_attn_implementation(model_cfg.get("attn_implementation")),
+        )
         if model_cfg.get("enable_gradient_checkpointing", False):
-            model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(device_type())
         _broadcast_head(model)
         param_dtype = fsdp_cfg.get("param_dtype")
@@ -107,6 +121,12 @@ class CriticRole:
     # ------------------------------------------------------------------ forward
     def _forward_values(self, mb: RolloutBatch) -> torch.Tensor:
         """Values of the response positions, ``[b, Tr]`` float32, with whatever grad mode is set."""
+        if self.use_remove_padding:
+            packed = pack_batch(mb)
+            out = self.model(
+                input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None
+            )
+            return packed.unpack(packed.response_rows(out.logits)[:, 0].float())  # [M] -> [b, Tr]
         input_ids, attention_mask, position_ids = mb.sequences()  # [b, Tp+Tr] each
         prompt_len = mb.prompts.shape[1]
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
@@ -119,8 +139,10 @@ class CriticRole:
         """``V(prefix)`` for every response position of this rank's shard: ``[B, Tr]``, 0 on padding."""
         self.model.eval()
         size = self.cfg.get("forward_micro_batch_size_per_gpu") or self.cfg["ppo_micro_batch_size_per_gpu"]
-        parts = [self._forward_values(mb) for mb in micro_batches(batch, int(size))]  # [b, Tr] each
-        return torch.cat(parts, dim=0) * batch.response_mask  # [B, Tr]
+        budget = token_budget(self.cfg, "use_dynamic_bsz", "forward_max_token_len_per_gpu")
+        mbs, order = split_micro_batches(batch, rows=int(size), max_token_len=budget)
+        parts = [self._forward_values(mb) for mb in mbs]  # [b_i, Tr] each
+        return restore_order(parts, order) * batch.response_mask  # [B, Tr]
 
     # ------------------------------------------------------------------ training
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -167,6 +189,7 @@ class CriticRole:
             epochs=int(self._get("ppo_epochs")),
             loss_agg_mode=mode,
             world_size=self.world_size,
+            max_token_len=token_budget(cfg, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
         )
         out = {f"critic/{k}": v for k, v in metrics.items()}
         out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])

@@ -43,6 +43,21 @@ def build_mesh() -> DeviceMesh:
     return init_device_mesh(device_type(), (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 
+def resolve_attn_implementation(name: str | None) -> str:
+    """``auto``: FlashAttention-2 on CUDA when ``flash-attn`` is installed, PyTorch SDPA otherwise."""
+    import importlib.util
+
+    has_flash = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    if name in (None, "auto"):
+        return "flash_attention_2" if has_flash else "sdpa"
+    if name == "flash_attention_2" and not has_flash:
+        raise RuntimeError(
+            "model.attn_implementation=flash_attention_2 needs a CUDA device and the flash-attn package "
+            "(pip install flash-attn); use `auto` or `sdpa` here."
+        )
+    return name
+
+
 def load_causal_lm(path: str, dtype: str, attn_implementation: str = "sdpa") -> nn.Module:
     """Load a Hugging Face causal LM on CPU in ``dtype`` (the *master* dtype of training)."""
     from transformers import AutoModelForCausalLM

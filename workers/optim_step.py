@@ -13,7 +13,7 @@ from torch import nn
 
 from fusedrl.algorithms import agg_denominator
 from fusedrl.batch import RolloutBatch
-from fusedrl.workers.logprob import micro_batches
+from fusedrl.workers.logprob import micro_batches, split_micro_batches
 
 # (micro-batch, loss normaliser, token normaliser) -> (loss to backprop, metric terms)
 MicroLoss = Callable[[RolloutBatch, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -54,6 +54,7 @@ def minibatch_updates(
     epochs: int,
     loss_agg_mode: str,
     world_size: int,
+    max_token_len: int | None = None,
 ) -> dict[str, float]:
     """``epochs`` passes of mini-batch SGD over this rank's shard; returns metrics averaged over
     mini-batches (identical on every rank).
@@ -61,6 +62,8 @@ def minibatch_updates(
     The loss normaliser of a mini-batch is counted over all ranks and micro-batches, so the gradient
     does not depend on how the batch was split; FSDP averages gradients over ranks, hence ``/ W``.
     ``micro_loss`` receives both that normaliser and the token count (for token-weighted metrics).
+    With ``max_token_len`` (dynamic batch size) micro-batches hold at most that many real tokens and
+    ``micro_rows`` is ignored; the gradient is the same, since only the split changes.
     """
     sums: dict[str, float] = {}
     n_mini = 0
@@ -69,12 +72,13 @@ def minibatch_updates(
             local = torch.tensor(
                 [agg_denominator(mini.response_mask, loss_agg_mode), float(mini.response_mask.sum())],
                 dtype=torch.float64,
+                device=mini.response_mask.device,  # NCCL reduces device tensors only
             )
             dist.all_reduce(local)
             norm, token_norm = (v / world_size for v in local.tolist())
             stepper.optimizer.zero_grad(set_to_none=True)
             mini_terms: dict[str, torch.Tensor] = {}
-            for mb in micro_batches(mini, micro_rows):
+            for mb in split_micro_batches(mini, rows=micro_rows, max_token_len=max_token_len)[0]:
                 loss, terms = micro_loss(mb, norm, token_norm)
                 loss.backward()
                 for key, value in terms.items():

@@ -5,8 +5,16 @@ torch.distributed needs the rank-0 address before any rank can join: ``__init__`
 is, `init_roles` joins the process group and builds the roles (collectively, on all ranks at once).
 
 Every method the driver calls is written out here (no generated methods), so grep finds each call site.
-The memory choreography of a step is visible in `generate` and `sync_weights`; on CPU the moves are
-no-ops but the calls happen in the same order.
+The memory choreography of a step is visible in `sync_weights` and `rollout_generate`:
+
+    sync_weights:     empty cache, expandable segments off -> (reload actor params if offloaded) ->
+                      engine wakes its weights -> stream weights in place -> offload actor params
+    rollout_generate: engine wakes its KV cache -> generate -> engine sleeps (level 1 or 2) ->
+                      expandable segments on -> reload actor params
+    log-probs / update: each role's params (and optimizer state) are loaded for its phase and offloaded
+                      after it, per its ``fsdp_config.param_offload`` / ``optimizer_offload``.
+
+On CPU the moves are no-ops but the calls happen in the same order and are recorded in ``events``.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +36,15 @@ from fusedrl.workers.actor import ActorRole, RefRole
 from fusedrl.workers.checkpoint_io import export_hf, load_fsdp_state, save_fsdp_state
 from fusedrl.workers.critic import CriticRole
 from fusedrl.workers.fsdp import StreamStats, device_type
+from fusedrl.workers.logprob import token_budget
+from fusedrl.workers.memory import (
+    Offloader,
+    empty_cache,
+    memory_metrics,
+    peak_rss_gb,
+    rss_gb,
+    set_expandable_segments,
+)
 from fusedrl.workers.reward_model import RewardModelRole
 from fusedrl.workers.rollout.base import SamplingConfig
 from fusedrl.workers.rollout.hf_rollout import HFRollout
@@ -37,15 +56,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _peak_rss_gb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
-
-
-def _rss_gb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+def _to_device(batch: RolloutBatch) -> RolloutBatch:
+    """Batches travel between processes on the CPU; the models compute on the worker's device."""
+    return batch if device_type() == "cpu" else batch.to(device_type())
 
 
 class WorkerDict:
@@ -62,6 +75,10 @@ class WorkerDict:
         self.rollout: Any = None
         # Names of memory moves in call order, so tests can check the choreography.
         self.events: list[str] = []
+        self.actor_mem: Offloader | None = None
+        self.ref_mem: Offloader | None = None
+        self.critic_mem: Offloader | None = None
+        self.last_rollout_memory: dict[str, float] = {}
 
     # ------------------------------------------------------------------ setup
     def master_address(self) -> tuple[str, int]:
@@ -107,7 +124,62 @@ class WorkerDict:
             self.reward_model = RewardModelRole(self.config["reward_model"])
         self.rollout = self._build_rollout()
         # The engine starts from the checkpoint on disk, the actor from the same files: already in sync.
-        return {"timing_s/init_roles": time.perf_counter() - t0, "memory/cpu_rss_gb": _rss_gb()}
+        self._build_offloaders()
+        self._offload_idle_state()
+        return {"timing_s/init_roles": time.perf_counter() - t0, "memory/cpu_rss_gb": rss_gb()}
+
+    def _build_offloaders(self) -> None:
+        arr = self.config["actor_rollout_ref"]
+        assert self.actor is not None
+        afs = arr["actor"].get("fsdp_config") or {}
+        self.actor_mem = Offloader(
+            "actor",
+            self.actor.model,
+            self.actor.optimizer,
+            # The HF rollout generates with the actor's own parameters: they stay (validated at start-up).
+            param_offload=bool(afs.get("param_offload")) and not isinstance(self.rollout, HFRollout),
+            optimizer_offload=bool(afs.get("optimizer_offload")),
+            events=self.events,
+        )
+        if self.ref is not None:
+            rfs = arr["ref"].get("fsdp_config") or {}
+            self.ref_mem = Offloader(
+                "ref",
+                self.ref.model,
+                None,
+                param_offload=bool(rfs.get("param_offload")),
+                optimizer_offload=False,
+                events=self.events,
+            )
+        if self.critic is not None:
+            cfs = self.config["critic"]["model"].get("fsdp_config") or {}
+            self.critic_mem = Offloader(
+                "critic",
+                self.critic.model,
+                self.critic.optimizer,
+                param_offload=bool(cfs.get("param_offload")),
+                optimizer_offload=bool(cfs.get("optimizer_offload")),
+                events=self.events,
+            )
+
+    def _offload_idle_state(self) -> None:
+        """Everything the rollout does not use leaves the device (per the offload flags)."""
+        assert self.actor_mem is not None
+        self.actor_mem.offload_all()
+        if self.ref_mem is not None:
+            self.ref_mem.offload_params()
+        if self.critic_mem is not None:
+            self.critic_mem.offload_all()
+        empty_cache()
+
+    @contextmanager
+    def _resident(self) -> Iterator[None]:
+        """Every offloaded model and optimizer on the device inside the block (checkpoints, export)."""
+        with ExitStack() as stack:
+            for mem in (self.actor_mem, self.ref_mem, self.critic_mem):
+                if mem is not None:
+                    stack.enter_context(mem.resident())
+            yield
 
     def _build_rollout(self) -> Any:
         arr = self.config["actor_rollout_ref"]
@@ -128,7 +200,8 @@ class WorkerDict:
         return VLLMRollout(
             rcfg,
             model_path=arr["model"]["path"],
-            seed=int(rcfg.get("seed", 0)) + self.rank,
+            # The ranks of one tensor-parallel engine must sample alike: one seed per rollout (DP) group.
+            seed=int(rcfg.get("seed", 0)) + self.rank // int(rcfg.get("tensor_model_parallel_size", 1)),
             max_model_len=int(data["max_prompt_length"]) + int(data["max_response_length"]),
             eos_token_id=tokens["eos_token_id"],
             pad_token_id=tokens["pad_token_id"],
@@ -136,51 +209,87 @@ class WorkerDict:
 
     # ------------------------------------------------------------------ rollout
     def rollout_generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
-        """Sample one response per row of this rank's shard."""
+        """Sample one response per row of this rank's shard, then put the engine to sleep and bring the
+        actor's parameters back. The engine's weights must be current (`sync_weights` after every update,
+        and after every level-2 sleep: the driver tracks both)."""
+        rcfg = self.config["actor_rollout_ref"]["rollout"]
+        self.events.append("rollout.wake_up(weights)")
+        self.rollout.wake_up(["weights"])  # a no-op after sync_weights woke them
         self.events.append("rollout.wake_up(kv_cache)")
         self.rollout.wake_up(["kv_cache"])
-        out = self.rollout.generate(batch, sampling)
-        self.events.append("rollout.sleep")
-        self.rollout.sleep(int(self.config["actor_rollout_ref"]["rollout"].get("sleep_level", 1)))
+        self.events.append("rollout.generate")
+        out = self.rollout.generate(_to_device(batch), sampling).cpu()
+        if rcfg.get("free_cache_engine", True):
+            level = int(rcfg.get("sleep_level", 1))
+            self.events.append(f"rollout.sleep(level={level})")
+            self.rollout.sleep(level)
+            empty_cache()
+        set_expandable_segments(True)
+        self.events.append("allocator.expandable_segments(on)")
+        self.last_rollout_memory = memory_metrics("rollout")
+        assert self.actor_mem is not None
+        self.actor_mem.load_params()
         return out
+
+    def rollout_weights_discarded(self) -> bool:
+        """True while a level-2 sleep has thrown the engine's weights away (until the next sync)."""
+        return bool(self.rollout.weights_discarded)
 
     # ------------------------------------------------------------------ log-probs
     def actor_compute_log_prob(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
-        assert self.actor is not None
-        mbs = int(self.config["actor_rollout_ref"]["rollout"]["log_prob_micro_batch_size_per_gpu"])
-        return self.actor.compute_log_prob(batch, temperature=temperature, micro_batch_size=mbs)
+        assert self.actor is not None and self.actor_mem is not None
+        rollout_cfg = self.config["actor_rollout_ref"]["rollout"]
+        mbs = int(rollout_cfg["log_prob_micro_batch_size_per_gpu"])
+        budget = token_budget(rollout_cfg, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
+        self.actor_mem.load_params()
+        return self.actor.compute_log_prob(
+            _to_device(batch), temperature=temperature, micro_batch_size=mbs, max_token_len=budget
+        ).cpu()
 
     def ref_compute_log_prob(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
-        if self.ref is None:
+        if self.ref is None or self.ref_mem is None:
             raise RuntimeError("ref_compute_log_prob: no reference role (enable actor.use_kl_loss)")
-        return self.ref.compute_log_prob(batch, temperature=temperature)
+        self.ref_mem.load_params()
+        out = self.ref.compute_log_prob(_to_device(batch), temperature=temperature).cpu()
+        self.ref_mem.offload_params()
+        return out
 
     # ------------------------------------------------------------------ training
     def actor_update(self, batch: RolloutBatch, temperature: float) -> dict[str, float]:
-        assert self.actor is not None
-        metrics = self.actor.update(batch, temperature=temperature)
-        metrics["memory/cpu_rss_gb_after_update"] = _rss_gb()
-        metrics["memory/peak_rss_gb"] = _peak_rss_gb()
+        assert self.actor is not None and self.actor_mem is not None
+        self.actor_mem.load_all()
+        metrics = self.actor.update(_to_device(batch), temperature=temperature)
+        metrics.update(memory_metrics("update"))
+        metrics.update(self.last_rollout_memory)
+        metrics["memory/peak_rss_gb"] = peak_rss_gb()
+        # Gradients are not needed until the next backward; the optimizer state not until the next step.
+        self.actor.model.zero_grad(set_to_none=True)
+        self.actor_mem.offload_optimizer()
         return metrics
 
     def critic_compute_values(self, batch: RolloutBatch) -> torch.Tensor:
-        if self.critic is None:
+        if self.critic is None or self.critic_mem is None:
             raise RuntimeError(
                 "critic_compute_values: no critic role (algorithm.adv_estimator=gae builds one)"
             )
-        return self.critic.compute_values(batch)
+        self.critic_mem.load_params()
+        return self.critic.compute_values(_to_device(batch)).cpu()
 
     def critic_update(self, batch: RolloutBatch) -> dict[str, float]:
-        if self.critic is None:
+        if self.critic is None or self.critic_mem is None:
             raise RuntimeError("critic_update: no critic role (algorithm.adv_estimator=gae builds one)")
-        return self.critic.update(batch)
+        self.critic_mem.load_all()
+        metrics = self.critic.update(_to_device(batch))
+        self.critic.model.zero_grad(set_to_none=True)
+        self.critic_mem.offload_all()
+        return metrics
 
     def reward_model_compute_scores(self, batch: RolloutBatch) -> torch.Tensor:
         if self.reward_model is None:
             raise RuntimeError(
                 "reward_model_compute_scores: no reward-model role (set reward_model.enable=true)"
             )
-        return self.reward_model.compute_scores(batch)
+        return self.reward_model.compute_scores(_to_device(batch)).cpu()
 
     # ------------------------------------------------------------------ weight sync
     def sync_weights(self, *, reset_prefix_cache: bool = True) -> dict[str, float]:
@@ -189,63 +298,75 @@ class WorkerDict:
         Collective across ranks (each ``full_tensor`` is an all-gather). No-op for the HF rollout, which
         runs on the actor's own module.
         """
-        assert self.actor is not None
+        assert self.actor is not None and self.actor_mem is not None
         if isinstance(self.rollout, HFRollout):
-            return {"timing_s/sync_weights_inner": 0.0}
+            return {"timing_s/sync_weights_inner": 0.0, **memory_metrics("sync")}
         t0 = time.perf_counter()
+        # The engine allocates from here on: give it the cached blocks and plain (non-expandable) segments.
+        empty_cache()
+        self.events.append("empty_cache")
+        set_expandable_segments(False)
+        self.events.append("allocator.expandable_segments(off)")
+        self.actor_mem.load_params()
         self.events.append("rollout.wake_up(weights)")
         self.rollout.wake_up(["weights"])
         stats = StreamStats()
         self.rollout.update_weights(self.actor.stream_weights(stats), reset_prefix_cache=reset_prefix_cache)
         self.events.append("rollout.update_weights")
+        # Gathered tensors are gone (the stream drops each one); the shards leave for the rollout.
+        self.actor_mem.offload_params()
+        empty_cache()
         return {
             "timing_s/sync_weights_inner": time.perf_counter() - t0,
             "sync/num_tensors": float(stats.num_tensors),
             "sync/total_mb": stats.total_bytes / 1e6,
             "sync/largest_tensor_mb": stats.largest_bytes / 1e6,
             "sync/peak_live_gathered_mb": stats.peak_live_bytes / 1e6,
-            "memory/cpu_rss_gb_after_sync": _rss_gb(),
+            **memory_metrics("sync"),
         }
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str) -> dict[str, float]:
         """This rank's shards of the actor (and critic) with optimizer and RNG state. No collectives."""
         assert self.actor is not None
-        info = save_fsdp_state(
-            self.actor.model,
-            self.actor.optimizer,
-            shard_prefix(ckpt_dir, self.rank, "actor"),
-            extra={"num_skipped_steps": self.actor.stepper.num_skipped},
-        )
-        nbytes = info["bytes"]
-        if self.critic is not None:
-            nbytes += save_fsdp_state(
-                self.critic.model, self.critic.optimizer, shard_prefix(ckpt_dir, self.rank, "critic")
-            )["bytes"]
+        with self._resident():
+            info = save_fsdp_state(
+                self.actor.model,
+                self.actor.optimizer,
+                shard_prefix(ckpt_dir, self.rank, "actor"),
+                extra={"num_skipped_steps": self.actor.stepper.num_skipped},
+            )
+            nbytes = info["bytes"]
+            if self.critic is not None:
+                nbytes += save_fsdp_state(
+                    self.critic.model, self.critic.optimizer, shard_prefix(ckpt_dir, self.rank, "critic")
+                )["bytes"]
         return {"checkpoint/shard_mb": nbytes / 1e6}
 
     def load_checkpoint(self, ckpt_dir: str) -> dict[str, float]:
         """Restore what `save_checkpoint` wrote. The rollout engine is refreshed by the next sync."""
         assert self.actor is not None
-        extra = load_fsdp_state(
-            self.actor.model, self.actor.optimizer, shard_prefix(ckpt_dir, self.rank, "actor")
-        )
-        self.actor.stepper.num_skipped = int(extra.get("num_skipped_steps", 0))
-        if self.critic is not None:
-            load_fsdp_state(
-                self.critic.model, self.critic.optimizer, shard_prefix(ckpt_dir, self.rank, "critic")
+        with self._resident():
+            extra = load_fsdp_state(
+                self.actor.model, self.actor.optimizer, shard_prefix(ckpt_dir, self.rank, "actor")
             )
+            self.actor.stepper.num_skipped = int(extra.get("num_skipped_steps", 0))
+            if self.critic is not None:
+                load_fsdp_state(
+                    self.critic.model, self.critic.optimizer, shard_prefix(ckpt_dir, self.rank, "critic")
+                )
         return {}
 
     def export_hf(self, out_dir: str) -> list[str]:
         """Write the current policy as a Hugging Face folder (rank 0 writes). Collective."""
         assert self.actor is not None
-        return export_hf(
-            self.actor.model,
-            out_dir,
-            src_model_dir=self.config["actor_rollout_ref"]["model"]["path"],
-            rank=self.rank,
-        )
+        with self._resident():
+            return export_hf(
+                self.actor.model,
+                out_dir,
+                src_model_dir=self.config["actor_rollout_ref"]["model"]["path"],
+                rank=self.rank,
+            )
 
     # ------------------------------------------------------------------ test / debug hooks
     def get_events(self) -> list[str]:
@@ -254,11 +375,13 @@ class WorkerDict:
     def actor_state(self) -> dict[str, torch.Tensor]:
         """This rank's local shards of the actor's parameters (copies), keyed by name."""
         assert self.actor is not None
-        return {n: p.to_local().detach().clone() for n, p in self.actor.model.named_parameters()}
+        with self._resident():
+            return {n: p.to_local().detach().cpu().clone() for n, p in self.actor.model.named_parameters()}
 
     def ref_state(self) -> dict[str, torch.Tensor]:
         assert self.ref is not None
-        return {n: p.to_local().detach().clone() for n, p in self.ref.model.named_parameters()}
+        with self._resident():
+            return {n: p.to_local().detach().cpu().clone() for n, p in self.ref.model.named_parameters()}
 
     def measure_weight_stream(self, hoard: bool) -> dict[str, float]:
         """Stream the actor's weights to a consumer that copies-and-drops (like the engine's loader) or,
@@ -267,10 +390,11 @@ class WorkerDict:
         assert self.actor is not None
         stats = StreamStats()
         kept = []
-        for _name, tensor in self.actor.stream_weights(stats):
-            if hoard:
-                kept.append(tensor)
-            del tensor  # a copy-and-drop consumer lets go before asking for the next tensor
+        with self._resident():
+            for _name, tensor in self.actor.stream_weights(stats):
+                if hoard:
+                    kept.append(tensor)
+                del tensor  # a copy-and-drop consumer lets go before asking for the next tensor
         del kept
         return {
             "peak_live_bytes": float(stats.peak_live_bytes),

@@ -138,24 +138,35 @@ class WorkerGroup:
                 ) from err
         return ray.get(list(refs))
 
-    def run_split(self, call: Callable[[Any, RolloutBatch], ray.ObjectRef], batch: RolloutBatch) -> list[Any]:
-        """Split ``batch`` by DP rank (padding to a multiple of the world size), call each rank on its
-        shard, and return the per-rank results with the padding still in (see `gather_batches`,
-        `gather_tensors`)."""
-        shards, _ = split_for_ranks(batch, self.world_size)
-        return self._get([call(w, shard) for w, shard in zip(self.workers, shards)])
+    def run_split(
+        self, call: Callable[[Any, RolloutBatch], ray.ObjectRef], batch: RolloutBatch, *, replicas: int = 1
+    ) -> list[Any]:
+        """Split ``batch`` by DP rank (padding to a multiple of the number of shards), call each rank on its
+        shard, and return the per-shard results with the padding still in (see `gather_batches`,
+        `gather_tensors`).
 
-    def split_pad(self, batch: RolloutBatch) -> int:
-        return (-batch.num_samples) % self.world_size
+        ``replicas`` > 1 gives consecutive groups of that many ranks the same shard (the ranks of one
+        tensor-parallel rollout engine must all see the same requests); their results are identical, and
+        the group's first rank's result is returned, so there are ``world_size / replicas`` results.
+        """
+        if self.world_size % replicas:
+            raise ValueError(f"replicas={replicas} does not divide the world size {self.world_size}")
+        shards, _ = split_for_ranks(batch, self.world_size // replicas)
+        results = self._get([call(w, shards[r // replicas]) for r, w in enumerate(self.workers)])
+        return results[::replicas]
+
+    @staticmethod
+    def split_pad(batch: RolloutBatch, num_shards: int) -> int:
+        return (-batch.num_samples) % num_shards
 
     def gather_batches(self, shards: Sequence[RolloutBatch], batch: RolloutBatch) -> RolloutBatch:
-        """Per-rank batch results back into one batch in the original row order."""
-        return gather_from_ranks(shards, self.split_pad(batch))
+        """Per-shard batch results back into one batch in the original row order."""
+        return gather_from_ranks(shards, self.split_pad(batch, len(shards)))
 
     def gather_tensors(self, parts: Sequence[torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
-        """Per-rank ``[b, ...]`` tensors back into ``[B, ...]`` in the original row order."""
+        """Per-shard ``[b, ...]`` tensors back into ``[B, ...]`` in the original row order."""
         full = torch.cat(list(parts), dim=0)
-        pad = self.split_pad(batch)
+        pad = self.split_pad(batch, len(parts))
         return full if pad == 0 else full[: full.shape[0] - pad]
 
     def shutdown(self) -> None:

@@ -80,6 +80,7 @@ def _update_without_sync(trainer, prompts) -> None:
     batch = trainer.compute_ref_log_probs(batch)
     batch = trainer.compute_advantages(batch)
     trainer.update_actor(batch)
+    trainer.rollout_stale = False  # a choreography that forgets the sync (generate would re-sync first)
 
 
 def test_engine_starts_in_sync_first_step_kl_zero(trainer):
@@ -232,6 +233,12 @@ def test_sync_holds_no_second_copy(trainer, tiny_model_dir):
 def test_memory_choreography_order(trainer):
     events = trainer.workers.run_all(lambda w: w.get_events.remote())
     for ev in events:
-        assert ev[:2] == ["rollout.wake_up(kv_cache)", "rollout.sleep"]
-        i = ev.index("rollout.wake_up(weights)")
-        assert ev[i + 1] == "rollout.update_weights"
+        assert ev[:5] == [
+            "rollout.wake_up(weights)",
+            "rollout.wake_up(kv_cache)",
+            "rollout.generate",
+            "rollout.sleep(level=1)",
+            "allocator.expandable_segments(on)",
+        ]
+        i = ev.index("rollout.update_weights")
+        assert ev[i - 3 : i] == ["empty_cache", "allocator.expandable_segments(off)", "rollout.wake_up(weights)"]

@@ -248,9 +248,12 @@ def test_rollout_name_unknown_fails(base):
         ("actor_rollout_ref.actor.kl_loss_type=k9", "actor_rollout_ref.actor.kl_loss_type"),
         ("actor_rollout_ref.actor.optim.lr=0", "actor_rollout_ref.actor.optim.lr"),
         (
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=3",  # does not divide 2 workers
             "actor_rollout_ref.rollout.tensor_model_parallel_size",
         ),
+        ("actor_rollout_ref.rollout.sleep_level=3", "actor_rollout_ref.rollout.sleep_level"),
+        ("actor_rollout_ref.model.attn_implementation=flash", "actor_rollout_ref.model.attn_implementation"),
+        ("critic.model.attn_implementation=xformers", "critic.model.attn_implementation"),
         ("actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.rollout.temperature"),
         ("trainer.logger=[console,mlflow]", "trainer.logger"),
     ],
@@ -259,6 +262,21 @@ def test_single_bad_value_names_its_key(base, override, key):
     problems = problems_of([*base, override])
     assert len(problems) == 1, problems
     problem_naming(problems, key)
+
+
+def test_param_offload_with_the_hf_rollout_is_a_config_error(base):
+    problems = problems_of(
+        [*base, "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.fsdp_config.param_offload=true"]
+    )
+    assert len(problems) == 1, problems
+    problem_naming(problems, "actor_rollout_ref.actor.fsdp_config.param_offload")
+
+
+def test_tensor_parallel_rollout_must_divide_the_workers_and_use_vllm(base):
+    tp2 = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
+    problem_naming(problems_of([*base, tp2]), "actor_rollout_ref.rollout.tensor_model_parallel_size")  # hf
+    cfg = load_config([*base, tp2, "actor_rollout_ref.rollout.name=vllm"])  # 2 workers, one TP=2 engine
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
 
 
 def test_non_numeric_batch_size_is_a_config_error(base):

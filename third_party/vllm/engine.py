@@ -42,6 +42,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 256 << 20  # explicit: the CPU default reserves most of RAM
     gpu_memory_utilization: float = 0.5
     enable_sleep_mode: bool = False  # CUDA only; on CPU sleep/wake are no-ops
+    # CPU tests: make sleep(level=2) destroy (NaN-fill) the weights, as CUDA's level-2 sleep discards them,
+    # so a choreography that forgets to re-stream weights after a level-2 sleep fails loudly on CPU too.
+    emulate_sleep: bool = False
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
 
@@ -126,7 +129,10 @@ class VLLMEngine:
         self.llm = LLM(**kwargs)
         torch.set_num_threads = original_set_num_threads
         self.cfg = cfg
-        self.is_sleeping = False
+        # What is allocated now ("weights", "kv_cache"), and whether a level-2 sleep threw the weights
+        # away since the last `update_weights` (the engine must not generate until they are re-streamed).
+        self.awake: set[str] = {"weights", "kv_cache"}
+        self.weights_discarded = False
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -191,6 +197,7 @@ class VLLMEngine:
         pickled. ``reset_prefix_cache=False`` exists only so tests can show what goes wrong without it.
         """
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        self.weights_discarded = False
         # KV blocks computed under the old weights must not be reused (GRPO repeats prompts).
         if reset_prefix_cache:
             self.reset_prefix_cache()
@@ -209,13 +216,41 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ memory
     def sleep(self, level: int = 1) -> None:
-        """Release weights (level 2) and KV cache. A no-op on CPU, where vLLM has no sleep mode."""
-        if _is_cuda() and self.cfg.enable_sleep_mode and not self.is_sleeping:
+        """Release the KV cache, and the weights: level 1 keeps a host copy of them, level 2 discards them
+        (they must be re-streamed before the next generate).
+
+        On CUDA with sleep mode this is vLLM's ``sleep``. On CPU vLLM has no sleep mode and nothing is
+        released; with ``emulate_sleep`` a level-2 sleep NaN-fills every weight of the engine, like the
+        garbage a CUDA engine wakes up with.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.is_sleeping:
+            return
+        if _is_cuda() and self.cfg.enable_sleep_mode:
             self.llm.sleep(level=level)
-        self.is_sleeping = True
+        elif level == 2 and self.cfg.emulate_sleep:
+            self._destroy_weights()
+        self.awake = set()
+        self.weights_discarded = self.weights_discarded or level == 2
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        if _is_cuda() and self.cfg.enable_sleep_mode and self.is_sleeping:
-            self.llm.wake_up(tags=list(tags) if tags is not None else None)
-        # Waking only the weights leaves the KV cache asleep: still "sleeping" until the KV cache is back.
-        self.is_sleeping = tags is not None and "kv_cache" not in tags
+        """Re-allocate ``tags`` (``"weights"``, ``"kv_cache"``; all when None). Waking weights discarded by
+        a level-2 sleep gives back storage, not values: `update_weights` must follow."""
+        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+        todo = sorted(wanted - self.awake)
+        if todo and _is_cuda() and self.cfg.enable_sleep_mode:
+            self.llm.wake_up(tags=todo)
+        self.awake |= wanted
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Neither weights nor KV cache are allocated (the state `sleep` leaves)."""
+        return not self.awake
+
+    @torch.no_grad()
+    def _destroy_weights(self) -> None:
+        model = self._model()
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.fill_(float("nan"))

@@ -48,7 +48,9 @@ class HFRollout:
         out = self.model.generate(batch.prompts, **kwargs)  # type: ignore[operator]  # [B, Tp + t]
         generated = out[:, prompt_len:]  # [B, t]
         b = batch.num_samples
-        responses = torch.full((b, self.max_response_length), self.pad_token_id, dtype=torch.long)  # [B, Tr]
+        responses = torch.full(
+            (b, self.max_response_length), self.pad_token_id, dtype=torch.long, device=out.device
+        )  # [B, Tr]
         response_mask = torch.zeros_like(responses)  # [B, Tr]
         for i in range(b):
             ids = generated[i].tolist()
@@ -78,3 +80,5 @@ class HFRollout:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         pass
+
+    weights_discarded = False  # generates with the actor's own module: never stale

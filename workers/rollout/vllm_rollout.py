@@ -44,6 +44,7 @@ class VLLMRollout:
                 kv_cache_memory_bytes=int(float(cfg.get("cpu_kv_cache_gb", 0.25)) * _GIB),
                 gpu_memory_utilization=float(cfg.get("gpu_memory_utilization", 0.5)),
                 enable_sleep_mode=bool(cfg.get("free_cache_engine", True)),
+                emulate_sleep=bool(cfg.get("emulate_sleep", False)),
                 enable_prefix_caching=bool(cfg.get("enable_prefix_caching", True)),
                 max_num_seqs=int(cfg.get("max_num_seqs", 256)),
             )
@@ -76,3 +77,8 @@ class VLLMRollout:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self.engine.wake_up(tags)
+
+    @property
+    def weights_discarded(self) -> bool:
+        """A level-2 sleep threw the weights away; they must be re-streamed before generating."""
+        return self.engine.weights_discarded

