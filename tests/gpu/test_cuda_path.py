@@ -93,8 +93,10 @@ def offload_roundtrip(model_dir: str) -> dict:
     mem = Offloader("actor", model, optimizer, param_offload=True, optimizer_offload=True, events=[])
     state_bytes = mem.training_state_bytes()
     params_before = {n: p.to_local().detach().cpu().clone() for n, p in model.named_parameters()}
-    optim_before = [t.to_local().cpu().clone() if hasattr(t, "to_local") else t.cpu().clone()
-                    for t in optimizer_state_tensors(optimizer)]
+    optim_before = [
+        t.to_local().cpu().clone() if hasattr(t, "to_local") else t.cpu().clone()
+        for t in optimizer_state_tensors(optimizer)
+    ]
     torch.cuda.synchronize()
     allocated_before = torch.cuda.memory_allocated()
 
@@ -110,7 +112,9 @@ def offload_roundtrip(model_dir: str) -> dict:
     mem.load_all()
     torch.cuda.synchronize()
     params_after = {n: p.to_local().detach().cpu() for n, p in model.named_parameters()}
-    optim_after = [t.to_local().cpu() if hasattr(t, "to_local") else t.cpu() for t in optimizer_state_tensors(optimizer)]
+    optim_after = [
+        t.to_local().cpu() if hasattr(t, "to_local") else t.cpu() for t in optimizer_state_tensors(optimizer)
+    ]
     params_equal = all(torch.equal(params_before[n], params_after[n]) for n in params_before)
     optim_equal = len(optim_before) == len(optim_after) and all(
         torch.equal(a, b) for a, b in zip(optim_before, optim_after)
@@ -140,7 +144,11 @@ def fsdp2_nccl_trains(model_dir: str) -> dict:
 
     model, optimizer, ids = _train_setup(model_dir)
     losses = [_train_step(model, optimizer, ids) for _ in range(8)]
-    return {"losses": losses, "backend": dist.get_backend(), "param_device": str(next(model.parameters()).device)}
+    return {
+        "losses": losses,
+        "backend": dist.get_backend(),
+        "param_device": str(next(model.parameters()).device),
+    }
 
 
 def hf_rollout_on_cuda(model_dir: str) -> dict:
@@ -162,7 +170,11 @@ def hf_rollout_on_cuda(model_dir: str) -> dict:
         prompts[i, tp - len(e) :] = torch.tensor(e)
         mask[i, tp - len(e) :] = 1
     batch = RolloutBatch.from_prompts(
-        prompts.cuda(), mask.cuda(), uid=[str(i) for i in range(3)], data_source=["t"] * 3, ground_truth=["0"] * 3
+        prompts.cuda(),
+        mask.cuda(),
+        uid=[str(i) for i in range(3)],
+        data_source=["t"] * 3,
+        ground_truth=["0"] * 3,
     )
     rollout = HFRollout(model, max_response_length=12, eos_token_id=tok.eos_token_id, pad_token_id=pad)
     out = rollout.generate(batch, SamplingConfig(max_tokens=12, temperature=1.0))

