@@ -32,7 +32,8 @@ DATA=(
     data.max_response_length="$RESPONSE_LEN"
     data.truncation=filter
 )
-# model and actor: fp32 master weights, bf16 compute; 4 optimizer steps per RL step
+# model and actor: fp32 master weights, bf16 compute; 4 optimizer steps per RL step; training state in host
+# memory while vLLM generates
 MODEL=(
     actor_rollout_ref.model.path="$MODEL_PATH"
     actor_rollout_ref.model.enable_gradient_checkpointing=true
@@ -46,9 +47,13 @@ MODEL=(
     actor_rollout_ref.actor.fsdp_config.model_dtype=float32
     actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16
     actor_rollout_ref.ref.fsdp_config.param_dtype=bfloat16
+    actor_rollout_ref.actor.fsdp_config.param_offload=true
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=true
+    actor_rollout_ref.ref.fsdp_config.param_offload=true
     actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16
 )
-# rollout: in-process vLLM in bf16, N_SAMPLES samples per prompt; it sleeps (frees its KV cache) while training
+# rollout: in-process vLLM in bf16, N_SAMPLES samples per prompt; while training it sleeps at level 2 (frees
+# KV cache and weights: the new weights are streamed in before the next rollout anyway)
 ROLLOUT=(
     actor_rollout_ref.rollout.name=vllm
     actor_rollout_ref.rollout.n="$N_SAMPLES"
@@ -58,6 +63,7 @@ ROLLOUT=(
     actor_rollout_ref.rollout.tensor_model_parallel_size=1
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16
     actor_rollout_ref.rollout.free_cache_engine=true
+    actor_rollout_ref.rollout.sleep_level=2
 )
 
 # trainer: 2 epochs over the 7473 training problems, greedy validation on the 1319 test problems
