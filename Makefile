@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.fusedrl-installed
 
-.PHONY: install test test-slow test-gpu test-all lint format quickstart bench clean
+.PHONY: install test test-slow test-reliability-slow test-gpu test-all lint format quickstart bench clean
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -16,6 +16,11 @@ test: $(STAMP)
 ## Slow tests (longer end-to-end runs).
 test-slow: $(STAMP)
 	$(PY) -m pytest -m "slow" -q
+
+## The slow reliability tests only (SIGKILLed driver resumes and equals an uninterrupted run; ~2 min).
+## CI (.ci/run) runs them after `test`.
+test-reliability-slow: $(STAMP)
+	$(PY) -m pytest -m "slow and not gpu" -q tests/reliability
 
 ## CUDA checks (offload round trip, FSDP2 on NCCL, HF rollout on CUDA): on a GPU machine only.
 test-gpu: $(STAMP)

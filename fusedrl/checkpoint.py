@@ -348,6 +348,15 @@ def _from_b64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
 
 
+def seed_rng(seed: int) -> None:
+    """Seed Python ``random``, numpy's global and torch's generators: a fresh run's driver RNG streams (used by
+    reward functions and trainer plugins) are then the same on every run of the same command, so a resumed run,
+    which restores them from its checkpoint (`restore_rng_state`), continues exactly the uninterrupted run's."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def capture_rng_state() -> dict[str, Any]:
     """Python ``random``, numpy's global and torch's CPU (and initialised CUDA) generators, as plain JSON."""
     version, internal, gauss_next = random.getstate()

@@ -29,7 +29,7 @@ from fusedrl.algorithms import get_adv_estimator
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
 from fusedrl.balance import apply_order, balanced_rank_order, rank_token_loads, sequence_lengths
 from fusedrl.batch import RolloutBatch, concat
-from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint
+from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
 from fusedrl.data.dataset import PromptLoader, RLDataset
@@ -144,6 +144,7 @@ class PPOTrainer:
     def fit(self) -> Metrics:
         """Train until ``total_steps``; returns the last step's metrics."""
         last: Metrics = {}
+        seed_rng(int(self.config.data.seed))  # a resumed run then restores the checkpoint's RNG state
         self.load_checkpoint()
         if self.config.trainer.val_before_train and self.val_dataset is not None:
             self.tracker.log(self.validate(), self.global_step)

@@ -29,6 +29,7 @@ from fusedrl.checkpoint import (
     resolve_resume,
     restore_rng_state,
     save_trainer_state,
+    seed_rng,
 )
 
 WORLD = 2
@@ -135,6 +136,16 @@ def test_rng_capture_restore_reproduces_draws():
     _draws()
     restore_rng_state(state)
     assert _draws() == expected
+
+
+def test_seed_rng_makes_fresh_driver_streams_reproducible():
+    seed_rng(7)
+    first = capture_rng_state()
+    expected = _draws()
+    seed_rng(7)
+    assert capture_rng_state() == first and _draws() == expected
+    seed_rng(8)
+    assert _draws() != expected
 
 
 # ---------------------------------------------------------------------- 2-rank FSDP2 on gloo
