@@ -4,6 +4,11 @@ The rollout engine samples from ``softmax(logits / temperature)`` and reports th
 log-probs (vLLM's ``processed_logprobs``). The trainer must score with the same distribution, so logits
 are divided by the rollout temperature here too; otherwise the PPO ratio and the first-step KL would be
 off by the temperature alone.
+
+Two ways to cut a batch into forwards: ``rows`` per micro-batch, or, with dynamic batch size, micro-batches
+of at most ``max_token_len`` real tokens (`split_micro_batches`). Two ways to run a forward: padded
+(``[b, Tp+Tr]`` with an attention mask) or packed (``remove_padding``: see `fusedrl.workers.packing`).
+All four combinations give the same numbers up to floating-point summation order.
 """
 
 from __future__ import annotations
@@ -11,10 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fusedrl.algorithms import entropy_from_logits
+from fusedrl.balance import sequence_lengths, token_budget_bins
 from fusedrl.batch import RolloutBatch
+from fusedrl.workers.packing import pack_batch
 
 
 def micro_batches(batch: RolloutBatch, size: int) -> Iterator[RolloutBatch]:
@@ -25,33 +33,106 @@ def micro_batches(batch: RolloutBatch, size: int) -> Iterator[RolloutBatch]:
         yield batch[start : start + size]
 
 
+def split_micro_batches(
+    batch: RolloutBatch, *, rows: int, max_token_len: int | None = None
+) -> tuple[list[RolloutBatch], torch.Tensor]:
+    """The micro-batches of one pass over ``batch`` and ``order`` ``[B]``: the original row index of each
+    row of ``cat(micro-batches)`` (so ``out[order] = cat(results)`` restores the batch's row order).
+
+    ``max_token_len=None``: consecutive slices of ``rows`` rows. Otherwise (dynamic batch size) ``rows`` is
+    ignored and rows are grouped into micro-batches of at most ``max_token_len`` real tokens. The number of
+    micro-batches is agreed across data-parallel ranks (the largest any rank needs), because every FSDP
+    forward is a collective: a rank that ran one forward fewer would hang the others.
+    """
+    if max_token_len is None:
+        return list(micro_batches(batch, rows)), torch.arange(batch.num_samples)
+    lengths = sequence_lengths(batch)
+    bins = token_budget_bins(lengths, max_token_len)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Every rank takes the largest count; the greedy fill may need more bins than asked on some rank,
+        # so repeat until all counts are equal. The exit test uses only all-reduced numbers: every rank
+        # runs the same number of rounds (one rank leaving early would pair collectives wrongly and hang).
+        while True:
+            count = torch.tensor([len(bins), -len(bins)], dtype=torch.int64)  # [max, -min] after reduce
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            most, fewest = int(count[0]), -int(count[1])
+            if most == fewest:
+                break
+            bins = token_budget_bins(lengths, max_token_len, min_bins=most)
+    order = torch.tensor([i for rows_of_bin in bins for i in rows_of_bin], dtype=torch.long)  # [B]
+    return [batch[torch.tensor(b, dtype=torch.long)] for b in bins], order
+
+
+def token_budget(cfg: dict, use_key: str, budget_key: str) -> int | None:
+    """``cfg[budget_key]`` when ``cfg[use_key]`` turns dynamic batch size on, else None (row micro-batches)."""
+    return int(cfg[budget_key]) if cfg.get(use_key) else None
+
+
+def restore_order(parts: list[torch.Tensor], order: torch.Tensor) -> torch.Tensor:
+    """Per-micro-batch ``[b_i, ...]`` results of `split_micro_batches` -> ``[B, ...]`` in batch order."""
+    stacked = torch.cat(parts, dim=0)  # [B, ...] in micro-batch order
+    out = torch.empty_like(stacked)
+    out[order] = stacked
+    return out
+
+
+def _token_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logits [..., V]`` of the positions predicting ``targets [...]`` -> ``(log_probs, entropy)`` ``[...]``."""
+    logits = logits.float() / temperature  # [..., V]
+    log_z = torch.logsumexp(logits, dim=-1)  # [...]
+    token_logits = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [...]
+    entropy = entropy_from_logits(logits) if with_entropy else None  # [...]
+    return token_logits - log_z, entropy
+
+
 def response_log_probs(
-    model: nn.Module, batch: RolloutBatch, *, temperature: float, with_entropy: bool = False
+    model: nn.Module,
+    batch: RolloutBatch,
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+    remove_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over prompt+response; returns ``(log_probs [B, Tr], entropy [B, Tr] | None)``.
 
     Runs with whatever grad mode the caller set: under ``torch.no_grad`` for old/ref log-probs, with
-    grad inside the actor update.
+    grad inside the actor update. With ``remove_padding`` the rows are packed into one sequence and the
+    results are 0 on response padding; padded, the values on padding are meaningless (callers mask).
     """
+    if remove_padding:
+        packed = pack_batch(batch)
+        logits = model(
+            input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None
+        ).logits
+        log_probs, entropy = _token_log_probs(
+            packed.response_rows(logits), packed.targets, temperature=temperature, with_entropy=with_entropy
+        )  # [M] each
+        return packed.unpack(log_probs), None if entropy is None else packed.unpack(entropy)  # [B, Tr]
     input_ids, attention_mask, position_ids = batch.sequences()  # [B, Tp+Tr] each
     prompt_len = batch.prompts.shape[1]
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     # The token at position t is predicted by the logits at t-1: responses start at Tp.
-    logits = logits[:, prompt_len - 1 : -1, :].float() / temperature  # [B, Tr, V]
-    log_z = torch.logsumexp(logits, dim=-1)  # [B, Tr]
-    token_logits = logits.gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)  # [B, Tr]
-    log_probs = token_logits - log_z  # [B, Tr]
-    entropy = entropy_from_logits(logits) if with_entropy else None  # [B, Tr]
-    return log_probs, entropy
+    return _token_log_probs(
+        logits[:, prompt_len - 1 : -1, :], batch.responses, temperature=temperature, with_entropy=with_entropy
+    )  # [B, Tr] each
 
 
 @torch.no_grad()
 def batched_log_probs(
-    model: nn.Module, batch: RolloutBatch, *, temperature: float, micro_batch_size: int
+    model: nn.Module,
+    batch: RolloutBatch,
+    *,
+    temperature: float,
+    micro_batch_size: int,
+    max_token_len: int | None = None,
+    remove_padding: bool = False,
 ) -> torch.Tensor:
-    """No-grad log-probs of the whole batch, ``micro_batch_size`` rows per forward. ``[B, Tr]``."""
+    """No-grad log-probs of the whole batch, ``[B, Tr]``: ``micro_batch_size`` rows per forward, or
+    micro-batches of at most ``max_token_len`` real tokens when that is set (dynamic batch size)."""
+    mbs, order = split_micro_batches(batch, rows=micro_batch_size, max_token_len=max_token_len)
     parts = [
-        response_log_probs(model, mb, temperature=temperature)[0]
-        for mb in micro_batches(batch, micro_batch_size)
-    ]
-    return torch.cat(parts, dim=0) * batch.response_mask  # [B, Tr], 0 on padding
+        response_log_probs(model, mb, temperature=temperature, remove_padding=remove_padding)[0] for mb in mbs
+    ]  # [b_i, Tr] each
+    return restore_order(parts, order) * batch.response_mask  # [B, Tr], 0 on padding

@@ -1,0 +1,116 @@
+"""Splitting rows by their real token counts: micro-batches within a token budget, and equal work per rank.
+
+Both are pure functions of per-row lengths (real prompt + response tokens, padding excluded) and return
+row indices; the callers index the batch with them and, where results come back per row, put them back
+in the original order.
+
+- `token_budget_bins` forms the micro-batches of dynamic batch size (``use_dynamic_bsz``): every
+  micro-batch holds at most ``budget`` real tokens, so a forward's memory is bounded by tokens rather than
+  by rows, and short rows share one forward.
+- `balanced_rank_order` reorders a batch before the driver cuts it into equal-size per-rank chunks
+  (``trainer.balance_batch``), so each data-parallel rank gets about the same number of tokens and no
+  rank waits for the one that drew the long responses.
+
+Both use the same greedy rule (longest first, into the least-loaded bin: "LPT", within 4/3 of the best
+possible maximum load), deterministic for equal inputs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+import torch
+
+from fusedrl.batch import RolloutBatch
+
+
+def sequence_lengths(batch: RolloutBatch) -> list[int]:
+    """Real (unpadded) prompt + response tokens of every row: ``[B]`` as a list."""
+    lengths = batch.prompt_mask.sum(dim=1)  # [B]
+    if batch.response_mask is not None:
+        lengths = lengths + batch.response_mask.sum(dim=1)  # [B]
+    return [int(x) for x in lengths.tolist()]
+
+
+def _longest_first(lengths: Sequence[int]) -> list[int]:
+    # Stable: equal lengths keep their row order, so the result is deterministic.
+    return sorted(range(len(lengths)), key=lambda i: -lengths[i])
+
+
+def _greedy_bins(lengths: Sequence[int], num_bins: int) -> list[list[int]]:
+    """Longest row first into the least-loaded bin (ties: lowest bin index). Rows ascending in a bin."""
+    heap = [(0, b) for b in range(num_bins)]  # (load, bin)
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for i in _longest_first(lengths):
+        load, b = heapq.heappop(heap)
+        bins[b].append(i)
+        heapq.heappush(heap, (load + lengths[i], b))
+    return [sorted(rows) for rows in bins]
+
+
+def token_budget_bins(lengths: Sequence[int], budget: int, *, min_bins: int = 1) -> list[list[int]]:
+    """Partition rows into micro-batches of at most ``budget`` tokens each.
+
+    Starts from ``max(min_bins, ceil(sum / budget))`` bins (no fewer can fit) and adds bins until the
+    greedy fill keeps every bin within the budget; it always succeeds by ``len(lengths)`` bins. Returns
+    the bins (lists of row indices, ascending inside a bin; every row exactly once, no bin empty).
+    ``min_bins`` lets data-parallel ranks agree on one count: FSDP's forward is a collective, so every
+    rank must run the same number of micro-batches.
+    """
+    n = len(lengths)
+    if budget < 1:
+        raise ValueError(f"token budget must be >= 1, got {budget}")
+    too_long = [(i, x) for i, x in enumerate(lengths) if x > budget]
+    if too_long:
+        i, x = too_long[0]
+        raise ValueError(
+            f"row {i} has {x} tokens, more than the micro-batch token budget {budget}: raise the "
+            "`*max_token_len_per_gpu` setting to at least max_prompt_length + max_response_length"
+        )
+    if min_bins > n:
+        raise ValueError(f"cannot split {n} rows into {min_bins} non-empty micro-batches")
+    if n == 0:
+        return []
+    num_bins = max(min_bins, math.ceil(sum(lengths) / budget), 1)
+    while True:
+        bins = _greedy_bins(lengths, num_bins)
+        if all(sum(lengths[i] for i in rows) <= budget for rows in bins):
+            return bins
+        num_bins += 1
+
+
+def balanced_rank_order(lengths: Sequence[int], world_size: int) -> list[int]:
+    """A row permutation after which equal contiguous per-rank chunks carry about equal tokens.
+
+    The chunks are those of `fusedrl.batch.split_for_ranks`: ``ceil(B / W)`` rows per rank, the last
+    rank(s) taking what is left. Each rank keeps its exact row count; within a rank the rows stay in
+    their original relative order. Returns indices ``order`` with ``batch[order]`` the balanced batch.
+    """
+    n = len(lengths)
+    if world_size <= 1 or n <= 1:
+        return list(range(n))
+    chunk = -(-n // world_size)  # ceil
+    room = [max(0, min(chunk, n - r * chunk)) for r in range(world_size)]
+    heap = [(0, r) for r in range(world_size) if room[r] > 0]  # (load, rank)
+    heapq.heapify(heap)
+    ranks: list[list[int]] = [[] for _ in range(world_size)]
+    for i in _longest_first(lengths):
+        load, r = heapq.heappop(heap)
+        ranks[r].append(i)
+        if len(ranks[r]) < room[r]:  # a full rank leaves the heap
+            heapq.heappush(heap, (load + lengths[i], r))
+    return [i for rows in ranks for i in sorted(rows)]
+
+
+def rank_token_loads(lengths: Sequence[int], world_size: int) -> list[int]:
+    """Tokens each rank receives when rows are cut into `split_for_ranks`' contiguous chunks."""
+    n = len(lengths)
+    chunk = max(1, -(-n // max(world_size, 1)))
+    return [sum(lengths[r * chunk : (r + 1) * chunk]) for r in range(world_size)]
+
+
+def apply_order(batch: RolloutBatch, order: Sequence[int]) -> RolloutBatch:
+    """``batch`` with its rows in ``order`` (every field, tensor or not)."""
+    return batch[torch.tensor(list(order), dtype=torch.long)]

@@ -1,0 +1,76 @@
+"""Remove-padding ("sequence packing") for the training forward.
+
+A padded micro-batch of ``b`` rows runs ``b x (Tp+Tr)`` token positions through the model, however short
+the real sequences are. Packed, the real prompt+response tokens of every row are laid end to end in one
+row ``[1, N]`` (``N`` = real tokens of the micro-batch) with ``position_ids`` restarting at 0 for every
+sequence and no attention mask. Transformers reads the restarts of ``position_ids`` as sequence
+boundaries: for SDPA / eager it builds a block-diagonal causal mask (``find_packed_sequence_indices`` in
+``transformers.masking_utils``), and flash-attention 2 runs its variable-length kernels on the same
+boundaries. Each token therefore sees exactly the tokens it sees in the padded forward, at the same
+positions, so the outputs agree with the padded path up to floating-point summation order.
+
+The model's per-token outputs (logits, values) come back as ``[1, N, ...]``; `PackedBatch.response_rows`
+picks, for every real response token, the output at the position that predicts it (the token just
+before it), and `PackedBatch.unpack` scatters per-token results back into the ``[b, Tr]`` layout of the
+batch, zero on padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fusedrl.batch import RolloutBatch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackedBatch:
+    """One micro-batch with its padding removed.
+
+    input_ids:     [1, N] int64, the real tokens of every row, rows end to end (row order kept).
+    position_ids:  [1, N] int64, 0, 1, ... within each row's sequence; the restarts mark the boundaries.
+    pred_index:    [M] int64, for each real response token (row-major over ``[b, Tr]``), the index into
+                   ``N`` of the position whose output predicts it.
+    targets:       [M] int64, those response token ids.
+    response_mask: [b, Tr] bool, where the ``M`` response tokens sit in the padded layout.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    pred_index: torch.Tensor
+    targets: torch.Tensor
+    response_mask: torch.Tensor
+
+    def response_rows(self, output: torch.Tensor) -> torch.Tensor:
+        """``[1, N, *F]`` model output -> ``[M, *F]``: the output that predicts each response token."""
+        return output[0, self.pred_index]  # [M, *F]
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """``[M]`` per-response-token values -> ``[b, Tr]``, 0 on padding (differentiable)."""
+        out = values.new_zeros(self.response_mask.shape)  # [b, Tr]
+        return out.masked_scatter(self.response_mask, values)  # [b, Tr]
+
+
+def pack_batch(batch: RolloutBatch) -> PackedBatch:
+    """Pack the real prompt+response tokens of ``batch``'s rows into one row (see the module docstring).
+
+    Tokens are kept where ``batch.sequences()``'s attention mask is 1 and keep the positions that
+    method gives them, so the packed forward sees exactly what the padded forward attends to.
+    """
+    input_ids, attention_mask, position_ids = batch.sequences()  # [b, Tp+Tr] each
+    keep = attention_mask.bool()  # [b, Tp+Tr]
+    # Index of every kept token in the packed row (meaningless where keep is False).
+    flat_index = keep.flatten().cumsum(0).view(keep.shape) - 1  # [b, Tp+Tr]
+    prompt_len = batch.prompts.shape[1]
+    response_mask = batch.response_mask.bool()  # [b, Tr]
+    # The response token at packed index k is predicted by the output at k - 1: the previous real token
+    # of the same sequence (the last prompt token for the first response token).
+    pred_index = flat_index[:, prompt_len:][response_mask] - 1  # [M]
+    return PackedBatch(
+        input_ids=input_ids[keep].unsqueeze(0),  # [1, N]
+        position_ids=position_ids[keep].unsqueeze(0),  # [1, N]
+        pred_index=pred_index.clamp(min=0),  # [M]; >= 0 whenever every row has a prompt token
+        targets=batch.responses[response_mask],  # [M]
+        response_mask=response_mask,  # [b, Tr]
+    )
