@@ -392,9 +392,8 @@ def _token_budget_problems(cfg: DictConfig) -> list[str]:
         if key.startswith("actor_rollout_ref.ref.") and not roles["ref"]:
             continue
         node = OmegaConf.select(cfg, key, throw_on_missing=False)
-        source = cfg._get_node(key.split(".")[0])
-        for part in key.split(".")[1:]:
-            source = source._get_node(part)  # the raw node: is the value inherited from another key?
+        parent, leaf = key.rsplit(".", 1)
+        source = OmegaConf.select(cfg, parent)._get_node(leaf)  # the raw node: inherited from another key?
         inherited = f" (it follows `{source._value()[2:-1]}`)" if source._is_interpolation() else ""
         try:
             budget = int(node)
