@@ -31,13 +31,6 @@ from fusedrl.workers.packing import pack_batch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-# Defaults of the `critic:` config section that this role reads (verl's names).
-CRITIC_DEFAULTS: dict[str, Any] = {
-    "ppo_epochs": 1,
-    "cliprange_value": 0.5,
-    "grad_clip": 1.0,
-    "loss_agg_mode": "token-mean",
-}
 
 
 def load_value_model(path: str, dtype: str, attn_implementation: str = "sdpa") -> PreTrainedModel:
@@ -112,11 +105,7 @@ class CriticRole:
             betas=tuple(optim.get("betas", (0.9, 0.999))),
             weight_decay=optim.get("weight_decay", 0.0),
         )
-        self.stepper = GuardedStepper(self.model, self.optimizer, float(self._get("grad_clip")))
-
-    def _get(self, key: str) -> Any:
-        value = self.cfg.get(key)
-        return CRITIC_DEFAULTS[key] if value is None else value
+        self.stepper = GuardedStepper(self.model, self.optimizer, float(self.cfg["grad_clip"]))
 
     # ------------------------------------------------------------------ forward
     def _forward_values(self, mb: RolloutBatch) -> torch.Tensor:
@@ -161,8 +150,8 @@ class CriticRole:
                 f"critic.ppo_mini_batch_size={cfg['ppo_mini_batch_size']} x rollout.n={self.rollout_n} gives "
                 f"no row per rank with {self.world_size} ranks"
             )
-        mode = self._get("loss_agg_mode")
-        clip = float(self._get("cliprange_value"))
+        mode = self.cfg["loss_agg_mode"]
+        clip = float(self.cfg["cliprange_value"])
 
         def micro_loss(mb: RolloutBatch, norm: float, token_norm: float):
             values = self._forward_values(mb)  # [b, Tr]
@@ -186,7 +175,7 @@ class CriticRole:
             micro_loss=micro_loss,
             mini_rows=mini_rows,
             micro_rows=int(cfg["ppo_micro_batch_size_per_gpu"]),
-            epochs=int(self._get("ppo_epochs")),
+            epochs=int(self.cfg["ppo_epochs"]),
             loss_agg_mode=mode,
             world_size=self.world_size,
             max_token_len=token_budget(cfg, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),

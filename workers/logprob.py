@@ -53,7 +53,10 @@ def split_micro_batches(
         # so repeat until all counts are equal. The exit test uses only all-reduced numbers: every rank
         # runs the same number of rounds (one rank leaving early would pair collectives wrongly and hang).
         while True:
-            count = torch.tensor([len(bins), -len(bins)], dtype=torch.int64)  # [max, -min] after reduce
+            # [max, -min] after the reduce; on the batch's device, as NCCL reduces device tensors only
+            count = torch.tensor(
+                [len(bins), -len(bins)], dtype=torch.int64, device=batch.response_mask.device
+            )
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
             most, fewest = int(count[0]), -int(count[1])
             if most == fewest:

@@ -241,4 +241,8 @@ def test_memory_choreography_order(trainer):
             "allocator.expandable_segments(on)",
         ]
         i = ev.index("rollout.update_weights")
-        assert ev[i - 3 : i] == ["empty_cache", "allocator.expandable_segments(off)", "rollout.wake_up(weights)"]
+        assert ev[i - 3 : i] == [
+            "empty_cache",
+            "allocator.expandable_segments(off)",
+            "rollout.wake_up(weights)",
+        ]
