@@ -16,10 +16,15 @@ shared/VLLM_CPU_FACTS.md for the measurements):
   weight update is followed by ``reset_prefix_cache``.
 * Creating the CPU worker replaces ``torch.set_num_threads`` by a no-op for the whole process; we put
   the original back so the trainer keeps control of its threads.
+* With tensor parallelism on CPU, vLLM's communicator shares memory through ``/dev/shm`` segments named
+  after the launch method, which is the constant ``env://`` under external_launcher; since the engine is
+  never shut down, the segments outlive the run and the next run on the machine fails with
+  "create shm in SHMManager failed. errno: 17". See `_remove_stale_cpu_shm` / `_unlink_own_cpu_shm`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -83,6 +88,40 @@ def _is_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+_SHM_DIR = "/dev/shm"
+
+
+def _shm_maps(pids: list[str]) -> set[str]:
+    """``/dev/shm`` paths mapped by these processes (``(deleted)`` suffix stripped)."""
+    paths: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if f"{_SHM_DIR}/" in line and "-cpushm" in line:
+                    paths.add(line.split(maxsplit=5)[-1].strip().removesuffix(" (deleted)"))
+    return paths
+
+
+def _remove_stale_cpu_shm() -> None:
+    """Delete vLLM CPU-communicator segments that no process maps (left by an earlier run)."""
+    if not os.path.isdir(_SHM_DIR):
+        return
+    mapped = _shm_maps([p for p in os.listdir("/proc") if p.isdigit()])
+    for name in os.listdir(_SHM_DIR):
+        path = os.path.join(_SHM_DIR, name)
+        if "-cpushm" in name and path not in mapped:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _unlink_own_cpu_shm() -> None:
+    """Unlink the names of the segments this process mapped. The mappings stay valid (POSIX), so the
+    engine keeps working, and nothing is left in ``/dev/shm`` when the process ends, however it ends."""
+    for path in _shm_maps(["self"]):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 class VLLMEngine:
     """One vLLM ``LLM`` per process, driven with token ids (the engine never sees text)."""
 
@@ -126,8 +165,16 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
         else:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        cpu_tp = not _is_cuda() and cfg.tensor_parallel_size > 1
+        if cpu_tp:
+            if torch.distributed.get_rank() == 0:
+                _remove_stale_cpu_shm()
+            torch.distributed.barrier()  # nobody creates a segment before the stale ones are gone
         self.llm = LLM(**kwargs)
         torch.set_num_threads = original_set_num_threads
+        if cpu_tp:
+            torch.distributed.barrier()  # every rank has mapped every segment of its group
+            _unlink_own_cpu_shm()
         self.cfg = cfg
         # What is allocated now ("weights", "kv_cache"), and whether a level-2 sleep threw the weights
         # away since the last `update_weights` (the engine must not generate until they are re-streamed).
