@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-
 def load_value_model(path: str, dtype: str, attn_implementation: str = "sdpa") -> PreTrainedModel:
     """Load ``path`` as a one-label token classifier on CPU in ``dtype`` (``logits``: ``[B, T, 1]``).
 
