@@ -127,9 +127,11 @@ def validate(cfg: DictConfig) -> None:
 
     problems: list[str] = []
 
-    def need(cond: bool, msg: str) -> None:
+    def need(cond: bool, msg: str) -> bool:
+        """Record ``msg`` when ``cond`` fails; returns ``cond`` so dependent checks can follow it."""
         if not cond:
             problems.append(msg)
+        return cond
 
     for key in _missing_keys(cfg):
         problems.append(f"`{key}`: required, not set. Pass `{key}=...` on the command line.")
@@ -272,15 +274,14 @@ def validate(cfg: DictConfig) -> None:
     tp = number("actor_rollout_ref.rollout.tensor_model_parallel_size")
     slots, nnodes = _get(cfg, "trainer.n_gpus_per_node"), _get(cfg, "trainer.nnodes")
     workers = slots * nnodes if isinstance(slots, int) and isinstance(nnodes, int) else None
-    if tp is not None:
+    if tp is not None and need(
+        tp >= 1 and (workers is None or workers % tp == 0),
+        f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp}: must divide the number of fused "
+        f"workers (trainer.n_gpus_per_node x trainer.nnodes = {slots} x {nnodes}); each group of {tp} "
+        "consecutive workers runs one tensor-parallel engine.",
+    ):
         need(
-            tp >= 1 and (workers is None or workers % tp == 0),
-            f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp}: must divide the number of fused "
-            f"workers (trainer.n_gpus_per_node x trainer.nnodes = {slots} x {nnodes}); each group of {tp} "
-            "consecutive workers runs one tensor-parallel engine.",
-        )
-        need(
-            tp == 1 or rollout.name == "vllm" or (workers is not None and workers % tp != 0),
+            tp == 1 or rollout.name == "vllm",
             f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp} needs rollout.name=vllm (the HF "
             "rollout generates with the actor's FSDP2 module).",
         )

@@ -320,7 +320,7 @@ class PPOTrainer:
         batch by ``uid``, so a GRPO group split across ranks is fine; each epoch still uses every row once."""
         lengths = sequence_lengths(batch)
         world = self.workers.world_size
-        if self.config.trainer.get("balance_batch", False) and world > 1:
+        if self.config.trainer.balance_batch and world > 1:
             batch = apply_order(batch, order := balanced_rank_order(lengths, world))
             lengths = [lengths[i] for i in order]
         loads = rank_token_loads(lengths, world)

@@ -111,10 +111,8 @@ class CriticRole:
         """Values of the response positions, ``[b, Tr]`` float32, with whatever grad mode is set."""
         if self.use_remove_padding:
             packed = pack_batch(mb)
-            out = self.model(
-                input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None
-            )
-            return packed.unpack(packed.response_rows(out.logits)[:, 0].float())  # [M] -> [b, Tr]
+            logits = packed.forward(self.model).logits  # [1, N, 1]
+            return packed.unpack(packed.response_rows(logits)[:, 0].float())  # [M] -> [b, Tr]
         input_ids, attention_mask, position_ids = mb.sequences()  # [b, Tp+Tr] each
         prompt_len = mb.prompts.shape[1]
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)

@@ -106,9 +106,7 @@ def response_log_probs(
     """
     if remove_padding:
         packed = pack_batch(batch)
-        logits = model(
-            input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None
-        ).logits
+        logits = packed.forward(model).logits  # [1, N, V]
         log_probs, entropy = _token_log_probs(
             packed.response_rows(logits), packed.targets, temperature=temperature, with_entropy=with_entropy
         )  # [M] each

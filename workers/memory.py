@@ -36,11 +36,6 @@ from fusedrl.workers.fsdp import device_type
 _GB = 1e9
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.current_stream().synchronize()
-
-
 def _move(t: torch.Tensor, device: str) -> torch.Tensor:
     out = t.to(device, non_blocking=True)
     if device == "cpu" and t.device.type == "cuda":
@@ -59,7 +54,6 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[tuple[dict[str,
 def move_params(model: nn.Module, device: str) -> None:
     """Move every parameter and buffer (FSDP2 shards included) to ``device``."""
     model._apply(lambda t: _move(t, device))
-    _sync()
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str) -> None:
@@ -70,7 +64,6 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str) -> None:
         if key == "step" and value.device.type == "cpu" and value.dim() == 0:
             continue  # AdamW's default: a CPU scalar, never on the device
         state[key] = _move(value, device)
-    _sync()
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -112,6 +105,26 @@ class Offloader:
         self.device = device_type()
         self.params_on_device = True
         self.optimizer_on_device = True
+
+    @classmethod
+    def from_fsdp_config(
+        cls,
+        name: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        fsdp_cfg: dict[str, Any] | None,
+        events: list[str],
+    ) -> Offloader:
+        """The role's ``fsdp_config.param_offload`` / ``optimizer_offload`` switches (absent: off)."""
+        fsdp_cfg = fsdp_cfg or {}
+        return cls(
+            name,
+            model,
+            optimizer,
+            param_offload=bool(fsdp_cfg.get("param_offload")),
+            optimizer_offload=bool(fsdp_cfg.get("optimizer_offload")),
+            events=events,
+        )
 
     def offload_params(self) -> None:
         if not self.param_offload or not self.params_on_device:

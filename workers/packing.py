@@ -18,6 +18,7 @@ batch, zero on padding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,6 +42,10 @@ class PackedBatch:
     pred_index: torch.Tensor
     targets: torch.Tensor
     response_mask: torch.Tensor
+
+    def forward(self, model: torch.nn.Module) -> Any:
+        """The model's forward on the packed row (no attention mask: the position restarts are the mask)."""
+        return model(input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=None)
 
     def response_rows(self, output: torch.Tensor) -> torch.Tensor:
         """``[1, N, *F]`` model output -> ``[M, *F]``: the output that predicts each response token."""

@@ -131,35 +131,22 @@ class WorkerDict:
     def _build_offloaders(self) -> None:
         arr = self.config["actor_rollout_ref"]
         assert self.actor is not None
-        afs = arr["actor"].get("fsdp_config") or {}
-        self.actor_mem = Offloader(
-            "actor",
-            self.actor.model,
-            self.actor.optimizer,
-            # The HF rollout generates with the actor's own parameters: they stay (validated at start-up).
-            param_offload=bool(afs.get("param_offload")) and not isinstance(self.rollout, HFRollout),
-            optimizer_offload=bool(afs.get("optimizer_offload")),
-            events=self.events,
+        self.actor_mem = Offloader.from_fsdp_config(
+            "actor", self.actor.model, self.actor.optimizer, arr["actor"].get("fsdp_config"), self.events
         )
+        # The HF rollout generates with the actor's own parameters: they stay (validated at start-up).
+        self.actor_mem.param_offload &= not isinstance(self.rollout, HFRollout)
         if self.ref is not None:
-            rfs = arr["ref"].get("fsdp_config") or {}
-            self.ref_mem = Offloader(
-                "ref",
-                self.ref.model,
-                None,
-                param_offload=bool(rfs.get("param_offload")),
-                optimizer_offload=False,
-                events=self.events,
+            self.ref_mem = Offloader.from_fsdp_config(
+                "ref", self.ref.model, None, arr["ref"].get("fsdp_config"), self.events
             )
         if self.critic is not None:
-            cfs = self.config["critic"]["model"].get("fsdp_config") or {}
-            self.critic_mem = Offloader(
+            self.critic_mem = Offloader.from_fsdp_config(
                 "critic",
                 self.critic.model,
                 self.critic.optimizer,
-                param_offload=bool(cfs.get("param_offload")),
-                optimizer_offload=bool(cfs.get("optimizer_offload")),
-                events=self.events,
+                self.config["critic"]["model"].get("fsdp_config"),
+                self.events,
             )
 
     def _offload_idle_state(self) -> None:
@@ -230,10 +217,6 @@ class WorkerDict:
         assert self.actor_mem is not None
         self.actor_mem.load_params()
         return out
-
-    def rollout_weights_discarded(self) -> bool:
-        """True while a level-2 sleep has thrown the engine's weights away (until the next sync)."""
-        return bool(self.rollout.weights_discarded)
 
     # ------------------------------------------------------------------ log-probs
     def actor_compute_log_prob(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:

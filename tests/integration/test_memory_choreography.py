@@ -129,7 +129,8 @@ def test_forgetting_the_restream_after_a_level2_sleep_is_caught(trainer):
     trainer.check_health(metrics)
 
     # That rollout ended with sleep(level=2): the fake engine's weights are now NaN.
-    assert trainer.workers.run_all(lambda w: w.rollout_weights_discarded.remote()) == [True]
+    (events,) = trainer.workers.run_all(lambda w: w.get_events.remote())
+    assert events[-4:-2] == ["rollout.generate", "rollout.sleep(level=2)"]
     trainer.rollout_stale = False  # a choreography that forgets the re-stream
     with pytest.raises(RuntimeError, match="stale or corrupt weights"):
         trainer.check_health(_rollout_metrics(trainer, prompts))

@@ -176,10 +176,7 @@ class VLLMEngine:
             torch.distributed.barrier()  # every rank has mapped every segment of its group
             _unlink_own_cpu_shm()
         self.cfg = cfg
-        # What is allocated now ("weights", "kv_cache"), and whether a level-2 sleep threw the weights
-        # away since the last `update_weights` (the engine must not generate until they are re-streamed).
-        self.awake: set[str] = {"weights", "kv_cache"}
-        self.weights_discarded = False
+        self.awake: set[str] = {"weights", "kv_cache"}  # what is allocated now
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -244,7 +241,6 @@ class VLLMEngine:
         pickled. ``reset_prefix_cache=False`` exists only so tests can show what goes wrong without it.
         """
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-        self.weights_discarded = False
         # KV blocks computed under the old weights must not be reused (GRPO repeats prompts).
         if reset_prefix_cache:
             self.reset_prefix_cache()
@@ -272,14 +268,13 @@ class VLLMEngine:
         """
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        if self.is_sleeping:
+        if not self.awake:
             return
         if _is_cuda() and self.cfg.enable_sleep_mode:
             self.llm.sleep(level=level)
         elif level == 2 and self.cfg.emulate_sleep:
             self._destroy_weights()
         self.awake = set()
-        self.weights_discarded = self.weights_discarded or level == 2
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-allocate ``tags`` (``"weights"``, ``"kv_cache"``; all when None). Waking weights discarded by
@@ -289,11 +284,6 @@ class VLLMEngine:
         if todo and _is_cuda() and self.cfg.enable_sleep_mode:
             self.llm.wake_up(tags=todo)
         self.awake |= wanted
-
-    @property
-    def is_sleeping(self) -> bool:
-        """Neither weights nor KV cache are allocated (the state `sleep` leaves)."""
-        return not self.awake
 
     @torch.no_grad()
     def _destroy_weights(self) -> None:

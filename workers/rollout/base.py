@@ -37,9 +37,6 @@ class Rollout(Protocol):
 
     def reset_prefix_cache(self) -> None: ...
 
-    @property
-    def weights_discarded(self) -> bool: ...
-
 
 def unpadded_prompts(batch: RolloutBatch) -> list[list[int]]:
     """Prompt ids without their left padding."""

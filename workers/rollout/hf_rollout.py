@@ -80,5 +80,3 @@ class HFRollout:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         pass
-
-    weights_discarded = False  # generates with the actor's own module: never stale

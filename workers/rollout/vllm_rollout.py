@@ -77,8 +77,3 @@ class VLLMRollout:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self.engine.wake_up(tags)
-
-    @property
-    def weights_discarded(self) -> bool:
-        """A level-2 sleep threw the weights away; they must be re-streamed before generating."""
-        return self.engine.weights_discarded
