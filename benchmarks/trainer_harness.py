@@ -8,11 +8,9 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def trainer_for(preset: str, workers: int, extra: list[str], out_dir: str) -> Iterator:
-    import ray
-
     from benchmarks.common import arithmetic_data, model_dir
     from fusedrl.config import load_config
-    from fusedrl.trainer.ppo_trainer import PPOTrainer, init_ray
+    from fusedrl.trainer.ppo_trainer import started_trainer
 
     cfg = load_config(
         [
@@ -26,11 +24,5 @@ def trainer_for(preset: str, workers: int, extra: list[str], out_dir: str) -> It
             *extra,
         ]
     )
-    init_ray(cfg)
-    trainer = PPOTrainer(cfg)
-    try:
-        trainer.init_workers()
+    with started_trainer(cfg) as trainer:
         yield trainer
-    finally:
-        trainer.close()
-        ray.shutdown()

@@ -35,3 +35,13 @@ def arithmetic_data(tmp_path_factory) -> tuple[str, str]:
 
     out: Path = tmp_path_factory.mktemp("arith")
     return write_arithmetic_parquet(str(out), n_train=64, n_test=16, seed=0)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster per test module, for tests that build trainers with `PPOTrainer` directly."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=512 << 20, logging_level="WARNING")
+    yield
+    ray.shutdown()

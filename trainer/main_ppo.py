@@ -15,15 +15,10 @@ from fusedrl.config import cli_main, load_config
 
 def run_ppo(config: DictConfig, trainer_cls: type | None = None) -> dict[str, float]:
     """Start Ray, build the trainer (``trainer_cls`` lets a user plug in a subclass), train, clean up."""
-    from fusedrl.trainer.ppo_trainer import PPOTrainer, init_ray
+    from fusedrl.trainer.ppo_trainer import started_trainer
 
-    init_ray(config)
-    trainer = (trainer_cls or PPOTrainer)(config)
-    try:
-        trainer.init_workers()
+    with started_trainer(config, trainer_cls=trainer_cls) as trainer:
         return trainer.fit()
-    finally:
-        trainer.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,6 +16,7 @@ Quickstart (CPU, two fused workers, a tiny model built locally)::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
@@ -553,6 +554,27 @@ class PPOTrainer:
             "perf/throughput": (prompt_tokens + float(lengths.sum())) / max(step_time, 1e-9),
             "training/global_step": float(self.global_step),
         }
+
+
+@contextlib.contextmanager
+def started_trainer(
+    config: DictConfig, *, trainer_cls: type | None = None, compute_score: Any = None
+) -> Iterator[PPOTrainer]:
+    """Ray up (`init_ray`), the trainer built (``trainer_cls``: a user subclass) and its fused workers
+    started; on exit the workers and trackers are closed, and Ray is shut down if this call started it."""
+    import ray
+
+    owns_ray = not ray.is_initialized()
+    init_ray(config)
+    kwargs = {} if compute_score is None else {"compute_score": compute_score}
+    trainer = (trainer_cls or PPOTrainer)(config, **kwargs)
+    try:
+        trainer.init_workers()
+        yield trainer
+    finally:
+        trainer.close()
+        if owns_ray:
+            ray.shutdown()
 
 
 def init_ray(config: DictConfig) -> None:

@@ -11,22 +11,10 @@ import textwrap
 
 import pytest
 import torch
+from support import varied_score
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm")
-
-
-def varied_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    return (len(solution_str) % 5) / 4.0
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=512 << 20, logging_level="WARNING")
-    yield
-    ray.shutdown()
 
 
 def _config(model, data, out_dir, steps: int, extra=()):

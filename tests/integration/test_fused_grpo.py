@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import started_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -16,20 +17,10 @@ vllm = pytest.importorskip("vllm")
 SYNC_TOL = 1e-4  # float32 vLLM vs float32 HF: ~1e-5 measured; a missed sync is orders of magnitude larger
 
 
-def varied_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """A reward that differs between samples of a random model, so advantages are non-zero."""
-    return (len(solution_str) % 5) / 4.0
-
-
 @pytest.fixture(scope="module")
 def trainer(tiny_model_dir, arithmetic_data, tmp_path_factory):
-    import ray
-
-    from fusedrl.config import load_config
-    from fusedrl.trainer.ppo_trainer import PPOTrainer, init_ray
-
     train, _ = arithmetic_data
-    cfg = load_config(
+    with started_trainer(
         [
             f"data.train_files={train}",
             f"actor_rollout_ref.model.path={tiny_model_dir}",
@@ -49,13 +40,8 @@ def trainer(tiny_model_dir, arithmetic_data, tmp_path_factory):
             "trainer.total_training_steps=2",
             f"trainer.default_local_dir={tmp_path_factory.mktemp('run')}",
         ]
-    )
-    init_ray(cfg)
-    t = PPOTrainer(cfg, compute_score=varied_score)
-    t.init_workers()
-    yield t
-    t.close()
-    ray.shutdown()
+    ) as t:
+        yield t
 
 
 def _merged_states(trainer, method: str) -> list[dict[str, torch.Tensor]]:

@@ -10,25 +10,17 @@ nothing, but the calls and their order are the same as on a GPU), and gradient c
 from __future__ import annotations
 
 import pytest
+from support import started_trainer
 
 pytestmark = pytest.mark.integration
 
 vllm = pytest.importorskip("vllm")
 
 
-def _score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    return (len(solution_str) % 3) / 2.0
-
-
 @pytest.fixture(scope="module")
 def trainer(tiny_model_dir, arithmetic_data, tmp_path_factory):
-    import ray
-
-    from fusedrl.config import load_config
-    from fusedrl.trainer.ppo_trainer import PPOTrainer, init_ray
-
     train, test = arithmetic_data
-    cfg = load_config(
+    with started_trainer(
         [
             f"data.train_files={train}",
             f"data.val_files={test}",
@@ -53,13 +45,8 @@ def trainer(tiny_model_dir, arithmetic_data, tmp_path_factory):
             "trainer.rollout_check_tol=1e-3",
             f"trainer.default_local_dir={tmp_path_factory.mktemp('run')}",
         ]
-    )
-    init_ray(cfg)
-    t = PPOTrainer(cfg, compute_score=_score)
-    t.init_workers()
-    yield t
-    t.close()
-    ray.shutdown()
+    ) as t:
+        yield t
 
 
 # One training step after start-up, as the worker records it (validation generates once more after it).

@@ -14,15 +14,6 @@ import torch
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=512 << 20, logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
 def _arithmetic_rows(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []

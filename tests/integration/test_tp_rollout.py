@@ -9,45 +9,32 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import started_trainer
 
 pytestmark = pytest.mark.integration
 
 vllm = pytest.importorskip("vllm")
 
 
-def _score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    return (len(solution_str) % 3) / 2.0
-
-
 def test_grpo_with_a_tensor_parallel_engine_over_two_workers(tiny_model_dir, arithmetic_data, tmp_path):
-    import ray
-
-    from fusedrl.config import load_config
-    from fusedrl.trainer.ppo_trainer import PPOTrainer, init_ray
-
-    cfg = load_config(
-        [
-            f"data.train_files={arithmetic_data[0]}",
-            f"actor_rollout_ref.model.path={tiny_model_dir}",
-            "data.train_batch_size=2",
-            "data.max_prompt_length=256",
-            "data.max_response_length=8",
-            "actor_rollout_ref.rollout.n=2",
-            "actor_rollout_ref.rollout.dtype=float32",
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-            "actor_rollout_ref.actor.optim.lr=1e-2",
-            "trainer.n_gpus_per_node=2",
-            "trainer.total_training_steps=2",
-            "trainer.rollout_check_tol=1e-3",
-            f"trainer.default_local_dir={tmp_path}",
-        ]
-    )
-    init_ray(cfg)
-    trainer = PPOTrainer(cfg, compute_score=_score)
-    try:
-        trainer.init_workers()
+    overrides = [
+        f"data.train_files={arithmetic_data[0]}",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=256",
+        "data.max_response_length=8",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=2",
+        "trainer.rollout_check_tol=1e-3",
+        f"trainer.default_local_dir={tmp_path}",
+    ]
+    with started_trainer(overrides) as trainer:
         # The two TP ranks of the one engine answer the same requests with the same tokens.
         prompts = next(iter(trainer.train_loader)).repeat_samples(2)
         prompts.sample_seeds = torch.arange(prompts.num_samples, dtype=torch.long) + 11
@@ -61,6 +48,3 @@ def test_grpo_with_a_tensor_parallel_engine_over_two_workers(tiny_model_dir, ari
         assert trainer.global_step == 2
         assert metrics["rollout/log_prob_abs_diff_mean"] < 1e-3
         assert metrics["actor/grad_norm"] > 0
-    finally:
-        trainer.close()
-        ray.shutdown()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from support import padded_batch
 
 ROLLOUT_N = 2
 TP, TR = 6, 5
@@ -29,27 +30,7 @@ def _free_port() -> int:
 
 def _full_batch():
     """4 samples (2 prompts x n=2), left-padded prompts and right-padded responses of varied lengths."""
-    from fusedrl.batch import RolloutBatch
-
-    prompt_lens = [6, 4, 3, 5]
-    response_lens = [5, 2, 4, 1]
-    gen = torch.Generator().manual_seed(1)
-    prompts = torch.zeros(4, TP, dtype=torch.long)
-    prompt_mask = torch.zeros(4, TP, dtype=torch.long)
-    responses = torch.zeros(4, TR, dtype=torch.long)
-    response_mask = torch.zeros(4, TR, dtype=torch.long)
-    for i, (lp, lr) in enumerate(zip(prompt_lens, response_lens)):
-        prompts[i, TP - lp :] = torch.randint(3, 400, (lp,), generator=gen)
-        prompt_mask[i, TP - lp :] = 1
-        responses[i, :lr] = torch.randint(3, 400, (lr,), generator=gen)
-        response_mask[i, :lr] = 1
-    return RolloutBatch(
-        prompts=prompts,
-        prompt_mask=prompt_mask,
-        responses=responses,
-        response_mask=response_mask,
-        batch_size=[4],
-    )
+    return padded_batch([6, 4, 3, 5], [5, 2, 4, 1], tp=TP, tr=TR, gen=torch.Generator().manual_seed(1))
 
 
 def _critic_cfg(model_dir: str) -> dict:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support import padded_batch
 
 ROLLOUT_N = 2
 TP, TR = 16, 12
@@ -36,27 +37,11 @@ def _free_port() -> int:
 
 
 def _batch():
-    from fusedrl.batch import RolloutBatch
-
     gen = torch.Generator().manual_seed(3)
+    batch = padded_batch(PROMPT_LENS, RESPONSE_LENS, tp=TP, tr=TR, gen=gen)
     b = len(PROMPT_LENS)
-    prompts = torch.zeros(b, TP, dtype=torch.long)
-    prompt_mask = torch.zeros(b, TP, dtype=torch.long)
-    responses = torch.zeros(b, TR, dtype=torch.long)
-    response_mask = torch.zeros(b, TR, dtype=torch.long)
-    for i, (lp, lr) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
-        prompts[i, TP - lp :] = torch.randint(3, 400, (lp,), generator=gen)
-        prompt_mask[i, TP - lp :] = 1
-        responses[i, :lr] = torch.randint(3, 400, (lr,), generator=gen)
-        response_mask[i, :lr] = 1
-    return RolloutBatch(
-        prompts=prompts,
-        prompt_mask=prompt_mask,
-        responses=responses,
-        response_mask=response_mask,
-        advantages=torch.randn(b, 1, generator=gen).expand(b, TR) * response_mask,  # [B, Tr]
-        batch_size=[b],
-    )
+    batch.advantages = torch.randn(b, 1, generator=gen).expand(b, TR) * batch.response_mask  # [B, Tr]
+    return batch
 
 
 def _config(model_dir: str, loss_agg_mode: str, packed: bool) -> dict:

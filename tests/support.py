@@ -1,0 +1,56 @@
+"""Helpers shared by the test modules (importable as ``support``: pytest puts ``tests/`` on ``sys.path``
+because ``tests/conftest.py`` lives there)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+def varied_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """A reward that differs between samples of a random model, so advantages are not all 0."""
+    return (len(solution_str) % 5) / 4.0
+
+
+@contextmanager
+def started_trainer(
+    overrides: Sequence[str], *, compute_score: Any = varied_score, trainer_cls: type | None = None
+) -> Iterator[Any]:
+    """`fusedrl.trainer.ppo_trainer.started_trainer` from command-line overrides, scoring with
+    `varied_score` unless told otherwise."""
+    from fusedrl.config import load_config
+    from fusedrl.trainer import ppo_trainer
+
+    with ppo_trainer.started_trainer(
+        load_config(list(overrides)), trainer_cls=trainer_cls, compute_score=compute_score
+    ) as trainer:
+        yield trainer
+
+
+def padded_batch(
+    prompt_lens: Sequence[int], response_lens: Sequence[int], *, tp: int, tr: int, gen: torch.Generator
+):
+    """A RolloutBatch of random token ids drawn from ``gen``: prompts left-padded to ``tp``, responses
+    right-padded to ``tr``, with the given real lengths."""
+    from fusedrl.batch import RolloutBatch
+
+    b = len(prompt_lens)
+    prompts = torch.zeros(b, tp, dtype=torch.long)  # [B, Tp]
+    prompt_mask = torch.zeros(b, tp, dtype=torch.long)  # [B, Tp]
+    responses = torch.zeros(b, tr, dtype=torch.long)  # [B, Tr]
+    response_mask = torch.zeros(b, tr, dtype=torch.long)  # [B, Tr]
+    for i, (lp, lr) in enumerate(zip(prompt_lens, response_lens)):
+        prompts[i, tp - lp :] = torch.randint(3, 400, (lp,), generator=gen)
+        prompt_mask[i, tp - lp :] = 1
+        responses[i, :lr] = torch.randint(3, 400, (lr,), generator=gen)
+        response_mask[i, :lr] = 1
+    return RolloutBatch(
+        prompts=prompts,
+        prompt_mask=prompt_mask,
+        responses=responses,
+        response_mask=response_mask,
+        batch_size=[b],
+    )
