@@ -28,6 +28,15 @@ PROMPT_LENS = [16, 1, 9, 3, 12, 2, 5, 7]
 RESPONSE_LENS = [12, 1, 3, 12, 6, 2, 9, 1]
 BUDGET = 30  # tokens per micro-batch; the longest row has 28
 ATOL = 1e-5
+# Metrics are sums over ~100 tokens x hidden 32 of products, accumulated in a different order by the padded
+# and the packed path (other micro-batch groupings, other matmul shapes, so other CPU kernels: AVX2-only
+# and AVX-512 machines differ in the last bits). Float32's unit roundoff is u = 6e-8; a sum of n = 3.2e3
+# terms is off by ~sqrt(n) u = 3.4e-6 typically (n u = 2e-4 at worst), and a gradient norm compounds
+# that over the ~10 ops of a backward pass: ~3e-5. So losses and means get 2e-5, grad norms 1e-4 (seen:
+# 1.8e-5 on an AVX2-only CPU, 0 to 5e-6 on AVX-512 ones). A real packing bug moves them by far more
+# (the unmasked control below shifts log-probs by > 1e-2).
+METRIC_RTOL = 2e-5
+GRAD_NORM_RTOL = 1e-4
 
 
 def _free_port() -> int:
@@ -190,6 +199,11 @@ def _close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> None:
     torch.testing.assert_close(a, b, atol=atol, rtol=1e-5)
 
 
+def _metric_close(key: str, packed: float, padded: float) -> None:
+    rtol = GRAD_NORM_RTOL if key.endswith("grad_norm") else METRIC_RTOL
+    assert abs(packed - padded) <= rtol * max(1.0, abs(padded)), (key, packed, padded)
+
+
 def test_packed_log_probs_and_entropy_equal_padded(one_rank):
     mask = _batch().response_mask.bool()
     for key in ("log_probs", "entropy"):
@@ -215,8 +229,7 @@ def test_packed_critic_values_equal_padded(one_rank):
     assert one_rank["padded/values"][mask].abs().min() > 0
     _close(one_rank["packed/values"], one_rank["padded/values"])
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"):
-        a, b = one_rank["packed/critic_metrics"][key], one_rank["padded/critic_metrics"][key]
-        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (key, a, b)
+        _metric_close(key, one_rank["packed/critic_metrics"][key], one_rank["padded/critic_metrics"][key])
     _close(one_rank["packed/values_after"], one_rank["padded/values_after"])
     assert (one_rank["padded/values_after"] - one_rank["padded/values"])[mask].abs().min() > 1e-4
 
@@ -226,11 +239,7 @@ def test_dynamic_bsz_packed_update_equals_padded(one_rank):
     assert set(padded) == set(packed)
     assert {"actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"} <= set(padded)
     for key in padded:
-        assert abs(packed[key] - padded[key]) <= 1e-5 * max(1.0, abs(padded[key])), (
-            key,
-            packed[key],
-            padded[key],
-        )
+        _metric_close(key, packed[key], padded[key])
     before_pad, before_pack = one_rank["padded/params_before"], one_rank["packed/params_before"]
     after_pad, after_pack = one_rank["padded/params_after"], one_rank["packed/params_after"]
     for name in before_pad:
