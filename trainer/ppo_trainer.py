@@ -16,9 +16,7 @@ Quickstart (CPU, two fused workers, a tiny model built locally)::
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,25 +24,20 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from fusedrl.algorithms import get_adv_estimator
+from fusedrl.algorithms import get_adv_estimator, get_adv_traits
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
 from fusedrl.balance import apply_order, balanced_rank_order, rank_token_loads, sequence_lengths
-from fusedrl.batch import RolloutBatch, concat
+from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
 from fusedrl.data.dataset import PromptLoader, RLDataset
+from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
 from fusedrl.tracking import Tracker, timer
+from fusedrl.trainer.dynamic_sampling import GroupCollector, informative_groups
 from fusedrl.workers.rollout.base import SamplingConfig
 from fusedrl.workers.worker_dict import WorkerDict
-
-Metrics = dict[str, float]
-
-
-def _mean_over_ranks(per_rank: list[Metrics]) -> Metrics:
-    keys = per_rank[0].keys()
-    return {k: float(np.mean([m[k] for m in per_rank])) for k in keys}
 
 
 class PPOTrainer:
@@ -82,6 +75,7 @@ class PPOTrainer:
             )
         self.reward_fn = build_reward_manager(config, self.tokenizer, compute_score)
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
+        self.adv_traits = get_adv_traits(config.algorithm.adv_estimator)
         steps_per_epoch = len(self.train_loader)
         self.total_steps = int(
             config.trainer.total_training_steps or steps_per_epoch * int(config.trainer.total_epochs)
@@ -277,43 +271,31 @@ class PPOTrainer:
             yield from loader
 
     def collect_batch(self, metrics: Metrics) -> RolloutBatch:
-        """Generate and score one step's samples.
-
-        With ``algorithm.filter_groups.enable`` (DAPO's dynamic sampling) groups whose samples all scored
-        the same carry no GRPO signal; they are dropped and more prompts are generated until
-        ``data.train_batch_size`` informative groups are collected (at most ``max_num_gen_batches`` rounds).
-        """
+        """Generate and score one step's samples. With ``algorithm.filter_groups.enable`` (DAPO's dynamic
+        sampling, `GroupCollector`) uninformative groups are dropped and more prompts generated."""
         fg = self.config.algorithm.filter_groups
         n = int(self.config.actor_rollout_ref.rollout.n)
-        want = int(self.config.data.train_batch_size)
-        kept: list[RolloutBatch] = []
-        num_groups = 0
-        for round_index in range(10**9):
+        collector = GroupCollector(
+            want=int(self.config.data.train_batch_size),
+            n=n,
+            max_rounds=int(fg.max_num_gen_batches),
+            keep=self.filter_groups,
+        )
+        for round_index in itertools.count():
             prompts = self.next_prompts()
             with timer("gen", metrics):
                 batch = self.generate(prompts, seed_offset=round_index)
             with timer("reward", metrics):
                 batch = self.compute_rewards(batch, metrics)
-            if getattr(self.adv_fn, "needs_greedy_baseline", False):
+            if self.adv_traits.needs_greedy_baseline:
                 with timer("gen_baseline", metrics):
                     batch = self.compute_reward_baselines(prompts, batch)
             if not fg.enable:
                 return batch
-            batch = self.filter_groups(batch)
-            kept.append(batch)
-            num_groups += batch.num_samples // n
             metrics["filter_groups/num_gen_batches"] = float(round_index + 1)
-            if num_groups >= want:
-                return concat(kept)[: want * n]
-            limit = int(fg.max_num_gen_batches)
-            if limit > 0 and round_index + 1 >= limit:
-                raise RuntimeError(
-                    f"dynamic sampling found only {num_groups} of {want} groups with differing rewards after "
-                    f"{limit} generation rounds (algorithm.filter_groups.max_num_gen_batches). The task is too "
-                    "easy or too hard for the policy: raise max_num_gen_batches, change the data, or disable "
-                    "algorithm.filter_groups.enable."
-                )
-        raise AssertionError("unreachable")
+            if (done := collector.add(batch)) is not None:
+                return done
+        raise AssertionError("itertools.count() does not end")
 
     def balance_batch(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Reorder rows so each DP rank's contiguous shard carries about the same real tokens
@@ -330,13 +312,7 @@ class PPOTrainer:
 
     def filter_groups(self, batch: RolloutBatch) -> RolloutBatch:
         """Keep only groups (rows sharing a uid) whose sequence scores are not all equal."""
-        scores = batch.token_level_scores.sum(-1)  # [B]
-        uids = batch.field_list("uid")
-        by_uid: dict[str, list[int]] = {}
-        for i, u in enumerate(uids):
-            by_uid.setdefault(u, []).append(i)
-        keep = [i for rows in by_uid.values() if float(scores[rows].std()) > 0 for i in rows]
-        return batch[torch.tensor(keep, dtype=torch.long)]
+        return informative_groups(batch)
 
     # ------------------------------------------------------------------ steps
     @property
@@ -472,7 +448,7 @@ class PPOTrainer:
             "prompts", "prompt_mask", "responses", "response_mask", "critic_values", "returns"
         )
         per_rank = self.workers.run_split(lambda w, shard: w.critic_update.remote(shard), inputs)
-        return _mean_over_ranks(per_rank)
+        return mean_over_ranks(per_rank)
 
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
         """A registered pure function of the batch (``algorithm.adv_estimator``)."""
@@ -500,13 +476,13 @@ class PPOTrainer:
         t = self.temperature
         per_rank = self.workers.run_split(lambda w, shard: w.actor_update.remote(shard, t), inputs)
         self.rollout_stale = True
-        return _mean_over_ranks(per_rank)
+        return mean_over_ranks(per_rank)
 
     def sync_weights(self) -> Metrics:
         """Stream the updated policy into every rollout engine in place (collective)."""
         per_rank = self.workers.run_all(lambda w: w.sync_weights.remote())
         self.rollout_stale = False
-        return _mean_over_ranks(per_rank)
+        return mean_over_ranks(per_rank)
 
     @property
     def rollout_discards_weights(self) -> bool:
@@ -530,74 +506,5 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ metrics
     def batch_metrics(self, batch: RolloutBatch, step_time: float) -> Metrics:
-        mask = batch.response_mask.float()  # [B, Tr]
-        lengths = mask.sum(-1)  # [B]
-        scores = batch.token_level_scores.sum(-1)  # [B]
-        adv = batch.advantages[batch.response_mask.bool()]  # [N valid]
-        diff = (batch.rollout_log_probs - batch.old_log_probs).abs()[batch.response_mask.bool()]  # [N valid]
-        prompt_tokens = float(batch.prompt_mask.sum())
-        return {
-            "critic/score/mean": float(scores.mean()),
-            "critic/score/max": float(scores.max()),
-            "critic/score/min": float(scores.min()),
-            "critic/advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
-            "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
-            "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
-            "prompt_length/mean": prompt_tokens / batch.num_samples,
-            # Rollout vs trainer log-probs of the same tokens: ~0 when the weight sync is right.
-            "rollout/log_prob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
-            "rollout/log_prob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
-            "perf/total_num_tokens": prompt_tokens + float(lengths.sum()),
-            "perf/throughput": (prompt_tokens + float(lengths.sum())) / max(step_time, 1e-9),
-            "training/global_step": float(self.global_step),
-        }
-
-
-@contextlib.contextmanager
-def started_trainer(
-    config: DictConfig, *, trainer_cls: type | None = None, compute_score: Any = None
-) -> Iterator[PPOTrainer]:
-    """Ray up (`init_ray`), the trainer built (``trainer_cls``: a user subclass) and its fused workers
-    started; on exit the workers and trackers are closed, and Ray is shut down if this call started it."""
-    import ray
-
-    owns_ray = not ray.is_initialized()
-    init_ray(config)
-    kwargs = {} if compute_score is None else {"compute_score": compute_score}
-    trainer = (trainer_cls or PPOTrainer)(config, **kwargs)
-    try:
-        trainer.init_workers()
-        yield trainer
-    finally:
-        trainer.close()
-        if owns_ray:
-            ray.shutdown()
-
-
-def init_ray(config: DictConfig) -> None:
-    """Start a local Ray runtime sized for the run (no dashboard; workers get the engine env vars)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    slots = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
-    num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, slots)
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "TOKENIZERS_PARALLELISM": "false",
-        # vLLM's INFO lines (one per request batch, per reload) would drown the per-step log.
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-    }
-    for key in ("PYTHONPATH", "HF_HUB_OFFLINE", "OMP_NUM_THREADS"):
-        if key in os.environ:
-            env[key] = os.environ[key]
-    ray.init(
-        num_cpus=int(num_cpus),
-        include_dashboard=False,
-        object_store_memory=int(float(config.trainer.ray_object_store_gb) * (1 << 30)),
-        runtime_env={"env_vars": env},
-        logging_level=logging.WARNING,
-    )
+        """Per-step metrics of the finished batch (`fusedrl.metrics.batch_metrics`); a hook to extend."""
+        return batch_metrics(batch, step_time, self.global_step)

@@ -434,7 +434,7 @@ def run_sft(config: DictConfig) -> Metrics:
 
     ``config`` is a composed SFT config, e.g. ``load_sft_config(["data.train_files=...", ...])``.
     """
-    from fusedrl.trainer.ppo_trainer import init_ray
+    from fusedrl.trainer.runtime import init_ray
 
     validate_sft(config)
     init_ray(config)
