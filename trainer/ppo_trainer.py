@@ -17,7 +17,7 @@ Quickstart (CPU, two fused workers, a tiny model built locally)::
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -93,15 +93,40 @@ class PPOTrainer:
             kl_ctrl.type, float(kl_ctrl.kl_coef), kl_ctrl.target_kl, kl_ctrl.horizon
         )
         self.global_step = 0
-        self.group: WorkerGroup | None = None
+        self.groups: dict[str, WorkerGroup] = {}
         # The engines' weights differ from the actor's (after an update, or after a level-2 sleep threw
         # them away) until the next `sync_weights`; `generate` re-syncs first when they do.
         self.rollout_stale = False
         self._data_iter: Iterator[RolloutBatch] | None = None
 
     # ------------------------------------------------------------------ setup
-    def init_workers(self) -> None:
-        """Reserve the device slots, start one fused worker per slot, build their roles (collective)."""
+    def run_roles(self) -> list[str]:
+        """The roles this run needs: actor and rollout always, the rest as the config asks."""
+        return ["actor", "rollout", *[role for role, on in needed_roles(self.config).items() if on]]
+
+    def init_workers(self, role_groups: Sequence[Sequence[str]] | None = None) -> None:
+        """Reserve the device slots and start the workers, then build their roles (collective per group).
+
+        ``role_groups`` lists the roles each worker group holds (default: one fused group with every role
+        of `run_roles`). Every group has one worker per slot; groups after the first share the first
+        group's slots. The driver's calls are the same whatever the grouping: each goes to the group that
+        holds the role (`group_for`). The actor, the rollout and the critic stay in one group here (the
+        in-place weight stream and the checkpoint need them together).
+        """
+        needed = self.run_roles()
+        groups = [list(needed)] if role_groups is None else [list(g) for g in role_groups]
+        placed = [r for g in groups for r in g]
+        problems = [f"role {r!r} is not placed" for r in needed if r not in placed]
+        problems += [f"role {r!r} is placed twice" for r in set(placed) if placed.count(r) > 1]
+        problems += [f"role {r!r} is not used by this run" for r in set(placed) - set(needed)]
+        home = next((g for g in groups if "actor" in g), [])
+        problems += [
+            f"role {r!r} must share the actor's group"
+            for r in ("rollout", "critic")
+            if r in placed and r not in home
+        ]
+        if problems:
+            raise ValueError(f"init_workers(role_groups={groups}): " + "; ".join(sorted(problems)))
         cfg = self.config.trainer
         pool = ResourcePool(
             slots_per_node=int(cfg.n_gpus_per_node), nnodes=int(cfg.nnodes), use_gpu=torch.cuda.is_available()
@@ -115,21 +140,33 @@ class PPOTrainer:
                 else self.tokenizer.eos_token_id
             ),
         }
-        worker_config["_roles"] = needed_roles(self.config)
-        self.group = WorkerGroup.start(
-            WorkerDict, pool, worker_config, init=lambda w, addr, port: w.init_roles.remote(addr, port)
-        )
+        self.groups = {}
+        for i, roles in enumerate(groups):
+            group = WorkerGroup.start(
+                WorkerDict,
+                pool,
+                worker_config,
+                init=lambda w, addr, port: w.init_roles.remote(addr, port),
+                roles=roles,
+                share_slots=i > 0,
+            )
+            self.groups.update(dict.fromkeys(roles, group))
+
+    def group_for(self, role: str) -> WorkerGroup:
+        """The worker group holding ``role``."""
+        if role not in self.groups:
+            raise RuntimeError(f"no worker group holds {role!r} (call init_workers() first)")
+        return self.groups[role]
 
     @property
     def workers(self) -> WorkerGroup:
-        if self.group is None:
-            raise RuntimeError("call init_workers() first")
-        return self.group
+        """The group holding the actor (and the rollout): the fused workers."""
+        return self.group_for("actor")
 
     def close(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
+        for group in {id(g): g for g in self.groups.values()}.values():
+            group.shutdown()
+        self.groups = {}
         self.tracker.close()
         close = getattr(self.reward_fn, "close", None)
         if close is not None:
@@ -341,7 +378,11 @@ class PPOTrainer:
     def generate(
         self, prompts: RolloutBatch, *, validate: bool = False, seed_offset: int = 0
     ) -> RolloutBatch:
-        """Repeat each prompt ``n`` times and sample one response per row on the fused workers.
+        """Repeat each prompt ``n`` times and sample one response per row on the rollout workers.
+
+        The rollout phase's memory moves, in order: re-stream the weights if the engine's are stale (an
+        update since the last stream, or a level-2 sleep threw them away) -> wake the engine -> generate ->
+        the engine sleeps -> the actor's parameters come back for the log-prob passes.
 
         Each row gets its own sampling seed, a function of (``rollout.seed``, step, round, row): a resumed
         run regenerates exactly the samples the uninterrupted run would have.
@@ -354,15 +395,19 @@ class PPOTrainer:
         # Group ids unique to this generation call, so groups never merge across rounds or epochs.
         batch.uid = [f"{u}@{self.global_step}.{seed_offset}" for u in batch.field_list("uid")]
         sampling = self.sampling(validate)
-        if self.rollout_stale:
-            self.sync_weights()
         to_send = batch.select_fields("prompts", "prompt_mask", "sample_seeds")
         tp = int(self.config.actor_rollout_ref.rollout.tensor_model_parallel_size)
-        shards = self.workers.run_split(
+        rollout = self.group_for("rollout")
+        if self.rollout_stale:
+            self.sync_weights()
+        rollout.queue_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
+        shards = rollout.run_split(
             lambda w, shard: w.rollout_generate.remote(shard, sampling), to_send, replicas=tp
         )
+        rollout.queue_all(lambda w: w.rollout_sleep.remote())
         self.rollout_stale = self.rollout_discards_weights
-        out = self.workers.gather_batches(shards, to_send)
+        self.group_for("actor").queue_all(lambda w: w.load_actor.remote())
+        out = rollout.gather_batches(shards, to_send)
         return batch.update_from(out, "responses", "response_mask", "rollout_log_probs")
 
     def compute_rewards(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
@@ -378,8 +423,9 @@ class PPOTrainer:
     def compute_reward_model_scores(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Sequence scores from the reward-model role, placed on each response's last token."""
         inputs = self._model_inputs(batch)
-        parts = self.workers.run_split(lambda w, shard: w.reward_model_compute_scores.remote(shard), inputs)
-        seq_scores = self.workers.gather_tensors(parts, inputs)  # [B]
+        rm = self.group_for("reward_model")
+        parts = rm.run_split(lambda w, shard: w.reward_model_compute_scores.remote(shard), inputs)
+        seq_scores = rm.gather_tensors(parts, inputs)  # [B]
         last = (batch.response_mask.sum(-1) - 1).clamp(min=0)  # [B]
         scores = torch.zeros(batch.response_mask.shape, dtype=torch.float32)  # [B, Tr]
         scores[torch.arange(batch.num_samples), last] = seq_scores * (batch.response_mask.sum(-1) > 0)
@@ -424,22 +470,29 @@ class PPOTrainer:
         """``old_log_probs``: the actor's log-probs of the samples before this step's update."""
         t = self.temperature
         inputs = self._model_inputs(batch)
-        parts = self.workers.run_split(lambda w, shard: w.actor_compute_log_prob.remote(shard, t), inputs)
-        batch.old_log_probs = self.workers.gather_tensors(parts, inputs)
+        actor = self.group_for("actor")
+        actor.queue_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
+        parts = actor.run_split(lambda w, shard: w.actor_compute_log_prob.remote(shard, t), inputs)
+        batch.old_log_probs = actor.gather_tensors(parts, inputs)
         return batch
 
     def compute_ref_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
         t = self.temperature
         inputs = self._model_inputs(batch)
-        parts = self.workers.run_split(lambda w, shard: w.ref_compute_log_prob.remote(shard, t), inputs)
-        batch.ref_log_probs = self.workers.gather_tensors(parts, inputs)
+        ref = self.group_for("ref")
+        ref.queue_all(lambda w: w.load_ref.remote())
+        parts = ref.run_split(lambda w, shard: w.ref_compute_log_prob.remote(shard, t), inputs)
+        ref.queue_all(lambda w: w.offload_ref.remote())
+        batch.ref_log_probs = ref.gather_tensors(parts, inputs)
         return batch
 
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
         """Critic values ``V(s_t)`` of every response position (PPO with GAE)."""
         inputs = self._model_inputs(batch)
-        parts = self.workers.run_split(lambda w, shard: w.critic_compute_values.remote(shard), inputs)
-        batch.critic_values = self.workers.gather_tensors(parts, inputs)
+        critic = self.group_for("critic")
+        critic.queue_all(lambda w: w.load_critic.remote())
+        parts = critic.run_split(lambda w, shard: w.critic_compute_values.remote(shard), inputs)
+        batch.critic_values = critic.gather_tensors(parts, inputs)
         return batch
 
     def update_critic(self, batch: RolloutBatch) -> Metrics:
@@ -447,7 +500,10 @@ class PPOTrainer:
         inputs = batch.select_fields(
             "prompts", "prompt_mask", "responses", "response_mask", "critic_values", "returns"
         )
-        per_rank = self.workers.run_split(lambda w, shard: w.critic_update.remote(shard), inputs)
+        critic = self.group_for("critic")
+        critic.queue_all(lambda w: w.load_critic.remote(optimizer=True))
+        per_rank = critic.run_split(lambda w, shard: w.critic_update.remote(shard), inputs)
+        critic.queue_all(lambda w: w.offload_critic.remote())
         return mean_over_ranks(per_rank)
 
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
@@ -474,13 +530,26 @@ class PPOTrainer:
             fields.append("ref_log_probs")
         inputs = batch.select_fields(*fields)
         t = self.temperature
-        per_rank = self.workers.run_split(lambda w, shard: w.actor_update.remote(shard, t), inputs)
+        actor = self.group_for("actor")
+        # The optimizer state is on the device only for the update.
+        actor.queue_all(lambda w: w.load_actor.remote(optimizer=True))
+        per_rank = actor.run_split(lambda w, shard: w.actor_update.remote(shard, t), inputs)
+        actor.queue_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
         self.rollout_stale = True
         return mean_over_ranks(per_rank)
 
     def sync_weights(self) -> Metrics:
-        """Stream the updated policy into every rollout engine in place (collective)."""
-        per_rank = self.workers.run_all(lambda w: w.sync_weights.remote())
+        """Stream the updated policy into every rollout engine in place (collective).
+
+        Moves, in order: the engine's allocator is prepared -> the actor's shards are on the device ->
+        the engine's weights wake -> one full tensor at a time into the engine -> the shards leave again.
+        """
+        actor, rollout = self.group_for("actor"), self.group_for("rollout")
+        rollout.queue_all(lambda w: w.prepare_weight_update.remote())
+        actor.queue_all(lambda w: w.load_actor.remote())
+        rollout.queue_all(lambda w: w.rollout_wake_up.remote(["weights"]))
+        per_rank = actor.run_all(lambda w: w.update_weights.remote())
+        actor.queue_all(lambda w: w.offload_actor.remote(params=True, optimizer=False))
         self.rollout_stale = False
         return mean_over_ranks(per_rank)
 

@@ -308,9 +308,7 @@ class SFTTrainer:
 
     def run_split(self, call: Callable[[Any, Batch], ray.ObjectRef], batch: Batch) -> list[Any]:
         """Shard a dict batch by DP rank (padding rows carry loss_mask 0), call each rank on its shard."""
-        group = self.workers
-        shards = shard_batch(batch, group.world_size)
-        return ray.get([call(w, shard) for w, shard in zip(group.workers, shards)])
+        return self.workers.run_shards(call, shard_batch(batch, self.workers.world_size))
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Metrics:
