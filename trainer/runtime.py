@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
@@ -17,10 +17,15 @@ if TYPE_CHECKING:
 
 @contextlib.contextmanager
 def started_trainer(
-    config: DictConfig, *, trainer_cls: type | None = None, compute_score: Any = None
+    config: DictConfig,
+    *,
+    trainer_cls: type | None = None,
+    compute_score: Any = None,
+    role_groups: Sequence[Sequence[str]] | None = None,
 ) -> Iterator[PPOTrainer]:
-    """Ray up (`init_ray`), the trainer built (``trainer_cls``: a user subclass) and its fused workers
-    started; on exit the workers and trackers are closed, and Ray is shut down if this call started it."""
+    """Ray up (`init_ray`), the trainer built (``trainer_cls``: a user subclass) and its workers started
+    (``role_groups``: see `PPOTrainer.init_workers`); on exit the workers and trackers are closed, and Ray
+    is shut down if this call started it."""
     import ray
 
     from fusedrl.trainer.ppo_trainer import PPOTrainer
@@ -30,7 +35,7 @@ def started_trainer(
     kwargs = {} if compute_score is None else {"compute_score": compute_score}
     trainer = (trainer_cls or PPOTrainer)(config, **kwargs)
     try:
-        trainer.init_workers()
+        trainer.init_workers(role_groups)
         yield trainer
     finally:
         trainer.close()
