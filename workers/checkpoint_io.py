@@ -42,7 +42,6 @@ RNG_CPU_KEY = "rng.torch_cpu"
 RNG_CUDA_KEY = "rng.torch_cuda"
 
 
-
 # ---------------------------------------------------------------------- helpers
 def _placement_record(t: torch.Tensor) -> dict[str, Any]:
     """How ``t`` is laid out across ranks: ``{"kind": "shard", "dim": d}`` or ``{"kind": "replicate"}``."""

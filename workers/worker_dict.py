@@ -168,7 +168,9 @@ class WorkerDict(InspectionHooks):
         tokens = self.config["_tokens"]  # resolved by the driver from the tokenizer
         if rcfg.get("name", "vllm") == "hf":
             if self.actor is None:
-                raise ValueError("rollout.name=hf generates with the actor's module: place both in one worker")
+                raise ValueError(
+                    "rollout.name=hf generates with the actor's module: place both in one worker"
+                )
             return HFRollout(
                 self.actor.model,
                 max_response_length=int(data["max_response_length"]),
@@ -312,7 +314,9 @@ class WorkerDict(InspectionHooks):
 
     def reward_model_compute_scores(self, batch: RolloutBatch) -> torch.Tensor:
         """Sequence scores of this shard from the reward model."""
-        rm = self._need(self.reward_model, "reward_model", "reward_model_compute_scores (reward_model.enable)")
+        rm = self._need(
+            self.reward_model, "reward_model", "reward_model_compute_scores (reward_model.enable)"
+        )
         return rm.compute_scores(_to_device(batch)).cpu()
 
     # ------------------------------------------------------------------ weight sync
