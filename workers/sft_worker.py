@@ -233,7 +233,3 @@ class SFTWorker:
         """Write the model as a Hugging Face folder (rank 0 writes; returns its files). Collective."""
         model, _ = self._parts()
         return export_hf(model, out_dir, src_model_dir=self.config["model"]["path"], rank=self.rank)
-
-    # ------------------------------------------------------------------ test / debug hooks
-    def ping(self) -> int:
-        return self.rank
