@@ -24,7 +24,7 @@ from torch import nn
 
 from fusedrl.checkpoint import ACTOR_DIR, shard_prefix
 from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
-from fusedrl.workers.distributed import join_process_group, rendezvous_address
+from fusedrl.workers.distributed import DistributedWorker
 from fusedrl.workers.export import export_hf
 from fusedrl.workers.fsdp import build_adamw, device_type, load_causal_lm, shard_for_training
 from fusedrl.workers.logprob import micro_batches
@@ -81,14 +81,12 @@ def trimmed_micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
         yield {k: v[:, :length] for k, v in mb.items()}
 
 
-class SFTWorker:
+class SFTWorker(DistributedWorker):
     """One data-parallel rank of supervised fine-tuning. ``config`` is the resolved SFT config (plain dict)
     plus ``_total_steps`` (optimizer steps of the run, for the LR schedule) set by the driver."""
 
     def __init__(self, config: dict[str, Any], *, rank: int, world_size: int) -> None:
-        self.config = config
-        self.rank = rank
-        self.world_size = world_size
+        super().__init__(config, rank=rank, world_size=world_size)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.num_steps = 0  # optimizer steps taken (drives the LR schedule; checkpointed)
@@ -96,20 +94,10 @@ class SFTWorker:
         self.device = torch.device(device_type())
 
     # ------------------------------------------------------------------ setup
-    def master_address(self) -> tuple[str, int]:
-        """Rank 0 is asked for the rendezvous address of torch.distributed."""
-        return rendezvous_address(int(self.config["trainer"]["nnodes"]))
-
     def init(self, master_addr: str, master_port: int) -> dict[str, float]:
         """Join the process group and build the FSDP2 model and AdamW. Collective."""
         t0 = time.perf_counter()
-        join_process_group(
-            rank=self.rank,
-            world_size=self.world_size,
-            master_addr=master_addr,
-            master_port=master_port,
-            local_rank=self.rank % max(1, int(self.config["trainer"]["n_gpus_per_node"])),
-        )
+        self._join(master_addr, master_port)
         if device_type() == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.manual_seed(int(self.config["trainer"].get("seed", 0)))
