@@ -33,6 +33,8 @@ from fusedrl.batch import RolloutBatch, concat
 from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
+from fusedrl.controller.health import resume_hint
+from fusedrl.controller.preemption import PreemptionGuard
 from fusedrl.data.dataset import PromptLoader, RLDataset
 from fusedrl.rewards import build_reward_manager
 from fusedrl.tracking import Tracker, timer
@@ -143,29 +145,50 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Metrics:
-        """Train until ``total_steps``; returns the last step's metrics."""
+        """Train until ``total_steps``; returns the last step's metrics.
+
+        SIGTERM / SIGINT stop the run after the step in flight, with a checkpoint of that step, within
+        ``trainer.preemption_save_timeout_s``; `Preempted` is raised (``main_ppo`` exits with 75)."""
+        stop = PreemptionGuard(self.config.trainer.preemption_save_timeout_s)
+        self.workers.preemption, stop.on_exit_now = stop, self.workers.kill_local_processes
+        with stop:
+            return self._fit(stop)
+
+    def _fit(self, stop: PreemptionGuard) -> Metrics:
         last: Metrics = {}
         seed_rng(int(self.config.data.seed))  # a resumed run then restores the checkpoint's RNG state
         self.load_checkpoint()
         if self.config.trainer.val_before_train and self.val_dataset is not None:
             self.tracker.log(self.validate(), self.global_step)
         while self.global_step < self.total_steps:
+            if stop.requested:  # the signal came before this step started: nothing new to save
+                raise stop.stopped(
+                    self.global_step, None, resume_hint(str(self.config.trainer.default_local_dir))
+                )
             self.global_step += 1
             last = self.train_step()
             self.check_health(last)
             save_freq = int(self.config.trainer.save_freq)
-            if save_freq > 0 and (self.global_step % save_freq == 0 or self.global_step == self.total_steps):
+            saved = None
+            if stop.requested or (
+                save_freq > 0 and (self.global_step % save_freq == 0 or self.global_step == self.total_steps)
+            ):
                 with timer("save_checkpoint", last):
-                    self.save_checkpoint()
+                    saved = self.save_checkpoint()
             test_freq = int(self.config.trainer.test_freq)
             is_last = self.global_step == self.total_steps
             if (
                 self.val_dataset is not None
                 and test_freq > 0
                 and (self.global_step % test_freq == 0 or is_last)
+                and not stop.requested  # preempted: spend the time budget on stopping, not on validation
             ):
                 last.update(self.validate())
             self.tracker.log(last, self.global_step)
+            if stop.requested:
+                raise stop.stopped(
+                    self.global_step, saved, resume_hint(str(self.config.trainer.default_local_dir))
+                )
         return last
 
     def train_step(self) -> Metrics:

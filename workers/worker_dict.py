@@ -36,6 +36,7 @@ from fusedrl.workers.actor import ActorRole, RefRole
 from fusedrl.workers.checkpoint_io import export_hf, load_fsdp_state, save_fsdp_state
 from fusedrl.workers.critic import CriticRole
 from fusedrl.workers.fsdp import StreamStats, device_type
+from fusedrl.workers.health import HealthReporting
 from fusedrl.workers.logprob import token_budget
 from fusedrl.workers.memory import (
     Offloader,
@@ -61,7 +62,7 @@ def _to_device(batch: RolloutBatch) -> RolloutBatch:
     return batch if device_type() == "cpu" else batch.to(device_type())
 
 
-class WorkerDict:
+class WorkerDict(HealthReporting):
     """Roles of one device slot. ``config`` is the whole resolved run config as a plain dict."""
 
     def __init__(self, config: dict[str, Any], *, rank: int, world_size: int) -> None:
