@@ -102,3 +102,23 @@ def kill_pids(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+def wait_pids_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until these local processes have exited (zombies count as gone); returns those still alive."""
+    deadline = time.monotonic() + timeout_s
+    alive = list(pids)
+    while alive:
+        alive = [p for p in alive if _running(p)]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return alive
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -23,7 +23,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fusedrl.batch import RolloutBatch, gather_from_ranks, split_for_ranks
-from fusedrl.controller.health import kill_pids, memory_diagnosis, resume_hint
+from fusedrl.controller.health import kill_pids, memory_diagnosis, resume_hint, wait_pids_gone
 from fusedrl.controller.preemption import Preempted, PreemptionGuard
 
 HEALTH_GROUP = "health"  # the workers' concurrency group for health_report / dump_stacks (workers/health.py)
@@ -295,9 +295,15 @@ class WorkerGroup:
         return full if pad == 0 else full[: full.shape[0] - pad]
 
     def shutdown(self) -> None:
+        """Kill every worker and wait (briefly) until this node's worker processes are gone, so none is
+        still writing (e.g. into a checkpoint folder the caller is about to remove)."""
         for w in self.workers:
             with contextlib.suppress(Exception):  # already dead
                 ray.kill(w)
+        here = socket.gethostname()
+        wait_pids_gone(
+            [int(r["pid"]) for r in self.reports.values() if r.get("node") == here], timeout_s=10.0
+        )
         self.workers.clear()
         self._report_refs.clear()
         self.pool.release()
