@@ -110,7 +110,7 @@ class WorkerGroup:
         pg = pool.pg if pool.pg is not None else pool.create()
         # The health methods run on a thread of their own, so a busy or hung worker still answers them.
         remote_cls: Any = (
-            ray.remote(concurrency_groups={HEALTH_GROUP: 1})(worker_cls)
+            ray.remote(concurrency_groups={HEALTH_GROUP: 1})(worker_cls)  # type: ignore[call-overload]
             if self.monitored
             else ray.remote(worker_cls)
         )
@@ -171,6 +171,7 @@ class WorkerGroup:
         """
         start = time.monotonic()
         pending = list(refs)
+        self._check_preemption(phase)
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
             if done:
@@ -180,16 +181,20 @@ class WorkerGroup:
                     self._died(ranks[refs.index(done[0])], phase, err)
                 continue
             self.poll_health()
-            if self.preemption is not None:
-                try:
-                    self.preemption.check_deadline(f"`{phase}`")
-                except Preempted:
-                    self.shutdown()
-                    raise
+            self._check_preemption(phase)
             waited = time.monotonic() - start
             if self.step_timeout_s is not None and waited > self.step_timeout_s:
                 self._timed_out([ranks[refs.index(r)] for r in pending], phase, waited)
         return ray.get(list(refs))
+
+    def _check_preemption(self, phase: str) -> None:
+        """After a SIGTERM whose time budget ran out: stop the workers and raise `Preempted`."""
+        if self.preemption is not None:
+            try:
+                self.preemption.check_deadline(f"`{phase}`")
+            except Preempted:
+                self.shutdown()
+                raise
 
     def _died(self, rank: int, phase: str, err: Exception) -> None:
         died = isinstance(err, ray.exceptions.RayActorError)
