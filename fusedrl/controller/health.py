@@ -60,7 +60,12 @@ def kernel_oom_kill(pid: int) -> bool | None:
         return None
     if out.returncode != 0:
         return None
-    return any(int(m.group(2) or m.group(3)) == pid for m in _KERNEL_OOM.finditer(out.stdout))
+    return pid in oom_killed_pids(out.stdout)
+
+
+def oom_killed_pids(kernel_log: str) -> set[int]:
+    """The pids the kernel log says its OOM killer killed (global or cgroup OOM)."""
+    return {int(m.group(2) or m.group(3)) for m in _KERNEL_OOM.finditer(kernel_log)}
 
 
 def memory_diagnosis(err: BaseException, report: dict[str, Any] | None) -> str:
