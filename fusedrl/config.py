@@ -334,6 +334,22 @@ def validate(cfg: DictConfig) -> None:
             float(tol)
         except (TypeError, ValueError):
             problems.append(f"`trainer.rollout_check_tol`={tol!r}: use auto, null or a number (e.g. 1e-3).")
+    for key in ("trainer.step_timeout_s", "trainer.preemption_save_timeout_s"):
+        if _get(cfg, key) is not None:
+            seconds = number(key, float)
+            need(
+                seconds is None or seconds >= 0, f"`{key}`={seconds}: must be >= 0 seconds (0 or null: off)."
+            )
+    save_freq = _get(cfg, "trainer.save_freq")
+    if isinstance(save_freq, int) and save_freq > 0 and tr.default_local_dir:
+        from fusedrl.checkpoint import check_writable
+
+        problem = check_writable(str(tr.default_local_dir))
+        need(
+            problem is None,
+            f"`trainer.default_local_dir`={tr.default_local_dir!r}: checkpoints cannot be written there ({problem}). "
+            "Point it at a writable folder, or set trainer.save_freq=-1 to run without checkpoints.",
+        )
     if tr.resume_mode == "resume_path":
         need(bool(tr.resume_from_path), "`trainer.resume_from_path`: required with resume_mode=resume_path.")
 
@@ -451,6 +467,8 @@ def cli_main(
     """The body of every entry point: ``key=value`` overrides -> validated config -> ``run(config)``.
 
     Config problems are all printed at once to stderr, before anything starts, and the exit code is 2.
+    A run stopped by SIGTERM / SIGINT (checkpointed; rerunning resumes) exits with 75
+    (``fusedrl.controller.preemption.PREEMPTED_EXIT_CODE``).
     """
     overrides = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -460,7 +478,13 @@ def cli_main(
         return 2
     if show_config:
         print(OmegaConf.to_yaml(config), flush=True)
-    run(config)
+    from fusedrl.controller.preemption import Preempted
+
+    try:
+        run(config)
+    except Preempted as err:  # SIGTERM / SIGINT: checkpointed and stopped cleanly; rerunning resumes
+        print(f"{prog}: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
     return 0
 
 

@@ -31,7 +31,9 @@ from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
+from fusedrl.controller.health import resume_hint
 from fusedrl.controller.placement import check_role_groups
+from fusedrl.controller.preemption import PreemptionGuard
 from fusedrl.data.dataset import PromptLoader, RLDataset
 from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
@@ -151,8 +153,12 @@ class PPOTrainer:
         """The group holding the actor (and the rollout): the fused workers."""
         return self.group_for("actor")
 
+    def worker_groups(self) -> list[WorkerGroup]:
+        """Each worker group once (several roles may share one)."""
+        return list({id(g): g for g in self.groups.values()}.values())
+
     def close(self) -> None:
-        for group in {id(g): g for g in self.groups.values()}.values():
+        for group in self.worker_groups():
             group.shutdown()
         self.groups = {}
         self.tracker.close()
@@ -162,29 +168,58 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Metrics:
-        """Train until ``total_steps``; returns the last step's metrics."""
+        """Train until ``total_steps``; returns the last step's metrics.
+
+        SIGTERM / SIGINT stop the run after the step in flight, with a checkpoint of that step, within
+        ``trainer.preemption_save_timeout_s``; `Preempted` is raised (``main_ppo`` exits with 75)."""
+        stop = PreemptionGuard(self.config.trainer.preemption_save_timeout_s)
+        groups = self.worker_groups()
+        for group in groups:
+            group.preemption = stop
+
+        def kill_all() -> None:
+            for group in groups:
+                group.kill_local_processes()
+
+        stop.on_exit_now = kill_all
+        with stop:
+            return self._fit(stop)
+
+    def _fit(self, stop: PreemptionGuard) -> Metrics:
         last: Metrics = {}
         seed_rng(int(self.config.data.seed))  # a resumed run then restores the checkpoint's RNG state
         self.load_checkpoint()
         if self.config.trainer.val_before_train and self.val_dataset is not None:
             self.tracker.log(self.validate(), self.global_step)
         while self.global_step < self.total_steps:
+            if stop.requested:  # the signal came before this step started: nothing new to save
+                raise stop.stopped(
+                    self.global_step, None, resume_hint(str(self.config.trainer.default_local_dir))
+                )
             self.global_step += 1
             last = self.train_step()
             self.check_health(last)
             save_freq = int(self.config.trainer.save_freq)
-            if save_freq > 0 and (self.global_step % save_freq == 0 or self.global_step == self.total_steps):
+            saved = None
+            if stop.requested or (
+                save_freq > 0 and (self.global_step % save_freq == 0 or self.global_step == self.total_steps)
+            ):
                 with timer("save_checkpoint", last):
-                    self.save_checkpoint()
+                    saved = self.save_checkpoint()
             test_freq = int(self.config.trainer.test_freq)
             is_last = self.global_step == self.total_steps
             if (
                 self.val_dataset is not None
                 and test_freq > 0
                 and (self.global_step % test_freq == 0 or is_last)
+                and not stop.requested  # preempted: spend the time budget on stopping, not on validation
             ):
                 last.update(self.validate())
             self.tracker.log(last, self.global_step)
+            if stop.requested:
+                raise stop.stopped(
+                    self.global_step, saved, resume_hint(str(self.config.trainer.default_local_dir))
+                )
         return last
 
     def train_step(self) -> Metrics:
@@ -388,13 +423,13 @@ class PPOTrainer:
         rollout = self.group_for("rollout")
         if self.rollout_stale:
             self.sync_weights()
-        rollout.queue_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
+        rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
         shards = rollout.run_split(
             lambda w, shard: w.rollout_generate.remote(shard, sampling), to_send, replicas=tp
         )
-        rollout.queue_all(lambda w: w.rollout_sleep.remote())
+        rollout.run_all(lambda w: w.rollout_sleep.remote())
         self.rollout_stale = self.rollout_discards_weights
-        self.group_for("actor").queue_all(lambda w: w.load_actor.remote())
+        self.group_for("actor").run_all(lambda w: w.load_actor.remote())
         out = rollout.gather_batches(shards, to_send)
         return batch.update_from(out, "responses", "response_mask", "rollout_log_probs")
 
@@ -459,7 +494,7 @@ class PPOTrainer:
         t = self.temperature
         inputs = self._model_inputs(batch)
         actor = self.group_for("actor")
-        actor.queue_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
+        actor.run_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
         parts = actor.run_split(lambda w, shard: w.actor_compute_log_prob.remote(shard, t), inputs)
         batch.old_log_probs = actor.gather_tensors(parts, inputs)
         return batch
@@ -468,9 +503,9 @@ class PPOTrainer:
         t = self.temperature
         inputs = self._model_inputs(batch)
         ref = self.group_for("ref")
-        ref.queue_all(lambda w: w.load_ref.remote())
+        ref.run_all(lambda w: w.load_ref.remote())
         parts = ref.run_split(lambda w, shard: w.ref_compute_log_prob.remote(shard, t), inputs)
-        ref.queue_all(lambda w: w.offload_ref.remote())
+        ref.run_all(lambda w: w.offload_ref.remote())
         batch.ref_log_probs = ref.gather_tensors(parts, inputs)
         return batch
 
@@ -478,7 +513,7 @@ class PPOTrainer:
         """Critic values ``V(s_t)`` of every response position (PPO with GAE)."""
         inputs = self._model_inputs(batch)
         critic = self.group_for("critic")
-        critic.queue_all(lambda w: w.load_critic.remote())
+        critic.run_all(lambda w: w.load_critic.remote())
         parts = critic.run_split(lambda w, shard: w.critic_compute_values.remote(shard), inputs)
         batch.critic_values = critic.gather_tensors(parts, inputs)
         return batch
@@ -489,9 +524,9 @@ class PPOTrainer:
             "prompts", "prompt_mask", "responses", "response_mask", "critic_values", "returns"
         )
         critic = self.group_for("critic")
-        critic.queue_all(lambda w: w.load_critic.remote(optimizer=True))
+        critic.run_all(lambda w: w.load_critic.remote(optimizer=True))
         per_rank = critic.run_split(lambda w, shard: w.critic_update.remote(shard), inputs)
-        critic.queue_all(lambda w: w.offload_critic.remote())
+        critic.run_all(lambda w: w.offload_critic.remote())
         return mean_over_ranks(per_rank)
 
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
@@ -520,9 +555,9 @@ class PPOTrainer:
         t = self.temperature
         actor = self.group_for("actor")
         # The optimizer state is on the device only for the update.
-        actor.queue_all(lambda w: w.load_actor.remote(optimizer=True))
+        actor.run_all(lambda w: w.load_actor.remote(optimizer=True))
         per_rank = actor.run_split(lambda w, shard: w.actor_update.remote(shard, t), inputs)
-        actor.queue_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
+        actor.run_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
         self.rollout_stale = True
         return mean_over_ranks(per_rank)
 
@@ -533,11 +568,11 @@ class PPOTrainer:
         the engine's weights wake -> one full tensor at a time into the engine -> the shards leave again.
         """
         actor, rollout = self.group_for("actor"), self.group_for("rollout")
-        rollout.queue_all(lambda w: w.prepare_weight_update.remote())
-        actor.queue_all(lambda w: w.load_actor.remote())
-        rollout.queue_all(lambda w: w.rollout_wake_up.remote(["weights"]))
+        rollout.run_all(lambda w: w.prepare_weight_update.remote())
+        actor.run_all(lambda w: w.load_actor.remote())
+        rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights"]))
         per_rank = actor.run_all(lambda w: w.update_weights.remote())
-        actor.queue_all(lambda w: w.offload_actor.remote(params=True, optimizer=False))
+        actor.run_all(lambda w: w.offload_actor.remote(params=True, optimizer=False))
         self.rollout_stale = False
         return mean_over_ranks(per_rank)
 

@@ -37,6 +37,7 @@ from fusedrl.workers.critic import CriticRole
 from fusedrl.workers.distributed import DistributedWorker
 from fusedrl.workers.export import export_hf
 from fusedrl.workers.fsdp import StreamStats, device_type
+from fusedrl.workers.health import HealthReporting
 from fusedrl.workers.inspection import InspectionHooks
 from fusedrl.workers.logprob import token_budget
 from fusedrl.workers.memory import (
@@ -60,7 +61,7 @@ def _to_device(batch: RolloutBatch) -> RolloutBatch:
     return batch if device_type() == "cpu" else batch.to(device_type())
 
 
-class WorkerDict(DistributedWorker, InspectionHooks):
+class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
     """The roles of one device slot. ``config`` is the whole resolved run config as a plain dict;
     ``roles`` the subset of `ROLES` this worker holds (the HF rollout generates with the actor's own
     module, so it needs the actor in the same worker)."""
