@@ -41,6 +41,7 @@ CLASS_FILES = {
     "StreamStats": "workers/fsdp.py",
     "GroupCollector": "trainer/dynamic_sampling.py",
     "InspectionHooks": "workers/inspection.py",
+    "DistributedWorker": "workers/distributed.py",
 }
 
 
