@@ -85,9 +85,13 @@ async def _assistant_turn(traj: Trajectory, ctx: AgentContext) -> tuple[str, boo
     return text, finish == "stop"
 
 
-def _append(traj: Trajectory, ctx: AgentContext, messages: list[dict[str, Any]]) -> bool:
-    """Render ``messages`` once and append them; False (nothing appended) when they do not fit."""
-    ids = ctx.renderer.observation_ids(messages)
+def _append(
+    traj: Trajectory, ctx: AgentContext, messages: list[dict[str, Any]], after_stop: bool = True
+) -> bool:
+    """Render ``messages`` once and append them; False (nothing appended) when they do not fit.
+    ``after_stop=False``: the last turn was cut (``max_tokens_per_turn``), so the observation first closes it
+    with the stop text, which the model did not sample (mask 0)."""
+    ids = ctx.renderer.observation_ids(messages, after_stop=after_stop)
     if not traj.fits(ids):
         traj.stats["hit_length_limit"] = 1.0
         return False
@@ -132,9 +136,10 @@ class EnvironmentLoop(AgentLoop):
                 text, stopped = await _assistant_turn(traj, ctx)
                 messages, reward, done = env.step(text)
                 traj.stats["reward"] += float(reward)
-                if done or not stopped or not messages or not _turns_left(traj, ctx):
+                # A turn cut by max_tokens_per_turn still goes to the environment, which decides.
+                if done or not messages or not _turns_left(traj, ctx):
                     return
-                if not _append(traj, ctx, list(messages)):
+                if not _append(traj, ctx, list(messages), after_stop=stopped):
                     return
         finally:
             env.close()

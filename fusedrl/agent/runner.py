@@ -40,6 +40,7 @@ class MultiTurnConfig:
     default_agent_name: str = "single_turn"
     max_assistant_turns: int | None = None
     max_user_turns: int | None = None
+    max_tokens_per_turn: int | None = None
     max_parallel_calls: int = 1
     max_tool_response_length: int = 256
     tool_response_truncate_side: str = "middle"
@@ -54,7 +55,7 @@ class MultiTurnConfig:
         d = dict(d or {})
         keys = {f for f in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in d.items() if k in keys}
-        for k in ("max_assistant_turns", "max_user_turns"):
+        for k in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
             if kwargs.get(k) is not None:
                 kwargs[k] = int(kwargs[k])
         return cls(**kwargs)
@@ -74,7 +75,7 @@ class MultiTurnConfig:
             out.append(f"{prefix}.tool_timeout_s must be > 0")
         if int(self.max_tool_response_length) < 1:
             out.append(f"{prefix}.max_tool_response_length must be >= 1")
-        for k in ("max_assistant_turns", "max_user_turns"):
+        for k in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
             v = getattr(self, k)
             if v is not None and v < 1:
                 out.append(f"{prefix}.{k} must be >= 1 or null")
@@ -134,7 +135,9 @@ class AgentRunner:
             self._pool = None
 
     # ------------------------------------------------------------------ scheduling
-    async def _run_all(self, rows: list[dict[str, Any]], sampling: TurnSampling, budget: int) -> list[Trajectory]:
+    async def _run_all(
+        self, rows: list[dict[str, Any]], sampling: TurnSampling, budget: int
+    ) -> list[Trajectory]:
         self._sampling = sampling
         self._waiting: dict[str, asyncio.Future] = {}
         self._held: list[tuple[str, list[int], list[float], str]] = []
@@ -198,7 +201,7 @@ class AgentRunner:
         self._turn[index] = turn + 1
         s = self._sampling
         params = SampleParams(
-            max_tokens=traj.remaining,
+            max_tokens=min(traj.remaining, self.cfg.max_tokens_per_turn or traj.remaining),
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
@@ -222,7 +225,9 @@ class AgentRunner:
             results.append(f"Error: skipped; at most {limit} tool calls are run per turn")
         out = []
         for text in results:
-            cut, was_cut = truncate(text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side)
+            cut, was_cut = truncate(
+                text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side
+            )
             traj.stats["truncated_responses"] += float(was_cut)
             out.append(cut)
         return out

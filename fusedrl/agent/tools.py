@@ -160,7 +160,9 @@ def function_schema(fn: Callable[..., Any]) -> dict[str, Any]:
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         if pname not in hints:
-            raise ToolConfigError(f"{name}: parameter {pname!r} has no type hint; annotate it (e.g. `{pname}: int`)")
+            raise ToolConfigError(
+                f"{name}: parameter {pname!r} has no type hint; annotate it (e.g. `{pname}: int`)"
+            )
         prop = _json_type(hints[pname])
         if pname in param_docs:
             prop["description"] = param_docs[pname]
@@ -179,15 +181,15 @@ def function_schema(fn: Callable[..., Any]) -> dict[str, Any]:
 
 def check_schema(schema: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     """Validate the shape of an OpenAI function schema; returns it as a plain dict."""
-    schema = _plain(schema)
-    fn = schema.get("function") if isinstance(schema, dict) else None
-    if schema.get("type") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+    plain: dict[str, Any] = _plain(schema) if isinstance(schema, Mapping) else {}
+    fn = plain.get("function")
+    if plain.get("type") != "function" or not isinstance(fn, dict) or not fn.get("name"):
         raise ToolConfigError(
             f"{where}: tool_schema must look like {{type: function, function: {{name: ..., description: ..., "
             f"parameters: {{type: object, properties: ...}}}}}}, got {schema!r}"
         )
     fn.setdefault("parameters", {"type": "object", "properties": {}})
-    return schema
+    return plain
 
 
 def _plain(value: Any) -> Any:
@@ -210,7 +212,9 @@ def as_tool(obj: Any) -> Tool:
 def _import(path: str, where: str) -> Any:
     module_name, _, attr = path.rpartition(".")
     if not module_name:
-        raise ToolConfigError(f"{where}: class_name {path!r} must be a dotted path like my_pkg.tools.Calculator")
+        raise ToolConfigError(
+            f"{where}: class_name {path!r} must be a dotted path like my_pkg.tools.Calculator"
+        )
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
@@ -223,23 +227,31 @@ def load_tool_config(path: str | os.PathLike) -> list[Tool]:
 
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise ToolConfigError(f"{path}: tool config not found (actor_rollout_ref.rollout.multi_turn.tool_config_path)")
+        raise ToolConfigError(
+            f"{path}: tool config not found (actor_rollout_ref.rollout.multi_turn.tool_config_path)"
+        )
     raw = _plain(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
     entries = raw.get("tools") if isinstance(raw, dict) else None
     if not isinstance(entries, list) or not entries:
-        raise ToolConfigError(f"{path}: expected a top-level `tools:` list of {{class_name, config, tool_schema}}")
+        raise ToolConfigError(
+            f"{path}: expected a top-level `tools:` list of {{class_name, config, tool_schema}}"
+        )
     tools: list[Tool] = []
     for k, entry in enumerate(entries):
         where = f"{path}: tools[{k}]"
         if not isinstance(entry, dict) or "class_name" not in entry:
-            raise ToolConfigError(f"{where}: each entry needs class_name (a dotted path to a Tool class or function)")
+            raise ToolConfigError(
+                f"{where}: each entry needs class_name (a dotted path to a Tool class or function)"
+            )
         target = _import(str(entry["class_name"]), where)
         schema = entry.get("tool_schema")
         if isinstance(target, type) and issubclass(target, Tool):
             tools.append(target(entry.get("config") or {}, schema))
         elif callable(target) and not isinstance(target, type):
             if entry.get("config"):
-                raise ToolConfigError(f"{where}: a function tool takes no config; remove it or use a Tool class")
+                raise ToolConfigError(
+                    f"{where}: a function tool takes no config; remove it or use a Tool class"
+                )
             tools.append(FunctionTool(target, schema))
         else:
             raise ToolConfigError(f"{where}: {entry['class_name']} is neither a Tool subclass nor a function")

@@ -45,7 +45,11 @@ class Counter(Tool):
 
     schema = {
         "type": "function",
-        "function": {"name": "counter", "description": "count", "parameters": {"type": "object", "properties": {}}},
+        "function": {
+            "name": "counter",
+            "description": "count",
+            "parameters": {"type": "object", "properties": {}},
+        },
     }
 
     def __init__(self, config=None, tool_schema=None):
@@ -72,7 +76,11 @@ def test_function_schema_from_hints_and_docstring():
     assert fn["description"] == "Look a key up in a table."
     props = fn["parameters"]["properties"]
     assert props["key"] == {"type": "string", "description": "the row to read."}
-    assert props["table"] == {"type": "string", "enum": ["a", "b"], "description": "which table; the second line of its description."}
+    assert props["table"] == {
+        "type": "string",
+        "enum": ["a", "b"],
+        "description": "which table; the second line of its description.",
+    }
     assert props["scale"]["type"] == "number"
     assert fn["parameters"]["required"] == ["key"]
     assert FunctionTool(lookup).execute("x", {"key": "k", "table": "b"}) == "b:k:1.0"
@@ -127,7 +135,7 @@ def test_hermes_parser():
         '<tool_call>\n{"name": "counter", "arguments": "{}"}\n</tool_call>'
         "<tool_call>{not json}</tool_call><tool_call>[1]</tool_call>"
         '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "a", "arguments": 3}</tool_call>'
-        "<tool_call>{\"name\""
+        '<tool_call>{"name"'
     )
     calls = parse_hermes(text)
     assert [(c.name, c.arguments, c.error is None) for c in calls[:2]] == [
@@ -156,7 +164,12 @@ def test_observation_delta_and_check(tiny_model_dir):
     assert tok.decode(obs_ids) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
     turn2 = tok.encode("The answer is 5<|im_end|>", add_special_tokens=False)
     ids = prompt_ids + turn1 + obs_ids + turn2
-    conversation = [*prompt, {"role": "assistant", "content": "call"}, *obs, {"role": "assistant", "content": "The answer is 5"}]
+    conversation = [
+        *prompt,
+        {"role": "assistant", "content": "call"},
+        *obs,
+        {"role": "assistant", "content": "The answer is 5"},
+    ]
     assert tokenization_mismatch(r, conversation, ids, ends_with_generation_prompt=False) is None
     # One wrong token is reported at its position.
     bad = list(ids)
@@ -195,7 +208,12 @@ def test_truncate_sides():
 
 def test_multi_turn_config_problems():
     cfg = MultiTurnConfig.from_dict(
-        {"tool_response_truncate_side": "up", "tokenization_check": "yes", "max_parallel_calls": 0, "max_user_turns": 0}
+        {
+            "tool_response_truncate_side": "up",
+            "tokenization_check": "yes",
+            "max_parallel_calls": 0,
+            "max_user_turns": 0,
+        }
     )
     problems = cfg.problems()
     assert len(problems) == 4

@@ -29,6 +29,7 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -225,7 +226,7 @@ class VLLMEngine:
 
         sampling = _sampling_params(params)
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
-        per_request: SamplingParams | list[SamplingParams] = sampling
+        per_request: Any = sampling
         if seeds is not None:
             per_request = []
             for seed in seeds:
