@@ -50,12 +50,24 @@ def _mean_over_ranks(per_rank: list[Metrics]) -> Metrics:
 class PPOTrainer:
     """GRPO / PPO-family RL over a group of fused workers. See the module docstring for the lifecycle."""
 
-    def __init__(self, config: DictConfig, *, compute_score: Any = None) -> None:
+    def __init__(
+        self, config: DictConfig, *, compute_score: Any = None, tools: list[Any] | None = None
+    ) -> None:
         from transformers import AutoTokenizer
 
         from fusedrl.config import import_plugin
 
         self.config = config
+        # Multi-turn agent rollouts (docs/agentic.md): tools given in Python join the YAML's.
+        self.agent_tools = list(tools or [])
+        multi_turn = config.actor_rollout_ref.rollout.get("multi_turn")
+        self.multi_turn = bool(multi_turn is not None and multi_turn.enable)
+        agent_data: dict[str, Any] = {}
+        if self.multi_turn:
+            from fusedrl.agent import ToolSet
+
+            schemas = ToolSet.from_config(to_plain_dict(multi_turn), extra=self.agent_tools).schemas()
+            agent_data = {"tools": schemas or None, "keep_messages": True}
         for module in config.algorithm.get("custom_modules") or []:
             import_plugin(str(module))  # idempotent with validate(); needed when validation was skipped
         arr = config.actor_rollout_ref
@@ -67,6 +79,7 @@ class PPOTrainer:
             int(data.max_prompt_length),
             prompt_key=data.prompt_key,
             truncation=data.truncation,
+            **agent_data,
         )
         self.train_loader = PromptLoader(
             self.train_dataset, int(data.train_batch_size), shuffle=bool(data.shuffle), seed=int(data.seed)
@@ -79,6 +92,7 @@ class PPOTrainer:
                 int(data.max_prompt_length),
                 prompt_key=data.prompt_key,
                 truncation=data.truncation,
+                **agent_data,
             )
         self.reward_fn = build_reward_manager(config, self.tokenizer, compute_score)
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
@@ -122,6 +136,7 @@ class PPOTrainer:
             ),
         }
         worker_config["_roles"] = needed_roles(self.config)
+        worker_config["_agent_tools"] = self.agent_tools
         self.group = WorkerGroup.start(
             WorkerDict, pool, worker_config, init=lambda w, addr, port: w.init_roles.remote(addr, port)
         )
@@ -380,20 +395,30 @@ class PPOTrainer:
         sampling = self.sampling(validate)
         if self.rollout_stale:
             self.sync_weights()
-        to_send = batch.select_fields("prompts", "prompt_mask", "sample_seeds")
+        fields = ["prompts", "prompt_mask", "sample_seeds"]
+        if self.multi_turn:  # agent loops read the row: agent_name, tools_kwargs, prompt messages
+            fields += ["uid", "data_source", "ground_truth", "extra_info"]
+        to_send = batch.select_fields(*fields)
         tp = int(self.config.actor_rollout_ref.rollout.tensor_model_parallel_size)
         shards = self.workers.run_split(
             lambda w, shard: w.rollout_generate.remote(shard, sampling), to_send, replicas=tp
         )
         self.rollout_stale = self.rollout_discards_weights
         out = self.workers.gather_batches(shards, to_send)
-        return batch.update_from(out, "responses", "response_mask", "rollout_log_probs")
+        names = ["responses", "response_mask", "rollout_log_probs"]
+        if self.multi_turn:
+            names += ["response_attention_mask", "agent_stats"]
+        return batch.update_from(out, *names)
 
     def compute_rewards(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Score responses: the rule / custom reward on the driver, or the fused reward model when enabled."""
         if self.config.reward_model.enable:
             return self.compute_reward_model_scores(batch, metrics)
         scores, reward_metrics = self.reward_fn(batch)  # [B, Tr]
+        if batch.agent_stats is not None:
+            from fusedrl.agent.rewards import add_agent_rewards
+
+            scores = add_agent_rewards(scores, batch.response_mask, batch.agent_stats)
         batch.token_level_scores = scores
         batch.token_level_rewards = scores.clone()
         metrics.update(reward_metrics)
@@ -404,7 +429,9 @@ class PPOTrainer:
         inputs = self._model_inputs(batch)
         parts = self.workers.run_split(lambda w, shard: w.reward_model_compute_scores.remote(shard), inputs)
         seq_scores = self.workers.gather_tensors(parts, inputs)  # [B]
-        last = (batch.response_mask.sum(-1) - 1).clamp(min=0)  # [B]
+        positions = torch.arange(batch.response_mask.shape[1]).expand_as(batch.response_mask)  # [B, Tr]
+        # The last *sampled* token (multi-turn responses interleave observation tokens).
+        last = torch.where(batch.response_mask.bool(), positions, 0).max(dim=1).values  # [B]
         scores = torch.zeros(batch.response_mask.shape, dtype=torch.float32)  # [B, Tr]
         scores[torch.arange(batch.num_samples), last] = seq_scores * (batch.response_mask.sum(-1) > 0)
         batch.token_level_scores = scores
@@ -442,7 +469,7 @@ class PPOTrainer:
         return batch
 
     def _model_inputs(self, batch: RolloutBatch) -> RolloutBatch:
-        return batch.select_fields("prompts", "prompt_mask", "responses", "response_mask")
+        return batch.select_fields(*batch.model_input_fields())
 
     def compute_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
         """``old_log_probs``: the actor's log-probs of the samples before this step's update."""
@@ -468,9 +495,7 @@ class PPOTrainer:
 
     def update_critic(self, batch: RolloutBatch) -> Metrics:
         """Regress the critic on the GAE returns (clipped value loss)."""
-        inputs = batch.select_fields(
-            "prompts", "prompt_mask", "responses", "response_mask", "critic_values", "returns"
-        )
+        inputs = batch.select_fields(*batch.model_input_fields(), "critic_values", "returns")
         per_rank = self.workers.run_split(lambda w, shard: w.critic_update.remote(shard), inputs)
         return _mean_over_ranks(per_rank)
 
@@ -493,7 +518,7 @@ class PPOTrainer:
 
     def update_actor(self, batch: RolloutBatch) -> Metrics:
         """PPO update of the policy on the fused workers (FSDP2; micro-batches; global loss normaliser)."""
-        fields = ["prompts", "prompt_mask", "responses", "response_mask", "old_log_probs", "advantages"]
+        fields = [*batch.model_input_fields(), "old_log_probs", "advantages"]
         if self.config.actor_rollout_ref.actor.use_kl_loss:
             fields.append("ref_log_probs")
         inputs = batch.select_fields(*fields)
@@ -521,6 +546,10 @@ class PPOTrainer:
         prompts = next(iter(loader))
         batch = self.generate(prompts, validate=True)
         scores, _ = self.reward_fn(batch)
+        if batch.agent_stats is not None:
+            from fusedrl.agent.rewards import add_agent_rewards
+
+            scores = add_agent_rewards(scores, batch.response_mask, batch.agent_stats)
         per_sample = scores.sum(-1)  # [B]
         out: Metrics = {"val/test_score/mean": float(per_sample.mean())}
         sources = np.array(batch.field_list("data_source"))
@@ -536,7 +565,14 @@ class PPOTrainer:
         adv = batch.advantages[batch.response_mask.bool()]  # [N valid]
         diff = (batch.rollout_log_probs - batch.old_log_probs).abs()[batch.response_mask.bool()]  # [N valid]
         prompt_tokens = float(batch.prompt_mask.sum())
+        real = batch.response_mask if batch.response_attention_mask is None else batch.response_attention_mask
+        agent: Metrics = {}
+        if batch.agent_stats is not None:
+            from fusedrl.agent.rewards import agent_metrics
+
+            agent = agent_metrics(batch.agent_stats)
         return {
+            **agent,
             "critic/score/mean": float(scores.mean()),
             "critic/score/max": float(scores.max()),
             "critic/score/min": float(scores.min()),
@@ -545,20 +581,24 @@ class PPOTrainer:
             "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
+            "response_length/clip_ratio": float((real.sum(-1) >= mask.shape[1]).float().mean()),
             "prompt_length/mean": prompt_tokens / batch.num_samples,
             # Rollout vs trainer log-probs of the same tokens: ~0 when the weight sync is right.
             "rollout/log_prob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
             "rollout/log_prob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
-            "perf/total_num_tokens": prompt_tokens + float(lengths.sum()),
-            "perf/throughput": (prompt_tokens + float(lengths.sum())) / max(step_time, 1e-9),
+            "perf/total_num_tokens": prompt_tokens + float(real.sum()),
+            "perf/throughput": (prompt_tokens + float(real.sum())) / max(step_time, 1e-9),
             "training/global_step": float(self.global_step),
         }
 
 
 @contextlib.contextmanager
 def started_trainer(
-    config: DictConfig, *, trainer_cls: type | None = None, compute_score: Any = None
+    config: DictConfig,
+    *,
+    trainer_cls: type | None = None,
+    compute_score: Any = None,
+    tools: list[Any] | None = None,
 ) -> Iterator[PPOTrainer]:
     """Ray up (`init_ray`), the trainer built (``trainer_cls``: a user subclass) and its fused workers
     started; on exit the workers and trackers are closed, and Ray is shut down if this call started it."""
@@ -566,7 +606,9 @@ def started_trainer(
 
     owns_ray = not ray.is_initialized()
     init_ray(config)
-    kwargs = {} if compute_score is None else {"compute_score": compute_score}
+    kwargs: dict[str, Any] = {} if compute_score is None else {"compute_score": compute_score}
+    if tools:
+        kwargs["tools"] = tools  # multi-turn agent rollouts: tools given in Python
     trainer = (trainer_cls or PPOTrainer)(config, **kwargs)
     try:
         trainer.init_workers()
