@@ -289,7 +289,7 @@ def validate(cfg: DictConfig) -> None:
     if mt is not None and mt.enable:
         from fusedrl.agent.runner import MultiTurnConfig
 
-        problems.extend(f"`{p}`" for p in MultiTurnConfig.from_dict(dict(mt)).problems())
+        problems.extend(MultiTurnConfig.from_dict(dict(mt)).problems())
         need(
             rollout.name == "vllm",
             "`actor_rollout_ref.rollout.multi_turn.enable`=true needs rollout.name=vllm (agent loops queue "

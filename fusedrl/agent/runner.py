@@ -55,31 +55,32 @@ class MultiTurnConfig:
         d = dict(d or {})
         keys = {f for f in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in d.items() if k in keys}
+        if isinstance(kwargs.get("tokenization_check"), bool):  # YAML reads a bare off / on as a boolean
+            kwargs["tokenization_check"] = "strict" if kwargs["tokenization_check"] else "off"
         for k in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
             if kwargs.get(k) is not None:
                 kwargs[k] = int(kwargs[k])
         return cls(**kwargs)
 
     def problems(self, prefix: str = "actor_rollout_ref.rollout.multi_turn") -> list[str]:
-        """Every invalid value, as config-error lines."""
-        out = []
-        if self.tool_response_truncate_side not in TRUNCATE_SIDES:
-            out.append(f"{prefix}.tool_response_truncate_side must be one of {TRUNCATE_SIDES}")
-        if self.tokenization_check not in ("strict", "off"):
-            out.append(f"{prefix}.tokenization_check must be strict or off, got {self.tokenization_check!r}")
-        if self.schedule not in SCHEDULES:
-            out.append(f"{prefix}.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if int(self.max_parallel_calls) < 1:
-            out.append(f"{prefix}.max_parallel_calls must be >= 1")
-        if float(self.tool_timeout_s) <= 0:
-            out.append(f"{prefix}.tool_timeout_s must be > 0")
-        if int(self.max_tool_response_length) < 1:
-            out.append(f"{prefix}.max_tool_response_length must be >= 1")
+        """Every invalid value, as config-error lines (key=value: what to use)."""
+        checks = [
+            (
+                "tool_response_truncate_side",
+                self.tool_response_truncate_side in TRUNCATE_SIDES,
+                "use left, right or middle",
+            ),
+            ("tokenization_check", self.tokenization_check in ("strict", "off"), "use strict or off"),
+            ("schedule", self.schedule in SCHEDULES, "use continuous or turn_sync"),
+            ("max_parallel_calls", int(self.max_parallel_calls) >= 1, "must be >= 1"),
+            ("tool_timeout_s", float(self.tool_timeout_s) > 0, "must be > 0"),
+            ("max_tool_response_length", int(self.max_tool_response_length) >= 1, "must be >= 1"),
+            ("tool_workers", int(self.tool_workers) >= 1, "must be >= 1"),
+        ]
         for k in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
             v = getattr(self, k)
-            if v is not None and v < 1:
-                out.append(f"{prefix}.{k} must be >= 1 or null")
-        return out
+            checks.append((k, v is None or v >= 1, "must be >= 1 or null"))
+        return [f"`{prefix}.{k}`={getattr(self, k)!r}: {msg}." for k, ok, msg in checks if not ok]
 
 
 def truncate(text: str, limit: int, side: str) -> tuple[str, bool]:

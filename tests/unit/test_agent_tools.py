@@ -219,3 +219,4 @@ def test_multi_turn_config_problems():
     assert len(problems) == 4
     assert any("tool_response_truncate_side" in p for p in problems)
     assert MultiTurnConfig.from_dict({"max_assistant_turns": "3"}).max_assistant_turns == 3
+    assert MultiTurnConfig.from_dict({"tokenization_check": False}).tokenization_check == "off"
