@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from fusedrl.agent import AgentLoop, Environment, parse_hermes, register_agent_loop, register_environment
-from fusedrl.agent.loops import _append, _assistant_turn
+from fusedrl.agent.loops import append_observation, assistant_turn
 
 HANG_S = 20.0
 
@@ -64,10 +64,12 @@ class BrokenToolsLoop(AgentLoop):
     user message; turn 3."""
 
     async def run(self, row, traj, ctx):
-        _, stopped = await _assistant_turn(traj, ctx)
+        _, stopped = await assistant_turn(traj, ctx)
         results = await ctx.call_tools(traj, parse_hermes(BROKEN_CALLS), row)
-        if not _append(traj, ctx, [{"role": "tool", "content": r} for r in results], after_stop=stopped):
+        if not append_observation(
+            traj, ctx, [{"role": "tool", "content": r} for r in results], after_stop=stopped
+        ):
             return
-        _, stopped = await _assistant_turn(traj, ctx)
-        if _append(traj, ctx, [{"role": "user", "content": "and now?"}], after_stop=stopped):
-            await _assistant_turn(traj, ctx)
+        _, stopped = await assistant_turn(traj, ctx)
+        if append_observation(traj, ctx, [{"role": "user", "content": "and now?"}], after_stop=stopped):
+            await assistant_turn(traj, ctx)

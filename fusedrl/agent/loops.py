@@ -27,7 +27,9 @@ class AgentContext(Protocol):
     max_user_turns: int | None
     env_config: dict[str, Any]
 
-    async def generate(self, traj: Trajectory) -> tuple[list[int], list[float], str]: ...
+    async def generate(
+        self, traj: Trajectory, max_tokens: int | None = None
+    ) -> tuple[list[int], list[float], str]: ...
 
     async def call_tools(self, traj: Trajectory, calls: list[ToolCall], row: dict[str, Any]) -> list[str]: ...
 
@@ -75,9 +77,11 @@ def _turns_left(traj: Trajectory, ctx: AgentContext) -> bool:
     return ctx.max_user_turns is None or traj.stats["user_turns"] < ctx.max_user_turns
 
 
-async def _assistant_turn(traj: Trajectory, ctx: AgentContext) -> tuple[str, bool]:
+async def assistant_turn(
+    traj: Trajectory, ctx: AgentContext, max_tokens: int | None = None
+) -> tuple[str, bool]:
     """One sampled turn appended to ``traj``. Returns its text and whether it ended with the stop token."""
-    ids, log_probs, finish = await ctx.generate(traj)
+    ids, log_probs, finish = await ctx.generate(traj, max_tokens)
     text = ctx.renderer.decode_turn(ids)
     traj.add_sampled(ids, log_probs, text)
     if finish == "length" and traj.remaining <= 0:
@@ -85,7 +89,7 @@ async def _assistant_turn(traj: Trajectory, ctx: AgentContext) -> tuple[str, boo
     return text, finish == "stop"
 
 
-def _append(
+def append_observation(
     traj: Trajectory, ctx: AgentContext, messages: list[dict[str, Any]], after_stop: bool = True
 ) -> bool:
     """Render ``messages`` once and append them; False (nothing appended) when they do not fit.
@@ -104,7 +108,7 @@ class SingleTurnLoop(AgentLoop):
     """One response per prompt: the plain RL rollout."""
 
     async def run(self, row: dict[str, Any], traj: Trajectory, ctx: AgentContext) -> None:
-        await _assistant_turn(traj, ctx)
+        await assistant_turn(traj, ctx)
 
 
 @register_agent_loop("tool")
@@ -114,12 +118,12 @@ class ToolAgentLoop(AgentLoop):
 
     async def run(self, row: dict[str, Any], traj: Trajectory, ctx: AgentContext) -> None:
         while traj.remaining > 0:
-            text, stopped = await _assistant_turn(traj, ctx)
+            text, stopped = await assistant_turn(traj, ctx)
             calls = parse_hermes(text)
             if not stopped or not calls or not _turns_left(traj, ctx):
                 return
             results = await ctx.call_tools(traj, calls, row)
-            if not _append(traj, ctx, [{"role": "tool", "content": r} for r in results]):
+            if not append_observation(traj, ctx, [{"role": "tool", "content": r} for r in results]):
                 return
 
 
@@ -133,13 +137,13 @@ class EnvironmentLoop(AgentLoop):
         try:
             env.reset(row)
             while traj.remaining > 0:
-                text, stopped = await _assistant_turn(traj, ctx)
+                text, stopped = await assistant_turn(traj, ctx)
                 messages, reward, done = env.step(text)
                 traj.stats["reward"] += float(reward)
                 # A turn cut by max_tokens_per_turn still goes to the environment, which decides.
                 if done or not messages or not _turns_left(traj, ctx):
                     return
-                if not _append(traj, ctx, list(messages), after_stop=stopped):
+                if not append_observation(traj, ctx, list(messages), after_stop=stopped):
                     return
         finally:
             env.close()

@@ -194,7 +194,11 @@ class AgentRunner:
             await asyncio.sleep(0)  # let finished trajectories parse, call tools, queue their next turn
 
     # ------------------------------------------------------------------ AgentContext
-    async def generate(self, traj: Trajectory) -> tuple[list[int], list[float], str]:
+    async def generate(
+        self, traj: Trajectory, max_tokens: int | None = None
+    ) -> tuple[list[int], list[float], str]:
+        """One assistant turn continuing ``traj``: ``(sampled ids, their log-probs, "stop" | "length")``.
+        At most ``max_tokens`` (and ``max_tokens_per_turn``, and what is left of the response budget)."""
         from fusedrl.third_party.vllm.engine import SampleParams
 
         index = traj.index  # type: ignore[attr-defined]
@@ -202,7 +206,9 @@ class AgentRunner:
         self._turn[index] = turn + 1
         s = self._sampling
         params = SampleParams(
-            max_tokens=min(traj.remaining, self.cfg.max_tokens_per_turn or traj.remaining),
+            max_tokens=min(
+                traj.remaining, self.cfg.max_tokens_per_turn or traj.remaining, max_tokens or traj.remaining
+            ),
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,

@@ -54,13 +54,15 @@ class ScriptedToolLoop(AgentLoop):
     write tool calls), their responses appended once, then turn 2 by the engine."""
 
     async def run(self, row, traj, ctx):
-        from fusedrl.agent.loops import _append, _assistant_turn
+        from fusedrl.agent.loops import append_observation, assistant_turn
 
-        _, stopped = await _assistant_turn(traj, ctx)
+        _, stopped = await assistant_turn(traj, ctx)
         results = await ctx.call_tools(traj, parse_hermes(row["extra_info"]["script"]), row)
         traj.results = results
-        if _append(traj, ctx, [{"role": "tool", "content": r} for r in results], after_stop=stopped):
-            await _assistant_turn(traj, ctx)
+        if append_observation(
+            traj, ctx, [{"role": "tool", "content": r} for r in results], after_stop=stopped
+        ):
+            await assistant_turn(traj, ctx)
 
 
 def boom(x: int) -> str:
