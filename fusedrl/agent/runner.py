@@ -150,8 +150,14 @@ class AgentRunner:
             t.index = i  # type: ignore[attr-defined]
             t.seed = int(rows[i].get("seed", i))  # type: ignore[attr-defined]
         pump = asyncio.create_task(self._pump())
+        tasks = [asyncio.create_task(self._one(r, t)) for r, t in zip(rows, trajs)]
         try:
-            await asyncio.gather(*(self._one(r, t) for r, t in zip(rows, trajs)))
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # one trajectory failed (e.g. the strict check): stop the others
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         finally:
             self._live = 0
             self._wake.set()
@@ -174,10 +180,14 @@ class AgentRunner:
         if self.cfg.schedule == "continuous":
             return self.engine.num_unfinished() > 0
         # turn_sync: run only once every live trajectory has queued its turn.
+        if self._live <= 0:
+            return self.engine.num_unfinished() > 0
         return len(self._waiting) > 0 and len(self._waiting) + len(self._held) >= self._live
 
     async def _pump(self) -> None:
-        while self._live > 0 or self._waiting:
+        # Runs until every trajectory is done and the engine holds no request of this run (after a failure
+        # the requests of cancelled trajectories are finished and dropped, so the next run starts clean).
+        while self._live > 0 or self.engine.num_unfinished() > 0:
             if not self._ready():
                 self._wake.clear()
                 await self._wake.wait()
@@ -186,12 +196,17 @@ class AgentRunner:
                 if self.cfg.schedule == "turn_sync":
                     self._held.append((request_id, ids, lps, reason))
                 else:
-                    self._waiting.pop(request_id).set_result((ids, lps, reason))
+                    self._deliver(request_id, (ids, lps, reason))
             if self.cfg.schedule == "turn_sync" and self.engine.num_unfinished() == 0:
                 held, self._held = self._held, []
                 for request_id, ids, lps, reason in held:
-                    self._waiting.pop(request_id).set_result((ids, lps, reason))
+                    self._deliver(request_id, (ids, lps, reason))
             await asyncio.sleep(0)  # let finished trajectories parse, call tools, queue their next turn
+
+    def _deliver(self, request_id: str, result: tuple[list[int], list[float], str]) -> None:
+        future = self._waiting.pop(request_id, None)
+        if future is not None and not future.done():  # None / done: its trajectory was cancelled
+            future.set_result(result)
 
     # ------------------------------------------------------------------ AgentContext
     async def generate(

@@ -220,6 +220,13 @@ def _job(model_dir: str, out_path: str) -> None:
         out["strict_error"] = None
     except RuntimeError as exc:
         out["strict_error"] = str(exc)
+    # The failed run left nothing queued: the engine serves the next run normally.
+    out["unfinished_after_error"] = engine.num_unfinished()
+    cfg = MultiTurnConfig(default_agent_name="test_two_step_env", max_tokens_per_turn=TURN_TOKENS)
+    again = AgentRunner(engine, ChatRenderer(tok), ToolSet(), cfg).run(
+        rows, sampling, max_response_length=MAX_RESPONSE
+    )
+    out["after_error_turns"] = [t.stats["assistant_turns"] for t in again]
     with open(out_path, "wb") as f:
         pickle.dump(out, f)
     os._exit(0)  # the engine cannot be torn down cleanly (it owns the default process group)
@@ -325,3 +332,4 @@ def test_strict_check_catches_rewriting_template(runs, tiny_model_dir):
         AutoTokenizer.from_pretrained(tiny_model_dir).encode("<|im_start|>user\n", add_special_tokens=False)
     )
     assert f"conversation at token {header}:" in err, err
+    assert runs["unfinished_after_error"] == 0 and len(runs["after_error_turns"]) == 3
