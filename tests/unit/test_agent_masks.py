@@ -108,3 +108,35 @@ def test_packed_forward_layout_with_observation_tokens():
     # Each sampled target is predicted from the token just before it, observation tokens included.
     assert packed.targets.tolist() == [7, 8, 11, 12, 13]
     assert packed.pred_index.tolist() == [1, 2, 5, 9, 10]
+
+
+def test_dataset_agent_name_column_and_tools_in_template(tiny_model_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from fusedrl.data.dataset import RLDataset
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = (
+        "{% if tools %}{{ '<|im_start|>system\\n' + tools[0]['function']['name'] + '<|im_end|>\\n' }}{% endif %}"
+        + tok.chat_template
+    )
+    rows = [
+        dict(
+            data_source="d",
+            prompt=[{"role": "user", "content": "hi"}],
+            reward_model={"ground_truth": "1"},
+            agent_name=a,
+        )
+        for a in ("tool", None)
+    ]
+    path = str(tmp_path / "rows.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    schema = {"type": "function", "function": {"name": "lookup", "parameters": {}}}
+    ds = RLDataset(path, tok, 64, tools=[schema], keep_messages=True)
+    assert ds[0]["extra_info"]["agent_name"] == "tool" and "agent_name" not in ds[1]["extra_info"]
+    assert ds[0]["extra_info"]["raw_prompt"] == [{"role": "user", "content": "hi"}]
+    assert tok.decode(ds[0]["prompt_ids"]).startswith("<|im_start|>system\nlookup<|im_end|>")
+    plain = RLDataset(path, tok, 64)
+    assert "raw_prompt" not in plain[0]["extra_info"] and "lookup" not in tok.decode(plain[0]["prompt_ids"])
