@@ -55,7 +55,7 @@ class BenchLoop(AgentLoop):
                 return
 
 
-def measure(preset: str, n: int, k: int, sleep_ms: list[int], reps: int) -> dict:
+def measure(preset: str, n: int, k: int, sleep_ms: list[int], reps: int, turn_range: tuple[int, int]) -> dict:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -87,7 +87,10 @@ def measure(preset: str, n: int, k: int, sleep_ms: list[int], reps: int) -> dict
                 extra_info={
                     "turns": 1 + (i * 7) % k,
                     # Lengths vary per turn, as responses do: a turn-synchronous batch waits for the longest.
-                    "turn_tokens": [8 + (i * 13 + turn * 29) % 41 for turn in range(k)],
+                    "turn_tokens": [
+                        turn_range[0] + (i * 13 + turn * 29) % (turn_range[1] - turn_range[0] + 1)
+                        for turn in range(k)
+                    ],
                     "sleep_ms": ms,
                 },
             )
@@ -124,15 +127,30 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--sleep-ms", default="200")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--turn-tokens", default="8,48", help="min,max sampled tokens of one turn")
     args = ap.parse_args()
     sleeps = [int(x) for x in args.sleep_ms.split(",")]
+    lo, hi = (int(x) for x in args.turn_tokens.split(","))
     if args.one:
-        print("RESULT " + json.dumps(measure(args.preset, args.n, args.k, sleeps, args.reps)), flush=True)
+        print(
+            "RESULT " + json.dumps(measure(args.preset, args.n, args.k, sleeps, args.reps, (lo, hi))),
+            flush=True,
+        )
         return
 
     from benchmarks.common import fmt, record, run_in_subprocess, summary
 
-    argv = ["--one", "--preset", args.preset, "--n", str(args.n), "--k", str(args.k)]
+    argv = [
+        "--one",
+        "--preset",
+        args.preset,
+        "--n",
+        str(args.n),
+        "--k",
+        str(args.k),
+        "--turn-tokens",
+        args.turn_tokens,
+    ]
     res = run_in_subprocess(
         "benchmarks.agent_rollout",
         [*argv, "--sleep-ms", args.sleep_ms, "--reps", str(args.reps)],
@@ -149,7 +167,7 @@ def main() -> None:
         )
     table = "\n".join(
         [
-            f"{args.n} trajectories, 1-{args.k} assistant turns each (varied), 8-48 sampled tokens per turn "
+            f"{args.n} trajectories, 1-{args.k} assistant turns each (varied), {lo}-{hi} sampled tokens per turn "
             f"(varied per trajectory and turn), a tool call sleeping t ms between turns; model `{args.preset}`, float32, one in-process "
             "engine, same seeds and tokens for both schedules",
             "",
@@ -159,7 +177,10 @@ def main() -> None:
             *rows,
         ]
     )
-    cmd = f"python -m benchmarks.agent_rollout --n {args.n} --k {args.k} --sleep-ms {args.sleep_ms}"
+    cmd = (
+        f"python -m benchmarks.agent_rollout --n {args.n} --k {args.k} --sleep-ms {args.sleep_ms} "
+        f"--turn-tokens {args.turn_tokens} --reps {args.reps}"
+    )
     record("Multi-turn rollout: continuous vs turn-synchronous", cmd, table, res)
 
 

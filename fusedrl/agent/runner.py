@@ -144,11 +144,10 @@ class AgentRunner:
         self._held: list[tuple[str, list[int], list[float], str]] = []
         self._wake = asyncio.Event()
         self._live = len(rows)
-        self._turn: dict[int, int] = {}
-        trajs = [Trajectory(prompt_ids=list(r["prompt_ids"]), budget=budget) for r in rows]
-        for i, t in enumerate(trajs):
-            t.index = i  # type: ignore[attr-defined]
-            t.seed = int(rows[i].get("seed", i))  # type: ignore[attr-defined]
+        trajs = [
+            Trajectory(prompt_ids=list(r["prompt_ids"]), budget=budget, index=i, seed=int(r.get("seed", i)))
+            for i, r in enumerate(rows)
+        ]
         pump = asyncio.create_task(self._pump())
         tasks = [asyncio.create_task(self._one(r, t)) for r, t in zip(rows, trajs)]
         try:
@@ -216,9 +215,8 @@ class AgentRunner:
         At most ``max_tokens`` (and ``max_tokens_per_turn``, and what is left of the response budget)."""
         from fusedrl.third_party.vllm.engine import SampleParams
 
-        index = traj.index  # type: ignore[attr-defined]
-        turn = self._turn.get(index, 0)
-        self._turn[index] = turn + 1
+        index, turn = traj.index, traj.turns_requested
+        traj.turns_requested += 1
         s = self._sampling
         params = SampleParams(
             max_tokens=min(
@@ -229,7 +227,7 @@ class AgentRunner:
             top_k=s.top_k,
             stop_token_ids=(s.stop_token_id,),
             # Each turn its own seed, a function of (row seed, turn): resumed runs resample the same tokens.
-            seed=(traj.seed * 1_000_003 + turn * 7919) % (2**31 - 1),  # type: ignore[attr-defined]
+            seed=(traj.seed * 1_000_003 + turn * 7919) % (2**31 - 1),
         )
         request_id = f"{index}.{turn}"
         future = asyncio.get_running_loop().create_future()
@@ -264,8 +262,8 @@ class AgentRunner:
             return f"Error: unknown tool {call.name!r}; available tools: {sorted(self.tools.tools)}"
         tool = self.tools[call.name]
         kwargs = ((row.get("extra_info") or {}).get("tools_kwargs") or {}).get(call.name) or {}
-        instance_id = f"{traj.index}:{call.name}"  # type: ignore[attr-defined]
-        created: set[str] = traj.__dict__.setdefault("_created", set())
+        instance_id = f"{traj.index}:{call.name}"
+        created = traj.created_tools
 
         def work() -> ToolResult | str:
             if call.name not in created:
@@ -293,9 +291,9 @@ class AgentRunner:
         return str(result)
 
     def _release_tools(self, traj: Trajectory) -> None:
-        for name in traj.__dict__.get("_created", ()):
+        for name in sorted(traj.created_tools):
             try:
-                self.tools[name].release(f"{traj.index}:{name}")  # type: ignore[attr-defined]
+                self.tools[name].release(f"{traj.index}:{name}")
             except Exception:  # noqa: BLE001 - a failing release must not lose the trajectory
                 traj.stats["tool_errors"] += 1
 
@@ -307,7 +305,7 @@ class AgentRunner:
         problem = tokenization_mismatch(self.renderer, messages, ids, ends_with_generation_prompt=ends_open)
         if problem is not None:
             raise RuntimeError(
-                f"multi_turn.tokenization_check=strict: row {traj.index} (uid {row.get('uid')!r}) differs from "  # type: ignore[attr-defined]
+                f"multi_turn.tokenization_check=strict: row {traj.index} (uid {row.get('uid')!r}) differs from "
                 f"the chat template's rendering of its conversation at {problem}. The template is not "
                 "prefix-preserving (or the prompt was truncated); fix the template or set tokenization_check=off"
             )

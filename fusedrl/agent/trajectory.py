@@ -26,11 +26,15 @@ class Trajectory:
 
     prompt_ids: list[int]
     budget: int
+    index: int = 0  # the row's position in the step's batch (request ids, tool instance ids)
+    seed: int = 0  # the row's sampling seed; each turn's seed derives from it and the turn index
     response_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)  # the conversation after the prompt
     stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAT_NAMES, 0.0))
+    created_tools: set[str] = field(default_factory=set)  # tools whose per-trajectory state exists
+    turns_requested: int = 0
 
     @property
     def remaining(self) -> int:
