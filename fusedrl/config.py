@@ -286,6 +286,28 @@ def validate(cfg: DictConfig) -> None:
             f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp} needs rollout.name=vllm (the HF "
             "rollout generates with the actor's FSDP2 module).",
         )
+    mt = rollout.get("multi_turn")
+    if mt is not None and mt.enable:
+        from fusedrl.agent.runner import MultiTurnConfig
+
+        problems.extend(MultiTurnConfig.from_dict(dict(mt)).problems())
+        need(
+            rollout.name == "vllm",
+            "`actor_rollout_ref.rollout.multi_turn.enable`=true needs rollout.name=vllm (agent loops queue "
+            "requests on the in-process vLLM engine).",
+        )
+        need(
+            tp is None or tp == 1,
+            f"`actor_rollout_ref.rollout.multi_turn.enable`=true with tensor_model_parallel_size={tp}: multi-turn "
+            "rollouts run with tensor_model_parallel_size=1 only (every rank of a TP group would have to submit "
+            "the same requests in the same order, tool results included; not implemented). Set "
+            "tensor_model_parallel_size=1 (data-parallel engines, one per worker).",
+        )
+        path = mt.get("tool_config_path")
+        need(
+            not path or os.path.isfile(str(path)),
+            f"`actor_rollout_ref.rollout.multi_turn.tool_config_path`: file `{path}` does not exist.",
+        )
     need(
         rollout.sleep_level in (1, 2),
         f"`actor_rollout_ref.rollout.sleep_level`={rollout.sleep_level!r}: use 1 (keep a host copy of the "

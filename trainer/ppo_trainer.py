@@ -46,12 +46,24 @@ from fusedrl.workers.worker_dict import WorkerDict
 class PPOTrainer:
     """GRPO / PPO-family RL over a group of fused workers. See the module docstring for the lifecycle."""
 
-    def __init__(self, config: DictConfig, *, compute_score: Any = None) -> None:
+    def __init__(
+        self, config: DictConfig, *, compute_score: Any = None, tools: list[Any] | None = None
+    ) -> None:
         from transformers import AutoTokenizer
 
         from fusedrl.config import import_plugin
 
         self.config = config
+        # Multi-turn agent rollouts (docs/agentic.md): tools given in Python join the YAML's.
+        self.agent_tools = list(tools or [])
+        multi_turn = config.actor_rollout_ref.rollout.get("multi_turn")
+        self.multi_turn = bool(multi_turn is not None and multi_turn.enable)
+        agent_data: dict[str, Any] = {}
+        if self.multi_turn:
+            from fusedrl.agent import ToolSet
+
+            schemas = ToolSet.from_config(to_plain_dict(multi_turn), extra=self.agent_tools).schemas()
+            agent_data = {"tools": schemas or None, "keep_messages": True}
         for module in config.algorithm.get("custom_modules") or []:
             import_plugin(str(module))  # idempotent with validate(); needed when validation was skipped
         arr = config.actor_rollout_ref
@@ -63,6 +75,7 @@ class PPOTrainer:
             int(data.max_prompt_length),
             prompt_key=data.prompt_key,
             truncation=data.truncation,
+            **agent_data,
         )
         self.train_loader = PromptLoader(
             self.train_dataset, int(data.train_batch_size), shuffle=bool(data.shuffle), seed=int(data.seed)
@@ -75,6 +88,7 @@ class PPOTrainer:
                 int(data.max_prompt_length),
                 prompt_key=data.prompt_key,
                 truncation=data.truncation,
+                **agent_data,
             )
         self.reward_fn = build_reward_manager(config, self.tokenizer, compute_score)
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
@@ -130,6 +144,7 @@ class PPOTrainer:
                 else self.tokenizer.eos_token_id
             ),
         }
+        worker_config["_agent_tools"] = self.agent_tools
         self.groups = {}
         for i, roles in enumerate(groups):
             group = WorkerGroup.start(
@@ -418,7 +433,10 @@ class PPOTrainer:
         # Group ids unique to this generation call, so groups never merge across rounds or epochs.
         batch.uid = [f"{u}@{self.global_step}.{seed_offset}" for u in batch.field_list("uid")]
         sampling = self.sampling(validate)
-        to_send = batch.select_fields("prompts", "prompt_mask", "sample_seeds")
+        fields = ["prompts", "prompt_mask", "sample_seeds"]
+        if self.multi_turn:  # agent loops read the row: agent_name, tools_kwargs, prompt messages
+            fields += ["uid", "data_source", "ground_truth", "extra_info"]
+        to_send = batch.select_fields(*fields)
         tp = int(self.config.actor_rollout_ref.rollout.tensor_model_parallel_size)
         rollout = self.group_for("rollout")
         if self.rollout_stale:
@@ -431,13 +449,20 @@ class PPOTrainer:
         self.rollout_stale = self.rollout_discards_weights
         self.group_for("actor").run_all(lambda w: w.load_actor.remote())
         out = rollout.gather_batches(shards, to_send)
-        return batch.update_from(out, "responses", "response_mask", "rollout_log_probs")
+        names = ["responses", "response_mask", "rollout_log_probs"]
+        if self.multi_turn:
+            names += ["response_attention_mask", "agent_stats"]
+        return batch.update_from(out, *names)
 
     def compute_rewards(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Score responses: the rule / custom reward on the driver, or the fused reward model when enabled."""
         if self.config.reward_model.enable:
             return self.compute_reward_model_scores(batch, metrics)
         scores, reward_metrics = self.reward_fn(batch)  # [B, Tr]
+        if batch.agent_stats is not None:
+            from fusedrl.agent.rewards import add_agent_rewards
+
+            scores = add_agent_rewards(scores, batch.response_mask, batch.agent_stats)
         batch.token_level_scores = scores
         batch.token_level_rewards = scores.clone()
         metrics.update(reward_metrics)
@@ -449,7 +474,9 @@ class PPOTrainer:
         rm = self.group_for("reward_model")
         parts = rm.run_split(lambda w, shard: w.reward_model_compute_scores.remote(shard), inputs)
         seq_scores = rm.gather_tensors(parts, inputs)  # [B]
-        last = (batch.response_mask.sum(-1) - 1).clamp(min=0)  # [B]
+        positions = torch.arange(batch.response_mask.shape[1]).expand_as(batch.response_mask)  # [B, Tr]
+        # The last *sampled* token (multi-turn responses interleave observation tokens).
+        last = torch.where(batch.response_mask.bool(), positions, 0).max(dim=1).values  # [B]
         scores = torch.zeros(batch.response_mask.shape, dtype=torch.float32)  # [B, Tr]
         scores[torch.arange(batch.num_samples), last] = seq_scores * (batch.response_mask.sum(-1) > 0)
         batch.token_level_scores = scores
@@ -487,7 +514,7 @@ class PPOTrainer:
         return batch
 
     def _model_inputs(self, batch: RolloutBatch) -> RolloutBatch:
-        return batch.select_fields("prompts", "prompt_mask", "responses", "response_mask")
+        return batch.select_fields(*batch.model_input_fields())
 
     def compute_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
         """``old_log_probs``: the actor's log-probs of the samples before this step's update."""
@@ -520,9 +547,7 @@ class PPOTrainer:
 
     def update_critic(self, batch: RolloutBatch) -> Metrics:
         """Regress the critic on the GAE returns (clipped value loss)."""
-        inputs = batch.select_fields(
-            "prompts", "prompt_mask", "responses", "response_mask", "critic_values", "returns"
-        )
+        inputs = batch.select_fields(*batch.model_input_fields(), "critic_values", "returns")
         critic = self.group_for("critic")
         critic.run_all(lambda w: w.load_critic.remote(optimizer=True))
         per_rank = critic.run_split(lambda w, shard: w.critic_update.remote(shard), inputs)
@@ -548,7 +573,7 @@ class PPOTrainer:
 
     def update_actor(self, batch: RolloutBatch) -> Metrics:
         """PPO update of the policy on the fused workers (FSDP2; micro-batches; global loss normaliser)."""
-        fields = ["prompts", "prompt_mask", "responses", "response_mask", "old_log_probs", "advantages"]
+        fields = [*batch.model_input_fields(), "old_log_probs", "advantages"]
         if self.config.actor_rollout_ref.actor.use_kl_loss:
             fields.append("ref_log_probs")
         inputs = batch.select_fields(*fields)
@@ -589,6 +614,10 @@ class PPOTrainer:
         prompts = next(iter(loader))
         batch = self.generate(prompts, validate=True)
         scores, _ = self.reward_fn(batch)
+        if batch.agent_stats is not None:
+            from fusedrl.agent.rewards import add_agent_rewards
+
+            scores = add_agent_rewards(scores, batch.response_mask, batch.agent_stats)
         per_sample = scores.sum(-1)  # [B]
         out: Metrics = {"val/test_score/mean": float(per_sample.mean())}
         sources = np.array(batch.field_list("data_source"))

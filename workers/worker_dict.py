@@ -167,8 +167,16 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
             )
         from fusedrl.workers.rollout.vllm_rollout import VLLMRollout
 
-        return VLLMRollout(
+        rollout_cls: Any = VLLMRollout
+        extra: dict[str, Any] = {}
+        if (rcfg.get("multi_turn") or {}).get("enable"):
+            from fusedrl.workers.rollout.agent_rollout import AgentRollout
+
+            rollout_cls = AgentRollout
+            extra["tools"] = self.config.get("_agent_tools") or []  # tools passed in Python to the trainer
+        return rollout_cls(
             rcfg,
+            **extra,
             model_path=arr["model"]["path"],
             # The ranks of one tensor-parallel engine must sample alike: one seed per rollout (DP) group.
             seed=int(rcfg.get("seed", 0)) + self.rank // int(rcfg.get("tensor_model_parallel_size", 1)),

@@ -368,3 +368,23 @@ def test_unwritable_checkpoint_dir_is_a_config_error(base, tmp_path):
         [*base, "trainer.save_freq=1", f"trainer.default_local_dir={tmp_path}/new/ckpt"]
     )  # created later
     assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == [blocker]  # the probe left nothing
+
+
+def test_multi_turn_problems_reported_together(base):
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    problems = problems_of(
+        [
+            *base,  # rollout.name=hf: agent loops need the vLLM engine
+            f"{mt}.enable=true",
+            f"{mt}.tool_response_truncate_side=top",
+            f"{mt}.tool_config_path=/nonexistent/tools.yaml",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "trainer.n_gpus_per_node=2",
+        ]
+    )
+    assert "tensor_model_parallel_size=1 only" in " ".join(problems)
+    enable = [p for p in problems if p.startswith(f"`{mt}.enable`")]
+    assert len(enable) == 2 and "needs rollout.name=vllm" in enable[0]
+    assert "left, right or middle" in problem_naming(problems, f"{mt}.tool_response_truncate_side")
+    assert not any("tokenization_check" in p for p in problems)  # the default "off" is not a boolean
+    assert "does not exist" in problem_naming(problems, f"{mt}.tool_config_path")
