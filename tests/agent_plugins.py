@@ -1,5 +1,5 @@
 """Agent loop, environment and tools for the multi-turn trainer tests, loaded by the fused workers through
-``algorithm.custom_modules`` (as ``fusedrl_plugin_agent_plugins``; the tool YAML names them so)."""
+``algorithm.custom_modules``; the tool YAML names them as ``/abs/path/agent_plugins.py:name``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A calculator tool for agentic RL recipes (loaded by the workers through algorithm.custom_modules, so the
-tool YAML names it ``fusedrl_plugin_calculator.calculator``)."""
+"""A calculator tool for agentic RL recipes (the tool YAML names it ``calculator.py:calculator``, relative to
+the YAML's folder)."""
 
 from __future__ import annotations
 

@@ -209,11 +209,23 @@ def as_tool(obj: Any) -> Tool:
     raise ToolConfigError(f"{obj!r} is not a tool: pass a Tool instance or a typed function with a docstring")
 
 
-def _import(path: str, where: str) -> Any:
+def _import(path: str, where: str, base_dir: str) -> Any:
+    """``pkg.mod.Name`` (verl's form), or ``file.py:Name`` with the file relative to ``base_dir`` (the tool
+    YAML's folder) unless absolute; files load through `fusedrl.plugins` (one module per full path)."""
+    from fusedrl import plugins
+
+    if ".py:" in path:
+        file, _, attr = path.rpartition(":")
+        file = file if os.path.isabs(file) else os.path.join(base_dir, file)
+        try:
+            return getattr(plugins.load_file(file), attr)
+        except (OSError, ImportError, AttributeError) as exc:
+            raise ToolConfigError(f"{where}: cannot load {path!r} ({type(exc).__name__}: {exc})") from exc
     module_name, _, attr = path.rpartition(".")
     if not module_name:
         raise ToolConfigError(
-            f"{where}: class_name {path!r} must be a dotted path like my_pkg.tools.Calculator"
+            f"{where}: class_name {path!r} must be a dotted path like my_pkg.tools.Calculator "
+            "or a file like tools.py:Calculator"
         )
     try:
         return getattr(importlib.import_module(module_name), attr)
@@ -241,9 +253,9 @@ def load_tool_config(path: str | os.PathLike) -> list[Tool]:
         where = f"{path}: tools[{k}]"
         if not isinstance(entry, dict) or "class_name" not in entry:
             raise ToolConfigError(
-                f"{where}: each entry needs class_name (a dotted path to a Tool class or function)"
+                f"{where}: each entry needs class_name (a dotted path or file.py:Name of a Tool class or function)"
             )
-        target = _import(str(entry["class_name"]), where)
+        target = _import(str(entry["class_name"]), where, os.path.dirname(os.path.abspath(path)))
         schema = entry.get("tool_schema")
         if isinstance(target, type) and issubclass(target, Tool):
             tools.append(target(entry.get("config") or {}, schema))

@@ -54,10 +54,7 @@ def trainer(tiny_model_dir, tmp_path_factory):
     data = _write_data(str(tmp / "train.parquet"))
     tools_yaml = tmp / "tools.yaml"
     tools_yaml.write_text(
-        "tools:\n"
-        + "".join(
-            f"  - class_name: fusedrl_plugin_agent_plugins.{name}\n" for name in ("boom", "sleepy", "big")
-        )
+        "tools:\n" + "".join(f"  - class_name: {PLUGIN}:{name}\n" for name in ("boom", "sleepy", "big"))
     )
     overrides = [
         f"data.train_files={data}",
@@ -97,9 +94,9 @@ def _expected_observations(tokenizer, agent_name: str) -> list[list[dict]]:
 
     if agent_name == "plugin_count_env":
         return [[{"role": "user", "content": "go on 1"}], [{"role": "user", "content": "go on 2"}]]
-    import importlib
+    from fusedrl.plugins import load_file
 
-    plugin = importlib.import_module("fusedrl_plugin_agent_plugins")
+    plugin = load_file(PLUGIN)
     malformed = "Error: malformed tool call: " + parse_hermes(plugin.BROKEN_CALLS)[2].error
     texts = [
         "Error: boom raised ValueError: boom 1",
