@@ -64,6 +64,13 @@ def _unknown_override_keys(base: DictConfig, overrides: Sequence[str]) -> list[s
     return problems
 
 
+def trainer_yaml(config_name: str = "ppo_trainer") -> DictConfig:
+    """The YAML's keys and defaults, without overrides (not validated; ``???`` left missing)."""
+    base = OmegaConf.load(os.path.join(str(_config_dir()), f"{config_name}.yaml"))
+    assert isinstance(base, DictConfig)
+    return base
+
+
 def load_config(
     overrides: Sequence[str] = (), config_name: str = "ppo_trainer", validate_config: bool = True
 ) -> DictConfig:
@@ -124,6 +131,7 @@ def validate(cfg: DictConfig) -> None:
     """Check a composed config; raise one `ConfigError` listing every problem."""
     from fusedrl.algorithms import list_adv_estimators, list_policy_losses
     from fusedrl.algorithms.losses import LOSS_AGG_MODES as AGG_MODES
+    from fusedrl.data.dataset import TRUNCATION_MODES
 
     problems: list[str] = []
 
@@ -201,8 +209,9 @@ def validate(cfg: DictConfig) -> None:
     for key in ("data.max_prompt_length", "data.max_response_length"):
         positive(key)
     need(
-        cfg.data.truncation in ("filter", "error"),
-        f"`data.truncation`={cfg.data.truncation!r}: use `filter` or `error`.",
+        cfg.data.truncation in TRUNCATION_MODES,
+        f"`data.truncation`={cfg.data.truncation!r}: use error, left, right or middle (and "
+        "`data.filter_overlong_prompts=true` to drop over-long prompts instead).",
     )
 
     # --- user plugins: modules imported for their registrations, by dotted path or file path

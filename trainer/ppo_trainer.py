@@ -67,6 +67,7 @@ class PPOTrainer:
             int(data.max_prompt_length),
             prompt_key=data.prompt_key,
             truncation=data.truncation,
+            filter_overlong_prompts=bool(data.filter_overlong_prompts),
         )
         self.train_loader = PromptLoader(
             self.train_dataset, int(data.train_batch_size), shuffle=bool(data.shuffle), seed=int(data.seed)
@@ -79,6 +80,7 @@ class PPOTrainer:
                 int(data.max_prompt_length),
                 prompt_key=data.prompt_key,
                 truncation=data.truncation,
+                filter_overlong_prompts=bool(data.filter_overlong_prompts),
             )
         self.reward_fn = build_reward_manager(config, self.tokenizer, compute_score)
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)

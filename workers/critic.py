@@ -82,18 +82,18 @@ class CriticRole:
         self.world_size = dist.get_world_size()
         self.rollout_n = rollout_n
         model_cfg = critic_cfg["model"]
-        self.use_remove_padding = bool(model_cfg.get("use_remove_padding", False))
-        fsdp_cfg = model_cfg.get("fsdp_config") or {}
+        self.use_remove_padding = bool(model_cfg["use_remove_padding"])
+        fsdp_cfg = model_cfg["fsdp_config"]
         model = load_value_model(
             model_cfg["path"],
-            fsdp_cfg.get("model_dtype") or "float32",
-            resolve_attn_implementation(model_cfg.get("attn_implementation")),
+            fsdp_cfg["model_dtype"],
+            resolve_attn_implementation(model_cfg["attn_implementation"]),
         )
-        if model_cfg.get("enable_gradient_checkpointing", False):
+        if model_cfg["enable_gradient_checkpointing"]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(device_type())
         _broadcast_head(model)
-        param_dtype = fsdp_cfg.get("param_dtype")
+        param_dtype = fsdp_cfg["param_dtype"]
         self.model = apply_fsdp2(
             model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None
         )
@@ -101,8 +101,8 @@ class CriticRole:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=optim["lr"],
-            betas=tuple(optim.get("betas", (0.9, 0.999))),
-            weight_decay=optim.get("weight_decay", 0.0),
+            betas=tuple(optim["betas"]),
+            weight_decay=float(optim["weight_decay"]),
         )
         self.stepper = GuardedStepper(self.model, self.optimizer, float(self.cfg["grad_clip"]))
 
@@ -124,7 +124,7 @@ class CriticRole:
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """``V(prefix)`` for every response position of this rank's shard: ``[B, Tr]``, 0 on padding."""
         self.model.eval()
-        size = self.cfg.get("forward_micro_batch_size_per_gpu") or self.cfg["ppo_micro_batch_size_per_gpu"]
+        size = self.cfg["forward_micro_batch_size_per_gpu"] or self.cfg["ppo_micro_batch_size_per_gpu"]
         budget = token_budget(self.cfg, "use_dynamic_bsz", "forward_max_token_len_per_gpu")
         mbs, order = split_micro_batches(batch, rows=int(size), max_token_len=budget)
         parts = [self._forward_values(mb) for mb in mbs]  # [b_i, Tr] each

@@ -105,7 +105,7 @@ class WorkerDict:
         dist.init_process_group(
             backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=30)
         )
-        seed = int(self.config["actor_rollout_ref"]["rollout"].get("seed", 0))
+        seed = int(self.config["actor_rollout_ref"]["rollout"]["seed"])
         torch.manual_seed(seed)  # identical init on every rank (FSDP2 shards the same weights)
 
         arr = self.config["actor_rollout_ref"]
@@ -175,7 +175,7 @@ class WorkerDict:
         rcfg.setdefault("response_length", data["max_response_length"])
         tokens = self.config["_tokens"]  # resolved by the driver from the tokenizer
         assert self.actor is not None
-        if rcfg.get("name", "vllm") == "hf":
+        if rcfg["name"] == "hf":
             return HFRollout(
                 self.actor.model,
                 max_response_length=int(data["max_response_length"]),
@@ -188,7 +188,7 @@ class WorkerDict:
             rcfg,
             model_path=arr["model"]["path"],
             # The ranks of one tensor-parallel engine must sample alike: one seed per rollout (DP) group.
-            seed=int(rcfg.get("seed", 0)) + self.rank // int(rcfg.get("tensor_model_parallel_size", 1)),
+            seed=int(rcfg["seed"]) + self.rank // int(rcfg["tensor_model_parallel_size"]),
             max_model_len=int(data["max_prompt_length"]) + int(data["max_response_length"]),
             eos_token_id=tokens["eos_token_id"],
             pad_token_id=tokens["pad_token_id"],
@@ -206,8 +206,8 @@ class WorkerDict:
         self.rollout.wake_up(["kv_cache"])
         self.events.append("rollout.generate")
         out = self.rollout.generate(_to_device(batch), sampling).cpu()
-        if rcfg.get("free_cache_engine", True):
-            level = int(rcfg.get("sleep_level", 1))
+        if rcfg["free_cache_engine"]:
+            level = int(rcfg["sleep_level"])
             self.events.append(f"rollout.sleep(level={level})")
             self.rollout.sleep(level)
             empty_cache()

@@ -105,8 +105,14 @@ def test_verl_style_keys_exist_with_defaults(base):
         assert leaf in OmegaConf.select(cfg, parent), key
     # Defaults from trainer/config/ppo_trainer.yaml.
     assert cfg.data.train_batch_size == 8
-    assert cfg.actor_rollout_ref.rollout.n == 4
-    assert cfg.algorithm.adv_estimator == "grpo"
+    # verl's defaults for the keys verl also has: PPO with a critic, one sample, no KL loss, validate first.
+    assert cfg.actor_rollout_ref.rollout.n == 1
+    assert cfg.algorithm.adv_estimator == "gae"
+    assert cfg.actor_rollout_ref.actor.use_kl_loss is False
+    assert cfg.trainer.val_before_train is True
+    assert cfg.actor_rollout_ref.rollout.dtype == "bfloat16"
+    assert cfg.actor_rollout_ref.actor.optim.weight_decay == 0.01
+    assert cfg.data.truncation == "error" and cfg.data.filter_overlong_prompts is False
     assert cfg.trainer.total_training_steps is None
 
 
