@@ -71,18 +71,38 @@ def trainer_yaml(config_name: str = "ppo_trainer") -> DictConfig:
     return base
 
 
+def _print_line(line: str) -> None:
+    print(line, flush=True)
+
+
 def load_config(
-    overrides: Sequence[str] = (), config_name: str = "ppo_trainer", validate_config: bool = True
+    overrides: Sequence[str] = (),
+    config_name: str = "ppo_trainer",
+    validate_config: bool = True,
+    report: Callable[[str], None] = _print_line,
 ) -> DictConfig:
-    """Compose ``config_name`` with Hydra-style ``key=value`` overrides; validate unless told not to."""
+    """Compose ``config_name`` with Hydra-style ``key=value`` overrides; validate unless told not to.
+
+    For the PPO trainer, verl's command lines are accepted as they are (`fusedrl.verl_compat`): verl keys
+    that have no effect here, and ``+key`` overrides that nothing reads, are dropped or kept and named
+    in one line passed to ``report`` (printed by default); values fusedrl cannot run are problems.
+    """
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     config_dir = str(_config_dir())
+    pre_problems: list[str] = []
+    ignored: list[tuple[str, str]] = []
+    overrides = list(overrides)
+    if config_name == "ppo_trainer":
+        overrides, pre_problems = _config_name_flags(overrides)
     base = OmegaConf.load(os.path.join(config_dir, f"{config_name}.yaml"))
     assert isinstance(base, DictConfig)
-    unknown = _unknown_override_keys(base, overrides)
-    bad_keys = {p.split("`")[1] for p in unknown}
+    if config_name == "ppo_trainer":
+        overrides, ignored, verl_problems = _verl_overrides(base, overrides)
+        pre_problems.extend(verl_problems)
+    unknown = [*pre_problems, *_unknown_override_keys(base, overrides)]
+    bad_keys = {p.split("`")[1] for p in unknown if p.startswith("`")}
     usable = [ov for ov in overrides if ov.split("=", 1)[0] not in bad_keys]
     GlobalHydra.instance().clear()
     try:
@@ -91,6 +111,12 @@ def load_config(
     except Exception as err:  # Hydra's parse / type errors: report them like every other problem
         raise ConfigError([*unknown, f"command line: {err}".replace("\n", " ")]) from err
     problems = list(unknown)
+    if config_name == "ppo_trainer":
+        problems.extend(_apply_global_micro_batches(cfg))
+    if ignored:
+        from fusedrl.verl_compat import format_no_effect
+
+        report(format_no_effect(ignored))
     if validate_config:
         try:
             validate(cfg)
@@ -99,6 +125,127 @@ def load_config(
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _config_name_flags(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """Drop verl's ``--config-name ppo_trainer`` / ``--config-path DIR`` flags (fusedrl has one PPO config);
+    another config name is a problem."""
+    kept: list[str] = []
+    problems: list[str] = []
+    it = iter(overrides)
+    for ov in it:
+        flag, eq, value = ov.partition("=")
+        if flag not in ("--config-name", "--config-path", "-cn", "-cp"):
+            kept.append(ov)
+            continue
+        if not eq:
+            value = next(it, "")
+        if flag in ("--config-name", "-cn"):
+            name = value.strip("'\"").removesuffix(".yaml")
+            if "megatron" in name:
+                problems.append(
+                    f"--config-name {name}: Megatron is not supported; fusedrl trains with FSDP2. Use "
+                    "--config-name ppo_trainer (or drop the flag) with FSDP keys."
+                )
+            elif name not in ("ppo_trainer", "_generated_ppo_trainer"):
+                problems.append(
+                    f"--config-name {name}: fusedrl's PPO entry point has one config, ppo_trainer. Drop the flag "
+                    "and pass that config's keys on the command line."
+                )
+    return kept, problems
+
+
+def _verl_overrides(
+    base: DictConfig, overrides: list[str]
+) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """Map a verl command line onto fusedrl's keys: ``(overrides to compose, (key, why it has no effect)
+    pairs, problems)``. See `fusedrl.verl_compat` for the classification."""
+    from fusedrl import verl_compat
+
+    known = set(_all_keys(base))
+    kept: list[str] = []
+    ignored: list[tuple[str, str]] = []
+    problems: list[str] = []
+    for ov in overrides:
+        if ov.startswith(("~", "hydra.")) or "=" not in ov:
+            kept.append(ov)
+            continue
+        lhs, value = ov.split("=", 1)
+        plus = lhs[: len(lhs) - len(lhs.lstrip("+"))]
+        key = lhs[len(plus) :]
+        bad = verl_compat.rejected_value(key, value)
+        if bad:
+            problems.append(bad)
+            continue
+        target, reason = verl_compat.translate(key)
+        if target is not None:
+            kept.append(f"{target}={value}")
+            continue
+        if reason is None and key not in known:
+            reason = next(
+                (r for r in map(verl_compat.no_effect_reason, _key_and_parents(key)) if r is not None), None
+            )
+        if reason is not None:
+            ignored.append((key, reason))
+            continue
+        if key in known:
+            kept.append(f"{key}={value}" if plus == "+" else ov)  # `+` on a key the YAML has: just set it
+            continue
+        if plus:
+            kept.append(ov)
+            if not key.startswith(verl_compat.OPEN_MAPPINGS):
+                ignored.append((key, "added with +, but nothing in fusedrl reads it"))
+            continue
+        kept.append(ov)  # unknown: reported by _unknown_override_keys with a suggestion
+    return kept, ignored, problems
+
+
+def _key_and_parents(key: str) -> list[str]:
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+# (verl's global micro-batch key, fusedrl's per-worker key it sets): verl divides the global size by the
+# number of data-parallel workers, and so does fusedrl.
+GLOBAL_MICRO_BATCHES = (
+    ("actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    (
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    ),
+    (
+        "actor_rollout_ref.ref.log_prob_micro_batch_size",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    ),
+    ("critic.ppo_micro_batch_size", "critic.ppo_micro_batch_size_per_gpu"),
+    ("critic.forward_micro_batch_size", "critic.forward_micro_batch_size_per_gpu"),
+)
+
+
+def _apply_global_micro_batches(cfg: DictConfig) -> list[str]:
+    """Set each ``*_per_gpu`` micro-batch size from its global verl key (when given): global / workers."""
+    problems: list[str] = []
+    try:
+        workers = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+    except (TypeError, ValueError):
+        return problems  # reported by validate
+    for global_key, per_gpu_key in GLOBAL_MICRO_BATCHES:
+        value = _get(cfg, global_key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"`{global_key}`={value!r}: must be an integer >= 1 (or null).")
+            continue
+        if workers < 1 or value % workers:
+            problems.append(
+                f"`{global_key}`={value}: a global micro-batch is split evenly over the {workers} workers "
+                f"(trainer.n_gpus_per_node x trainer.nnodes); use a multiple of {workers}, or set "
+                f"`{per_gpu_key}` instead."
+            )
+            continue
+        parent, leaf = per_gpu_key.rsplit(".", 1)
+        OmegaConf.select(cfg, parent)[leaf] = value // workers
+    return problems
 
 
 def _looks_like_hub_id(path: str) -> bool:
@@ -233,11 +380,8 @@ def validate(cfg: DictConfig) -> None:
         est in list_adv_estimators(),
         f"`algorithm.adv_estimator`={est!r}: unknown. Known: {', '.join(list_adv_estimators())}.",
     )
-    if est in ("grpo", "rloo") and n is not None and n < 2:
-        problems.append(
-            f"`actor_rollout_ref.rollout.n`={n}: `{est}` compares samples of the same prompt, so every advantage "
-            "would be 0. Use n >= 2."
-        )
+    # GRPO / RLOO with n=1 run as in verl: a one-sample group has baseline 0 (and std 1), so the
+    # advantage is the raw score.
     actor = cfg.actor_rollout_ref.actor
     mode = actor.policy_loss.loss_mode
     need(
@@ -265,9 +409,24 @@ def validate(cfg: DictConfig) -> None:
         f"`algorithm.kl_penalty`={alg.kl_penalty!r}: use kl (k1), mse (k2), low_var_kl (k3) or abs.",
     )
     need(
-        alg.filter_groups.metric in ("score", "seq_reward"),
-        f"`algorithm.filter_groups.metric`={alg.filter_groups.metric!r}: use score (the sequence's task reward).",
+        alg.filter_groups.metric in FILTER_METRICS,
+        f"`algorithm.filter_groups.metric`={alg.filter_groups.metric!r}: use {', '.join(FILTER_METRICS)} "
+        "(score / seq_reward: the sequence's task score; seq_final_reward: after the in-reward KL; acc: the "
+        "scorer's `acc` entry, else the score).",
     )
+    gen = positive("data.gen_batch_size")
+    if gen is not None and bsz is not None:
+        need(
+            gen >= bsz or not alg.filter_groups.enable,
+            f"`data.gen_batch_size`={gen} < `data.train_batch_size`={bsz}: dynamic sampling generates "
+            "gen_batch_size prompts a round and keeps train_batch_size groups; use gen_batch_size >= "
+            "train_batch_size.",
+        )
+    for role in ("actor_rollout_ref.actor", "critic"):
+        _schedule_problems(cfg, f"{role}.optim", problems)
+    for key in ("trainer.critic_warmup", "trainer.log_val_generations"):
+        value = number(key)
+        need(value is None or value >= 0, f"`{key}`={value}: must be >= 0.")
     if alg.use_kl_in_reward and alg.kl_ctrl.type == "adaptive":
         need(
             float(alg.kl_ctrl.target_kl or 0) > 0 and int(alg.kl_ctrl.horizon or 0) > 0,
@@ -294,6 +453,11 @@ def validate(cfg: DictConfig) -> None:
             f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp} needs rollout.name=vllm (the HF "
             "rollout generates with the actor's FSDP2 module).",
         )
+    need(
+        rollout.mode in ("sync", "async"),
+        f"`actor_rollout_ref.rollout.mode`={rollout.mode!r}: use sync or async (the in-process engine runs "
+        "the same way for both).",
+    )
     need(
         rollout.sleep_level in (1, 2),
         f"`actor_rollout_ref.rollout.sleep_level`={rollout.sleep_level!r}: use 1 (keep a host copy of the "
@@ -370,6 +534,26 @@ def validate(cfg: DictConfig) -> None:
 
     if problems:
         raise ConfigError(problems)
+
+
+FILTER_METRICS = ("score", "seq_reward", "seq_final_reward", "acc")
+SCHEDULERS = ("constant", "cosine")
+
+
+def _schedule_problems(cfg: DictConfig, prefix: str, problems: list[str]) -> None:
+    """The learning-rate schedule keys of one optimizer (``actor_rollout_ref.actor.optim`` / ``critic.optim``)."""
+    optim = OmegaConf.select(cfg, prefix)
+    style = optim.warmup_style if optim.warmup_style is not None else optim.lr_scheduler_type
+    key = "warmup_style" if optim.warmup_style is not None else "lr_scheduler_type"
+    if style not in SCHEDULERS:
+        problems.append(f"`{prefix}.{key}`={style!r}: use constant or cosine.")
+    for leaf, low, high in (("lr_warmup_steps_ratio", 0.0, 1.0), ("min_lr_ratio", 0.0, 1.0)):
+        value = optim[leaf]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            problems.append(f"`{prefix}.{leaf}`={value!r}: must be a number in [{low}, {high}].")
+    steps = optim.lr_warmup_steps
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        problems.append(f"`{prefix}.lr_warmup_steps`={steps!r}: must be an integer (-1: use the ratio).")
 
 
 # (switch, token budget) pairs of dynamic batch size; the budgets are checked only where the switch is on.

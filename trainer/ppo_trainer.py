@@ -34,6 +34,7 @@ from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
 from fusedrl.data.dataset import PromptLoader, RLDataset
+from fusedrl.lr_schedule import scheduled_lr
 from fusedrl.rewards import build_reward_manager
 from fusedrl.tracking import Tracker, timer
 from fusedrl.workers.rollout.base import SamplingConfig
@@ -69,8 +70,12 @@ class PPOTrainer:
             truncation=data.truncation,
             filter_overlong_prompts=bool(data.filter_overlong_prompts),
         )
+        # DAPO's dynamic sampling draws data.gen_batch_size prompts a round; plain steps train_batch_size.
+        prompts_per_round = (
+            int(data.gen_batch_size) if config.algorithm.filter_groups.enable else int(data.train_batch_size)
+        )
         self.train_loader = PromptLoader(
-            self.train_dataset, int(data.train_batch_size), shuffle=bool(data.shuffle), seed=int(data.seed)
+            self.train_dataset, prompts_per_round, shuffle=bool(data.shuffle), seed=int(data.seed)
         )
         self.val_dataset = None
         if data.val_files:
@@ -191,10 +196,13 @@ class PPOTrainer:
             if self.use_critic:
                 with timer("update_critic", metrics):
                     metrics.update(self.update_critic(batch))
-            with timer("update_actor", metrics):
-                metrics.update(self.update_actor(batch))
-            with timer("sync_weights", metrics):
-                metrics.update(self.sync_weights())
+            # trainer.critic_warmup: the first N steps train only the critic (the policy, and so the
+            # engine's weights, stay as they were).
+            if self.global_step > int(self.config.trainer.critic_warmup):
+                with timer("update_actor", metrics):
+                    metrics.update(self.update_actor(batch))
+                with timer("sync_weights", metrics):
+                    metrics.update(self.sync_weights())
         metrics.update(self.batch_metrics(batch, metrics["timing_s/step"]))
         return metrics
 
@@ -301,7 +309,7 @@ class PPOTrainer:
                     batch = self.compute_reward_baselines(prompts, batch)
             if not fg.enable:
                 return batch
-            batch = self.filter_groups(batch)
+            batch = self.filter_groups(batch, self.filter_metric(batch))
             kept.append(batch)
             num_groups += batch.num_samples // n
             metrics["filter_groups/num_gen_batches"] = float(round_index + 1)
@@ -330,9 +338,25 @@ class PPOTrainer:
         metrics["balance/max_over_mean_rank_tokens"] = max(loads) / max(sum(loads) / world, 1.0)
         return batch
 
-    def filter_groups(self, batch: RolloutBatch) -> RolloutBatch:
-        """Keep only groups (rows sharing a uid) whose sequence scores are not all equal."""
+    def filter_metric(self, batch: RolloutBatch) -> torch.Tensor:
+        """Per-sample value that ``algorithm.filter_groups.metric`` names: ``[B]``. ``score`` / ``seq_reward``:
+        the task score; ``seq_final_reward``: the reward after the in-reward KL (the score here, as the KL
+        is applied later); ``acc``: the scorer's ``acc`` entry (a dict-returning compute_score), else the
+        score."""
         scores = batch.token_level_scores.sum(-1)  # [B]
+        if str(self.config.algorithm.filter_groups.metric) != "acc":
+            return scores
+        extras = getattr(self.reward_fn, "last_sample_extras", None) or []
+        if len(extras) != batch.num_samples:
+            return scores
+        return torch.tensor(
+            [e.get("acc", float(s)) for e, s in zip(extras, scores.tolist())], dtype=torch.float32
+        )  # [B]
+
+    def filter_groups(self, batch: RolloutBatch, metric: torch.Tensor | None = None) -> RolloutBatch:
+        """Keep only groups (rows sharing a uid) whose ``metric`` values (default: sequence scores) are not
+        all equal."""
+        scores = batch.token_level_scores.sum(-1) if metric is None else metric  # [B]
         uids = batch.field_list("uid")
         by_uid: dict[str, list[int]] = {}
         for i, u in enumerate(uids):
@@ -473,8 +497,14 @@ class PPOTrainer:
         inputs = batch.select_fields(
             "prompts", "prompt_mask", "responses", "response_mask", "critic_values", "returns"
         )
-        per_rank = self.workers.run_split(lambda w, shard: w.critic_update.remote(shard), inputs)
+        lr = self.scheduled_lr(self.config.critic.optim)
+        per_rank = self.workers.run_split(lambda w, shard: w.critic_update.remote(shard, lr), inputs)
         return _mean_over_ranks(per_rank)
+
+    def scheduled_lr(self, optim: Any) -> float:
+        """This step's learning rate of one optimizer (warmup / decay keys); the schedule is a function of
+        ``global_step``, so a resumed run continues it exactly."""
+        return scheduled_lr(optim, self.global_step - 1, self.total_steps)
 
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
         """A registered pure function of the batch (``algorithm.adv_estimator``)."""
@@ -500,7 +530,10 @@ class PPOTrainer:
             fields.append("ref_log_probs")
         inputs = batch.select_fields(*fields)
         t = self.temperature
-        per_rank = self.workers.run_split(lambda w, shard: w.actor_update.remote(shard, t), inputs)
+        # The actor's schedule starts when it starts training (after trainer.critic_warmup steps).
+        step = self.global_step - 1 - int(self.config.trainer.critic_warmup)
+        lr = scheduled_lr(self.config.actor_rollout_ref.actor.optim, step, self.total_steps)
+        per_rank = self.workers.run_split(lambda w, shard: w.actor_update.remote(shard, t, lr), inputs)
         self.rollout_stale = True
         return _mean_over_ranks(per_rank)
 
@@ -528,7 +561,21 @@ class PPOTrainer:
         sources = np.array(batch.field_list("data_source"))
         for source in sorted(set(sources.tolist())):
             out[f"val/test_score/{source}"] = float(per_sample[torch.as_tensor(sources == source)].mean())
+        self.print_val_generations(batch, per_sample)
         return out
+
+    def print_val_generations(self, batch: RolloutBatch, scores: torch.Tensor) -> None:
+        """``trainer.log_val_generations``: print that many validation samples (the first ones, in file
+        order, so runs and steps show the same prompts)."""
+        count = min(int(self.config.trainer.log_val_generations), batch.num_samples)
+        for i in range(count):
+            prompt = self.tokenizer.decode(batch.prompts[i][batch.prompt_mask[i].bool()])
+            response = self.tokenizer.decode(batch.responses[i][batch.response_mask[i].bool()])
+            print(
+                f"[val step {self.global_step} sample {i}] score={float(scores[i]):.3f}\n"
+                f"[prompt] {prompt}\n[response] {response}",
+                flush=True,
+            )
 
     # ------------------------------------------------------------------ metrics
     def batch_metrics(self, batch: RolloutBatch, step_time: float) -> Metrics:

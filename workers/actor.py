@@ -21,7 +21,7 @@ from fusedrl.workers.fsdp import (
     to_dtype,
 )
 from fusedrl.workers.logprob import batched_log_probs, response_log_probs, token_budget
-from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates
+from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates, set_lr
 
 
 def _sharded_model(model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any]) -> nn.Module:
@@ -83,6 +83,8 @@ class ActorRole:
             weight_decay=float(optim["weight_decay"]),
         )
         self.policy_loss = get_policy_loss(cfg["policy_loss"]["loss_mode"])
+        # A loss whose paper fixes the aggregation (GMPO) declares it; every term then uses that mode.
+        self.agg_mode = str(getattr(self.policy_loss, "agg_mode", cfg["loss_agg_mode"]))
         self.stepper = GuardedStepper(self.model, self.optimizer, float(cfg["grad_clip"]))
 
     # ------------------------------------------------------------------ inference
@@ -111,7 +113,7 @@ class ActorRole:
         self, mb: RolloutBatch, *, temperature: float, norm: float, token_norm: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
-        mode = cfg["loss_agg_mode"]
+        mode = self.agg_mode
         entropy_coeff = float(cfg["entropy_coeff"])
         log_prob, entropy = response_log_probs(
             self.model, mb, temperature=temperature, with_entropy=True, remove_padding=self.use_remove_padding
@@ -146,9 +148,11 @@ class ActorRole:
             terms[key] = value.detach() * share
         return loss, terms
 
-    def update(self, batch: RolloutBatch, *, temperature: float) -> dict[str, float]:
-        """One PPO update pass over this rank's shard (``ppo_epochs`` x mini-batches x micro-batches)."""
+    def update(self, batch: RolloutBatch, *, temperature: float, lr: float | None = None) -> dict[str, float]:
+        """One PPO update pass over this rank's shard (``ppo_epochs`` x mini-batches x micro-batches).
+        ``lr``: this step's learning rate (the driver's schedule); None keeps the current one."""
         cfg = self.cfg
+        set_lr(self.optimizer, lr)
         self.model.train()
         metrics = minibatch_updates(
             batch,
@@ -159,7 +163,7 @@ class ActorRole:
             mini_rows=cfg["ppo_mini_batch_size"] * self.rollout_n // self.world_size,
             micro_rows=cfg["ppo_micro_batch_size_per_gpu"],
             epochs=int(cfg["ppo_epochs"]),
-            loss_agg_mode=cfg["loss_agg_mode"],
+            loss_agg_mode=self.agg_mode,
             world_size=self.world_size,
             max_token_len=token_budget(cfg, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
         )

@@ -25,7 +25,7 @@ from fusedrl.workers.fsdp import (
     to_dtype,
 )
 from fusedrl.workers.logprob import restore_order, split_micro_batches, token_budget
-from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates
+from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates, set_lr
 from fusedrl.workers.packing import pack_batch
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class CriticRole:
         return restore_order(parts, order) * batch.response_mask  # [B, Tr]
 
     # ------------------------------------------------------------------ training
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, *, lr: float | None = None) -> dict[str, float]:
         """One pass of value regression over this rank's shard (``ppo_epochs`` x mini- x micro-batches).
 
         Needs ``batch.critic_values`` (the old values, from `compute_values` before the update) and
@@ -140,6 +140,7 @@ class CriticRole:
         if batch.critic_values is None or batch.returns is None:
             raise ValueError("CriticRole.update: the batch needs `critic_values` (old values) and `returns`")
         cfg = self.cfg
+        set_lr(self.optimizer, lr)
         self.model.train()
         mini_rows = int(cfg["ppo_mini_batch_size"]) * self.rollout_n // self.world_size
         if mini_rows < 1:

@@ -238,10 +238,12 @@ class WorkerDict:
         return out
 
     # ------------------------------------------------------------------ training
-    def actor_update(self, batch: RolloutBatch, temperature: float) -> dict[str, float]:
+    def actor_update(
+        self, batch: RolloutBatch, temperature: float, lr: float | None = None
+    ) -> dict[str, float]:
         assert self.actor is not None and self.actor_mem is not None
         self.actor_mem.load_all()
-        metrics = self.actor.update(_to_device(batch), temperature=temperature)
+        metrics = self.actor.update(_to_device(batch), temperature=temperature, lr=lr)
         metrics.update(memory_metrics("update"))
         metrics.update(self.last_rollout_memory)
         metrics["memory/peak_rss_gb"] = peak_rss_gb()
@@ -258,11 +260,11 @@ class WorkerDict:
         self.critic_mem.load_params()
         return self.critic.compute_values(_to_device(batch)).cpu()
 
-    def critic_update(self, batch: RolloutBatch) -> dict[str, float]:
+    def critic_update(self, batch: RolloutBatch, lr: float | None = None) -> dict[str, float]:
         if self.critic is None or self.critic_mem is None:
             raise RuntimeError("critic_update: no critic role (algorithm.adv_estimator=gae builds one)")
         self.critic_mem.load_all()
-        metrics = self.critic.update(_to_device(batch))
+        metrics = self.critic.update(_to_device(batch), lr=lr)
         self.critic.model.zero_grad(set_to_none=True)
         self.critic_mem.offload_all()
         return metrics

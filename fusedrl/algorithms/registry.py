@@ -75,6 +75,7 @@ def _ensure_builtins_loaded() -> None:
     # getters without remembering to import the algorithm modules first.
     importlib.import_module("fusedrl.algorithms.advantages")
     importlib.import_module("fusedrl.algorithms.losses")
+    importlib.import_module("fusedrl.algorithms.more_losses")
 
 
 def _lookup(
