@@ -60,6 +60,13 @@ ALGORITHMS = {
         "actor_rollout_ref.actor.clip_ratio_low=0.0003",
         "actor_rollout_ref.actor.clip_ratio_high=0.0004",
     ],
+    "gmpo_gpg": [  # GMPO's geometric-mean loss on GPG's advantages
+        "algorithm.adv_estimator=gpg",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean",
+        "actor_rollout_ref.actor.clip_ratio_low=0.4",
+        "actor_rollout_ref.actor.clip_ratio_high=0.4",
+    ],
+    "cispo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=cispo"],
 }
 
 
