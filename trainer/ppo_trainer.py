@@ -57,7 +57,7 @@ class PPOTrainer:
         from fusedrl.config import import_plugin
 
         self.config = config
-        for module in config.algorithm.get("custom_modules") or []:
+        for module in config.algorithm.custom_modules:
             import_plugin(str(module))  # idempotent with validate(); needed when validation was skipped
         arr = config.actor_rollout_ref
         self.tokenizer = AutoTokenizer.from_pretrained(arr.model.path)
@@ -385,7 +385,7 @@ class PPOTrainer:
             temperature=float(src.temperature),
             top_p=float(src.top_p),
             top_k=int(src.top_k),
-            do_sample=bool(src.get("do_sample", True)),
+            do_sample=bool(r.val_kwargs.do_sample) if validate else True,  # training rollouts sample
         )
 
     def generate(

@@ -130,15 +130,15 @@ class SFTWorker:
         dist.init_process_group(
             backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=30)
         )
-        torch.manual_seed(int(self.config["trainer"].get("seed", 0)))
+        torch.manual_seed(int(self.config["trainer"]["seed"]))
 
         model_cfg = self.config["model"]
-        fsdp_cfg = model_cfg.get("fsdp_config") or {}
-        model = load_causal_lm(model_cfg["path"], fsdp_cfg.get("model_dtype", "float32"))
-        if model_cfg.get("enable_gradient_checkpointing", False):
+        fsdp_cfg = model_cfg["fsdp_config"]
+        model = load_causal_lm(model_cfg["path"], fsdp_cfg["model_dtype"])
+        if model_cfg["enable_gradient_checkpointing"]:
             model.gradient_checkpointing_enable()
         model.to(self.device)
-        param_dtype = fsdp_cfg.get("param_dtype")
+        param_dtype = fsdp_cfg["param_dtype"]
         self.model = apply_fsdp2(
             model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None
         )
@@ -146,8 +146,8 @@ class SFTWorker:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=self.current_lr(),
-            betas=tuple(optim.get("betas", (0.9, 0.999))),
-            weight_decay=float(optim.get("weight_decay", 0.0)),
+            betas=tuple(optim["betas"]),
+            weight_decay=float(optim["weight_decay"]),
         )
         return {"timing_s/init": time.perf_counter() - t0}
 
@@ -159,9 +159,9 @@ class SFTWorker:
             self.num_steps,
             base_lr=float(optim["lr"]),
             total_steps=total,
-            warmup_steps=int(float(optim.get("warmup_steps_ratio", 0.0)) * total),
-            scheduler=str(optim.get("lr_scheduler", "constant")),
-            min_lr_ratio=float(optim.get("min_lr_ratio", 0.0)),
+            warmup_steps=int(float(optim["warmup_steps_ratio"]) * total),
+            scheduler=str(optim["lr_scheduler"]),
+            min_lr_ratio=float(optim["min_lr_ratio"]),
         )
 
     def _parts(self) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -202,7 +202,7 @@ class SFTWorker:
         for group in optimizer.param_groups:
             group["lr"] = lr
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), float(self.config["optim"].get("clip_grad", 1.0))
+            model.parameters(), float(self.config["optim"]["clip_grad"])
         )
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()

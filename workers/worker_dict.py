@@ -112,7 +112,7 @@ class WorkerDict:
         model_cfg = arr["model"]
         from fusedrl.config import import_plugin
 
-        for module in self.config["algorithm"].get("custom_modules") or []:
+        for module in self.config["algorithm"]["custom_modules"]:
             import_plugin(str(module))  # user losses / estimators must be registered in this process too
         roles = self.config["_roles"]
         self.actor = ActorRole(model_cfg, arr["actor"], rollout_n=int(arr["rollout"]["n"]))
@@ -132,20 +132,20 @@ class WorkerDict:
         arr = self.config["actor_rollout_ref"]
         assert self.actor is not None
         self.actor_mem = Offloader.from_fsdp_config(
-            "actor", self.actor.model, self.actor.optimizer, arr["actor"].get("fsdp_config"), self.events
+            "actor", self.actor.model, self.actor.optimizer, arr["actor"]["fsdp_config"], self.events
         )
         # The HF rollout generates with the actor's own parameters: they stay (validated at start-up).
         self.actor_mem.param_offload &= not isinstance(self.rollout, HFRollout)
         if self.ref is not None:
             self.ref_mem = Offloader.from_fsdp_config(
-                "ref", self.ref.model, None, arr["ref"].get("fsdp_config"), self.events
+                "ref", self.ref.model, None, arr["ref"]["fsdp_config"], self.events
             )
         if self.critic is not None:
             self.critic_mem = Offloader.from_fsdp_config(
                 "critic",
                 self.critic.model,
                 self.critic.optimizer,
-                self.config["critic"]["model"].get("fsdp_config"),
+                self.config["critic"]["model"]["fsdp_config"],
                 self.events,
             )
 
