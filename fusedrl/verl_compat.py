@@ -104,8 +104,6 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.actor.freeze_vision_tower", _MULTIMODAL),
     ("*.router_replay.*", "MoE router replay is not implemented"),
     ("actor_rollout_ref.actor.use_remove_padding", "set actor_rollout_ref.model.use_remove_padding"),
-    ("actor_rollout_ref.actor.tau_pos", "used by loss_mode=sapo only, which fusedrl does not have yet"),
-    ("actor_rollout_ref.actor.tau_neg", "used by loss_mode=sapo only, which fusedrl does not have yet"),
     ("actor_rollout_ref.actor.policy_loss.clip_cov_*", "used by loss_mode=clip_cov, not implemented"),
     ("actor_rollout_ref.actor.policy_loss.kl_cov_ratio", "used by loss_mode=kl_cov, not implemented"),
     ("actor_rollout_ref.actor.policy_loss.ppo_kl_coef", "used by loss_mode=kl_cov, not implemented"),

@@ -85,6 +85,8 @@ class ActorRole:
         self.policy_loss = get_policy_loss(cfg["policy_loss"]["loss_mode"])
         # A loss whose paper fixes the aggregation (GMPO) declares it; every term then uses that mode.
         self.agg_mode = str(getattr(self.policy_loss, "agg_mode", cfg["loss_agg_mode"]))
+        # Extra actor keys a loss reads (SAPO's tau_pos / tau_neg), passed by name.
+        self.loss_kwargs = {k: float(cfg[k]) for k in getattr(self.policy_loss, "config_keys", ())}
         self.stepper = GuardedStepper(self.model, self.optimizer, float(cfg["grad_clip"]))
 
     # ------------------------------------------------------------------ inference
@@ -129,6 +131,7 @@ class ActorRole:
             clip_ratio_c=float(cfg["clip_ratio_c"]),
             loss_agg_mode=mode,
             global_norm=norm,
+            **self.loss_kwargs,
         )
         assert entropy is not None
         entropy_loss = agg_loss(entropy, mb.response_mask, mode, norm)  # []

@@ -150,3 +150,44 @@ def compute_gpg_advantage(
     adv = alpha * (scores - mean) / f_norm  # [B]
     advantages = adv.unsqueeze(-1) * mask  # [B, T]
     return advantages, advantages
+
+
+@register_policy_loss("sapo")
+def sapo_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    global_norm: float | torch.Tensor | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO: a smooth sigmoid gate on the ratio instead of a hard clip.
+
+    Paper: "Soft Adaptive Policy Optimization" (arXiv 2511.20347). Per token, with ``r = exp(log pi -
+    log pi_old)`` and ``tau = tau_pos`` where ``A > 0`` else ``tau_neg``: gate ``f(r) = sigmoid(tau (r - 1))
+    * 4 / tau`` and loss ``-f(r) * A``. ``f'(1) = 1``, so near the old policy the gradient is PPO's; far
+    from it the gate flattens and the gradient fades smoothly (a larger ``tau_neg`` fades negative updates
+    sooner). The paper aggregates per sequence: ``agg_mode = "seq-mean-token-mean"`` (used whatever
+    ``loss_agg_mode`` says). ``tau_pos`` / ``tau_neg`` come from ``actor_rollout_ref.actor.tau_pos`` /
+    ``tau_neg`` (``config_keys``). The clip arguments are unused; the clip fractions are 0.
+    """
+    log_prob, old_log_prob, advantages = _upcast(log_prob, old_log_prob, advantages)  # [B, T] each
+    mask = response_mask.to(log_prob.dtype)  # [B, T]
+    log_ratio = (log_prob - old_log_prob).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)  # [B, T]
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # [B, T]
+    loss = -gate * advantages  # [B, T]
+    none = torch.zeros_like(mask, dtype=torch.bool)  # [B, T]
+    pg_loss = agg_loss(loss, mask, "seq-mean-token-mean", global_norm)  # []
+    return pg_loss, _ratio_metrics(-log_ratio, none, none, mask)
+
+
+sapo_policy_loss.agg_mode = "seq-mean-token-mean"  # type: ignore[attr-defined]
+sapo_policy_loss.config_keys = ("tau_pos", "tau_neg")  # type: ignore[attr-defined]

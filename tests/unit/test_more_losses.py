@@ -93,3 +93,31 @@ def test_grpo_with_one_sample_per_prompt_uses_the_raw_score():
     mask = torch.ones(2, 2)
     adv, _ = get_adv_estimator("grpo")(rewards, mask, index=["p", "q"])
     assert torch.allclose(adv, torch.tensor([[3.0, 3.0], [0.5, 0.5]]) / (1 + 1e-6), atol=TOL)
+
+
+def test_sapo_gate_at_the_old_policy():
+    # r = 1 everywhere: gate = sigmoid(0) * 4 / tau = 2 / tau; loss tokens -2 (A=+1, tau_pos=1) and
+    # +2/1.05 (A=-1, tau_neg=1.05); one sequence of 2 tokens -> their mean. f'(1) = 1: the gradient is
+    # PPO's, -A / 2 per token.
+    fn = get_policy_loss("sapo")
+    assert fn.agg_mode == "seq-mean-token-mean" and fn.config_keys == ("tau_pos", "tau_neg")
+    loss, grad, _ = _grad(
+        fn,
+        torch.zeros(1, 2),
+        torch.zeros(1, 2),
+        torch.tensor([[1.0, -1.0]]),
+        torch.ones(1, 2),
+        tau_pos=1.0,
+        tau_neg=1.05,
+    )
+    assert abs(float(loss) - (-2.0 + 2.0 / 1.05) / 2) < TOL
+    assert torch.allclose(grad, torch.tensor([[-0.5, 0.5]]), atol=TOL)
+
+
+def test_sapo_gate_fades_far_from_the_old_policy():
+    # r = e (log-ratio 1), A = +1, tau = 1: gate = 4 sigmoid(e - 1); d loss / d log r = -4 s (1 - s) r.
+    fn = get_policy_loss("sapo")
+    loss, grad, _ = _grad(fn, torch.ones(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1))
+    s = 1 / (1 + math.exp(-(math.e - 1)))
+    assert abs(float(loss) + 4 * s) < 4 * TOL
+    assert abs(float(grad) + 4 * s * (1 - s) * math.e) < 4 * TOL

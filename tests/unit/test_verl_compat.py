@@ -181,6 +181,13 @@ FAMILIES: dict[str, list[str]] = {
         "actor_rollout_ref.actor.clip_ratio_low=0.4",
         "actor_rollout_ref.actor.clip_ratio_high=0.4",
     ],
+    "sapo": [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=sapo",
+        "actor_rollout_ref.actor.tau_pos=1.0",
+        "actor_rollout_ref.actor.tau_neg=1.05",
+    ],
     "grpo_n1": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1"],
 }
 
