@@ -90,16 +90,18 @@ def load_config(
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from fusedrl import verl_compat
+
     config_dir = str(_config_dir())
     pre_problems: list[str] = []
     ignored: list[tuple[str, str]] = []
     overrides = list(overrides)
     if config_name == "ppo_trainer":
-        overrides, pre_problems = _config_name_flags(overrides)
+        overrides, pre_problems = verl_compat.config_name_flags(overrides)
     base = OmegaConf.load(os.path.join(config_dir, f"{config_name}.yaml"))
     assert isinstance(base, DictConfig)
     if config_name == "ppo_trainer":
-        overrides, ignored, verl_problems = _verl_overrides(base, overrides)
+        overrides, ignored, verl_problems = verl_compat.map_overrides(base, overrides)
         pre_problems.extend(verl_problems)
     unknown = [*pre_problems, *_unknown_override_keys(base, overrides)]
     bad_keys = {p.split("`")[1] for p in unknown if p.startswith("`")}
@@ -112,11 +114,9 @@ def load_config(
         raise ConfigError([*unknown, f"command line: {err}".replace("\n", " ")]) from err
     problems = list(unknown)
     if config_name == "ppo_trainer":
-        problems.extend(_apply_global_micro_batches(cfg))
+        problems.extend(verl_compat.apply_global_micro_batches(cfg))
     if ignored:
-        from fusedrl.verl_compat import format_no_effect
-
-        report(format_no_effect(ignored))
+        report(verl_compat.format_no_effect(ignored))
     if validate_config:
         try:
             validate(cfg)
@@ -125,127 +125,6 @@ def load_config(
     if problems:
         raise ConfigError(problems)
     return cfg
-
-
-def _config_name_flags(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """Drop verl's ``--config-name ppo_trainer`` / ``--config-path DIR`` flags (fusedrl has one PPO config);
-    another config name is a problem."""
-    kept: list[str] = []
-    problems: list[str] = []
-    it = iter(overrides)
-    for ov in it:
-        flag, eq, value = ov.partition("=")
-        if flag not in ("--config-name", "--config-path", "-cn", "-cp"):
-            kept.append(ov)
-            continue
-        if not eq:
-            value = next(it, "")
-        if flag in ("--config-name", "-cn"):
-            name = value.strip("'\"").removesuffix(".yaml")
-            if "megatron" in name:
-                problems.append(
-                    f"--config-name {name}: Megatron is not supported; fusedrl trains with FSDP2. Use "
-                    "--config-name ppo_trainer (or drop the flag) with FSDP keys."
-                )
-            elif name not in ("ppo_trainer", "_generated_ppo_trainer"):
-                problems.append(
-                    f"--config-name {name}: fusedrl's PPO entry point has one config, ppo_trainer. Drop the flag "
-                    "and pass that config's keys on the command line."
-                )
-    return kept, problems
-
-
-def _verl_overrides(
-    base: DictConfig, overrides: list[str]
-) -> tuple[list[str], list[tuple[str, str]], list[str]]:
-    """Map a verl command line onto fusedrl's keys: ``(overrides to compose, (key, why it has no effect)
-    pairs, problems)``. See `fusedrl.verl_compat` for the classification."""
-    from fusedrl import verl_compat
-
-    known = set(_all_keys(base))
-    kept: list[str] = []
-    ignored: list[tuple[str, str]] = []
-    problems: list[str] = []
-    for ov in overrides:
-        if ov.startswith(("~", "hydra.")) or "=" not in ov:
-            kept.append(ov)
-            continue
-        lhs, value = ov.split("=", 1)
-        plus = lhs[: len(lhs) - len(lhs.lstrip("+"))]
-        key = lhs[len(plus) :]
-        bad = verl_compat.rejected_value(key, value)
-        if bad:
-            problems.append(bad)
-            continue
-        target, reason = verl_compat.translate(key)
-        if target is not None:
-            kept.append(f"{target}={value}")
-            continue
-        if reason is None and key not in known:
-            reason = next(
-                (r for r in map(verl_compat.no_effect_reason, _key_and_parents(key)) if r is not None), None
-            )
-        if reason is not None:
-            ignored.append((key, reason))
-            continue
-        if key in known:
-            kept.append(f"{key}={value}" if plus == "+" else ov)  # `+` on a key the YAML has: just set it
-            continue
-        if plus:
-            kept.append(ov)
-            if not key.startswith(verl_compat.OPEN_MAPPINGS):
-                ignored.append((key, "added with +, but nothing in fusedrl reads it"))
-            continue
-        kept.append(ov)  # unknown: reported by _unknown_override_keys with a suggestion
-    return kept, ignored, problems
-
-
-def _key_and_parents(key: str) -> list[str]:
-    parts = key.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-
-
-# (verl's global micro-batch key, fusedrl's per-worker key it sets): verl divides the global size by the
-# number of data-parallel workers, and so does fusedrl.
-GLOBAL_MICRO_BATCHES = (
-    ("actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
-    (
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-    ),
-    (
-        "actor_rollout_ref.ref.log_prob_micro_batch_size",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-    ),
-    ("critic.ppo_micro_batch_size", "critic.ppo_micro_batch_size_per_gpu"),
-    ("critic.forward_micro_batch_size", "critic.forward_micro_batch_size_per_gpu"),
-)
-
-
-def _apply_global_micro_batches(cfg: DictConfig) -> list[str]:
-    """Set each ``*_per_gpu`` micro-batch size from its global verl key (when given): global / workers."""
-    problems: list[str] = []
-    try:
-        workers = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
-    except (TypeError, ValueError):
-        return problems  # reported by validate
-    for global_key, per_gpu_key in GLOBAL_MICRO_BATCHES:
-        value = _get(cfg, global_key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"`{global_key}`={value!r}: must be an integer >= 1 (or null).")
-            continue
-        if workers < 1 or value % workers:
-            problems.append(
-                f"`{global_key}`={value}: a global micro-batch is split evenly over the {workers} workers "
-                f"(trainer.n_gpus_per_node x trainer.nnodes); use a multiple of {workers}, or set "
-                f"`{per_gpu_key}` instead."
-            )
-            continue
-        parent, leaf = per_gpu_key.rsplit(".", 1)
-        OmegaConf.select(cfg, parent)[leaf] = value // workers
-    return problems
 
 
 def _looks_like_hub_id(path: str) -> bool:
@@ -414,10 +293,11 @@ def validate(cfg: DictConfig) -> None:
         "(score / seq_reward: the sequence's task score; seq_final_reward: after the in-reward KL; acc: the "
         "scorer's `acc` entry, else the score).",
     )
-    gen = positive("data.gen_batch_size")
+    _rollout_correction_problems(cfg, problems)
+    gen = positive("data.gen_batch_size") if alg.filter_groups.enable else None  # read by DAPO only
     if gen is not None and bsz is not None:
         need(
-            gen >= bsz or not alg.filter_groups.enable,
+            gen >= bsz,
             f"`data.gen_batch_size`={gen} < `data.train_batch_size`={bsz}: dynamic sampling generates "
             "gen_batch_size prompts a round and keeps train_batch_size groups; use gen_batch_size >= "
             "train_batch_size.",
@@ -534,6 +414,36 @@ def validate(cfg: DictConfig) -> None:
 
     if problems:
         raise ConfigError(problems)
+
+
+def _rollout_correction_problems(cfg: DictConfig, problems: list[str]) -> None:
+    from fusedrl.algorithms.rollout_correction import IS_LEVELS, RS_LEVELS, parse_rs_threshold
+
+    rc = cfg.algorithm.rollout_correction
+    key = "algorithm.rollout_correction"
+    if rc.rollout_is is not None and rc.rollout_is not in IS_LEVELS:
+        problems.append(f"`{key}.rollout_is`={rc.rollout_is!r}: use token, sequence or null.")
+    if rc.rollout_is is not None:
+        threshold = rc.rollout_is_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold <= 0:
+            problems.append(f"`{key}.rollout_is_threshold`={threshold!r}: must be a number > 0.")
+    if rc.rollout_rs is not None:
+        if rc.rollout_rs not in RS_LEVELS:
+            problems.append(
+                f"`{key}.rollout_rs`={rc.rollout_rs!r}: fusedrl has token, sequence and geometric rejection "
+                "(verl's k1/k2/k3 variants are not implemented)."
+            )
+        try:
+            parse_rs_threshold(rc.rollout_rs_threshold)
+        except (TypeError, ValueError):
+            problems.append(
+                f"`{key}.rollout_rs_threshold`={rc.rollout_rs_threshold!r}: with rollout_rs, give an upper "
+                'bound U > 1 (lower 1/U) or "lower_upper".'
+            )
+    if rc.loss_type != "ppo_clip":
+        problems.append(
+            f"`{key}.loss_type`={rc.loss_type!r}: fusedrl has ppo_clip only (the configured policy loss)."
+        )
 
 
 FILTER_METRICS = ("score", "seq_reward", "seq_final_reward", "acc")

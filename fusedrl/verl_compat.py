@@ -21,6 +21,8 @@ from __future__ import annotations
 import fnmatch
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
+
 # (glob over dotted keys, reason). The first matching pattern wins; keep the reasons short (they are
 # printed on the console).
 _PROFILING = "profiling is not built in (run torch.profiler or py-spy around main_ppo)"
@@ -177,10 +179,6 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     # --- algorithm
     ("algorithm.use_pf_ppo", "PF-PPO reweighting is not implemented"),
     ("algorithm.pf_ppo.*", "PF-PPO reweighting is not implemented"),
-    (
-        "algorithm.rollout_correction.*",
-        "rollout correction is not implemented yet (no IS weights, no bypass)",
-    ),
     # --- trainer
     ("trainer.rollout_data_dir", "generations are not dumped (trainer.log_val_generations prints samples)"),
     (
@@ -278,3 +276,122 @@ def format_no_effect(entries: list[tuple[str, str]]) -> str:
         by_reason.setdefault(reason, []).append(key)
     groups = "; ".join(f"{', '.join(keys)} ({reason})" for reason, keys in by_reason.items())
     return f"fusedrl: accepted with no effect in fusedrl: {groups}"
+
+
+def config_name_flags(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """Drop verl's ``--config-name ppo_trainer`` / ``--config-path DIR`` flags (fusedrl has one PPO config);
+    another config name is a problem."""
+    kept: list[str] = []
+    problems: list[str] = []
+    it = iter(overrides)
+    for ov in it:
+        flag, eq, value = ov.partition("=")
+        if flag not in ("--config-name", "--config-path", "-cn", "-cp"):
+            kept.append(ov)
+            continue
+        if not eq:
+            value = next(it, "")
+        if flag in ("--config-name", "-cn"):
+            name = value.strip("'\"").removesuffix(".yaml")
+            if "megatron" in name:
+                problems.append(
+                    f"--config-name {name}: Megatron is not supported; fusedrl trains with FSDP2. Use "
+                    "--config-name ppo_trainer (or drop the flag) with FSDP keys."
+                )
+            elif name not in ("ppo_trainer", "_generated_ppo_trainer"):
+                problems.append(
+                    f"--config-name {name}: fusedrl's PPO entry point has one config, ppo_trainer. Drop the flag "
+                    "and pass that config's keys on the command line."
+                )
+    return kept, problems
+
+
+def map_overrides(
+    base: DictConfig, overrides: list[str]
+) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """Map a verl command line onto fusedrl's keys: ``(overrides to compose, (key, why it has no effect)
+    pairs, problems)``. See `fusedrl.verl_compat` for the classification."""
+    from fusedrl.config import _all_keys
+
+    known = set(_all_keys(base))
+    kept: list[str] = []
+    ignored: list[tuple[str, str]] = []
+    problems: list[str] = []
+    for ov in overrides:
+        if ov.startswith(("~", "hydra.")) or "=" not in ov:
+            kept.append(ov)
+            continue
+        lhs, value = ov.split("=", 1)
+        plus = lhs[: len(lhs) - len(lhs.lstrip("+"))]
+        key = lhs[len(plus) :]
+        bad = rejected_value(key, value)
+        if bad:
+            problems.append(bad)
+            continue
+        target, reason = translate(key)
+        if target is not None:
+            kept.append(f"{target}={value}")
+            continue
+        if reason is None and key not in known:
+            reason = next((r for r in map(no_effect_reason, _key_and_parents(key)) if r is not None), None)
+        if reason is not None:
+            ignored.append((key, reason))
+            continue
+        if key in known:
+            kept.append(f"{key}={value}" if plus == "+" else ov)  # `+` on a key the YAML has: just set it
+            continue
+        if plus:
+            kept.append(ov)
+            if not key.startswith(OPEN_MAPPINGS):
+                ignored.append((key, "added with +, but nothing in fusedrl reads it"))
+            continue
+        kept.append(ov)  # unknown: reported by _unknown_override_keys with a suggestion
+    return kept, ignored, problems
+
+
+def _key_and_parents(key: str) -> list[str]:
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+# (verl's global micro-batch key, fusedrl's per-worker key it sets): verl divides the global size by the
+# number of data-parallel workers, and so does fusedrl.
+GLOBAL_MICRO_BATCHES = (
+    ("actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    (
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    ),
+    (
+        "actor_rollout_ref.ref.log_prob_micro_batch_size",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    ),
+    ("critic.ppo_micro_batch_size", "critic.ppo_micro_batch_size_per_gpu"),
+    ("critic.forward_micro_batch_size", "critic.forward_micro_batch_size_per_gpu"),
+)
+
+
+def apply_global_micro_batches(cfg: DictConfig) -> list[str]:
+    """Set each ``*_per_gpu`` micro-batch size from its global verl key (when given): global / workers."""
+    problems: list[str] = []
+    try:
+        workers = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+    except (TypeError, ValueError):
+        return problems  # reported by validate
+    for global_key, per_gpu_key in GLOBAL_MICRO_BATCHES:
+        value = OmegaConf.select(cfg, global_key, throw_on_missing=False)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"`{global_key}`={value!r}: must be an integer >= 1 (or null).")
+            continue
+        if workers < 1 or value % workers:
+            problems.append(
+                f"`{global_key}`={value}: a global micro-batch is split evenly over the {workers} workers "
+                f"(trainer.n_gpus_per_node x trainer.nnodes); use a multiple of {workers}, or set "
+                f"`{per_gpu_key}` instead."
+            )
+            continue
+        parent, leaf = per_gpu_key.rsplit(".", 1)
+        OmegaConf.select(cfg, parent)[leaf] = value // workers
+    return problems

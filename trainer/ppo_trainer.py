@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 
 from fusedrl.algorithms import get_adv_estimator
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
+from fusedrl.algorithms.rollout_correction import correct_advantages
 from fusedrl.balance import apply_order, balanced_rank_order, rank_token_loads, sequence_lengths
 from fusedrl.batch import RolloutBatch, concat
 from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint, seed_rng
@@ -193,6 +194,7 @@ class PPOTrainer:
                     batch = self.compute_values(batch)
             with timer("adv", metrics):
                 batch = self.compute_advantages(batch)
+                batch = self.apply_rollout_correction(batch, metrics)
             if self.use_critic:
                 with timer("update_critic", metrics):
                     metrics.update(self.update_critic(batch))
@@ -470,8 +472,24 @@ class PPOTrainer:
     def _model_inputs(self, batch: RolloutBatch) -> RolloutBatch:
         return batch.select_fields("prompts", "prompt_mask", "responses", "response_mask")
 
+    def apply_rollout_correction(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
+        """``algorithm.rollout_correction``: weight / reject the actor's advantages by the rollout-vs-trainer
+        log-prob ratio (`fusedrl.algorithms.rollout_correction`); a no-op when both are off."""
+        rc = self.config.algorithm.rollout_correction
+        if rc.rollout_is is None and rc.rollout_rs is None:
+            return batch
+        batch.advantages, rc_metrics = correct_advantages(
+            batch.advantages, batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, dict(rc)
+        )
+        metrics.update(rc_metrics)
+        return batch
+
     def compute_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
-        """``old_log_probs``: the actor's log-probs of the samples before this step's update."""
+        """``old_log_probs``: the actor's log-probs of the samples before this step's update. In
+        ``algorithm.rollout_correction.bypass_mode`` they are the rollout's own (no trainer forward)."""
+        if self.config.algorithm.rollout_correction.bypass_mode:
+            batch.old_log_probs = batch.rollout_log_probs.clone()
+            return batch
         t = self.temperature
         inputs = self._model_inputs(batch)
         parts = self.workers.run_split(lambda w, shard: w.actor_compute_log_prob.remote(shard, t), inputs)

@@ -188,6 +188,17 @@ FAMILIES: dict[str, list[str]] = {
         "actor_rollout_ref.actor.tau_pos=1.0",
         "actor_rollout_ref.actor.tau_neg=1.05",
     ],
+    "rollout_correction": [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=4",
+        "algorithm.rollout_correction.rollout_is=sequence",
+        "algorithm.rollout_correction.rollout_is_threshold=2.0",
+        "algorithm.rollout_correction.rollout_rs=geometric",
+        "algorithm.rollout_correction.rollout_rs_threshold=1.01",
+        "algorithm.rollout_correction.bypass_mode=false",
+        "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+        "actor_rollout_ref.rollout.calculate_log_probs=True",
+    ],
     "grpo_n1": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1"],
 }
 
@@ -268,6 +279,33 @@ def test_unsupported_backends_and_configs_are_one_clear_error_each(files):
     assert any(p.startswith("`actor_rollout_ref.actor.strategy`=megatron") for p in problems)
     assert any(p.startswith("`actor_rollout_ref.rollout.name`=sglang") and "vllm" in p for p in problems)
     assert any(p.startswith("`actor_rollout_ref.actor.ppo_micro_batch_size`=3") for p in problems)
+
+
+def test_new_keys_bad_values_are_reported_together(files):
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            [
+                *_common(files),
+                "algorithm.rollout_correction.rollout_rs=token_k1",
+                "algorithm.rollout_correction.loss_type=reinforce",
+                "actor_rollout_ref.actor.optim.lr_scheduler_type=linear",
+                "critic.optim.min_lr_ratio=2.0",
+                "actor_rollout_ref.rollout.mode=eager",
+                "data.truncation=cut",
+                "trainer.critic_warmup=-1",
+            ]
+        )
+    keys = sorted(p.split("`")[1] for p in info.value.problems)
+    assert keys == [
+        "actor_rollout_ref.actor.optim.lr_scheduler_type",
+        "actor_rollout_ref.rollout.mode",
+        "algorithm.rollout_correction.loss_type",
+        "algorithm.rollout_correction.rollout_rs",
+        "algorithm.rollout_correction.rollout_rs_threshold",
+        "critic.optim.min_lr_ratio",
+        "data.truncation",
+        "trainer.critic_warmup",
+    ], info.value.problems
 
 
 def test_every_verl_key_has_a_status_and_the_doc_is_current():
