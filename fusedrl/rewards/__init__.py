@@ -117,7 +117,9 @@ def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..
     if raw_kwargs is not None and not isinstance(raw_kwargs, DictConfig):
         raise ValueError(f"reward_model.reward_kwargs={raw_kwargs!r}: use a mapping of keyword arguments")
     # A partial config (tests, library use) takes its missing reward keys from the YAML: one set of defaults.
-    cfg = OmegaConf.merge(_yaml_reward_defaults(), cfg)
+    merged = OmegaConf.merge(_yaml_reward_defaults(), cfg)
+    assert isinstance(merged, DictConfig)
+    cfg = merged
 
     def get(key: str, default: Any = None) -> Any:
         value = OmegaConf.select(cfg, key, default=default)
