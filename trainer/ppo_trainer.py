@@ -11,7 +11,11 @@ Quickstart (CPU, two fused workers, a tiny model built locally)::
     python -m fusedrl.utils.tiny_model --out /tmp/tiny
     python examples/data_preprocess/arithmetic.py --local_dir /tmp/arith
     python -m fusedrl.trainer.main_ppo data.train_files=/tmp/arith/train.parquet \\
-        actor_rollout_ref.model.path=/tmp/tiny trainer.total_training_steps=5
+        actor_rollout_ref.model.path=/tmp/tiny trainer.total_training_steps=5 \\
+        algorithm.adv_estimator=grpo actor_rollout_ref.rollout.n=4 actor_rollout_ref.rollout.dtype=float32
+
+(The defaults are verl's: PPO with a critic, one sample per prompt, a bfloat16 rollout; the last line
+asks for GRPO with 4 samples and a float32 rollout, which is faster on most CPUs.)
 """
 
 from __future__ import annotations
