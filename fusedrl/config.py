@@ -294,6 +294,7 @@ def validate(cfg: DictConfig) -> None:
         "scorer's `acc` entry, else the score).",
     )
     _rollout_correction_problems(cfg, problems)
+    _checkpoint_contents_problems(cfg, problems)
     gen = positive("data.gen_batch_size") if alg.filter_groups.enable else None  # read by DAPO only
     if gen is not None and bsz is not None:
         need(
@@ -444,6 +445,27 @@ def _rollout_correction_problems(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(
             f"`{key}.loss_type`={rc.loss_type!r}: fusedrl has ppo_clip only (the configured policy loss)."
         )
+
+
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+
+def _checkpoint_contents_problems(cfg: DictConfig, problems: list[str]) -> None:
+    """``actor.checkpoint.{save,load}_contents``: fusedrl's checkpoints always hold model, optimizer and
+    driver state (a partial one could not resume exactly); ``hf_model`` adds a Hugging Face folder."""
+    for leaf in ("save_contents", "load_contents"):
+        key = f"actor_rollout_ref.actor.checkpoint.{leaf}"
+        value = OmegaConf.select(cfg, key)
+        items = [str(value)] if isinstance(value, str) else [str(v) for v in value]
+        unknown = [v for v in items if v not in CHECKPOINT_CONTENTS]
+        missing = [v for v in ("model", "optimizer", "extra") if v not in items]
+        if unknown:
+            problems.append(f"`{key}`={items}: unknown {unknown}; use {', '.join(CHECKPOINT_CONTENTS)}.")
+        elif missing:
+            problems.append(
+                f"`{key}`={items}: fusedrl always {'saves' if leaf == 'save_contents' else 'loads'} model, "
+                f"optimizer and extra (a resume restores them all); add {missing}."
+            )
 
 
 FILTER_METRICS = ("score", "seq_reward", "seq_final_reward", "acc")

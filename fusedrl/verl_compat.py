@@ -97,7 +97,10 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("critic.enable", "derived: the critic is built when algorithm.adv_estimator=gae"),
     ("*.shuffle", "mini-batches follow the balanced batch order (trainer.balance_batch)"),
     ("*.data_loader_seed", "mini-batches are not reshuffled"),
-    ("*.checkpoint.*", "checkpoints always hold model, optimizer and driver state"),
+    (
+        "*.checkpoint.*",
+        "one synchronous checkpoint holds every role (see actor_rollout_ref.actor.checkpoint.save_contents)",
+    ),
     ("actor_rollout_ref.actor.loss_scale_factor", "the loss normaliser is fixed by loss_agg_mode"),
     ("actor_rollout_ref.actor.calculate_entropy", "entropy is always computed and logged"),
     ("actor_rollout_ref.actor.calculate_sum_pi_squared", "not computed"),

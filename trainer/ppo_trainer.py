@@ -249,13 +249,17 @@ class PPOTrainer:
             "dataloader": self.train_loader.state_dict(),
             "kl_coef": self.kl_ctrl.value,
         }
-        return save_run_checkpoint(
+        path = save_run_checkpoint(
             str(tr.default_local_dir),
             self.global_step,
             self.workers,
             state,
             max_to_keep=tr.max_actor_ckpt_to_keep,
         )
+        # verl's actor.checkpoint.save_contents=[..., hf_model]: also a Hugging Face folder of the policy.
+        if "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
+            self.export_hf(os.path.join(path, "huggingface"))
+        return path
 
     def load_checkpoint(self) -> str | None:
         """Resume per ``trainer.resume_mode``; then re-sync the engine to the restored actor."""

@@ -3,7 +3,7 @@
 The line is the one in verl's quickstart docs (Qwen2.5-0.5B keys) with the paths pointed at local tiny
 files (the arithmetic task stands in for GSM8K: nothing is downloaded) and the sizes shrunk to fit 2 CPU
 cores; two verl keys are added to exercise them here: ``trainer.critic_warmup=1`` and
-``trainer.log_val_generations=2`` (both verl's own). Slow: the model, critic and vLLM start on 1 worker.
+``trainer.log_val_generations=2`` and ``actor.checkpoint.save_contents`` with ``hf_model`` (verl's own). Slow: the model, critic and vLLM start on 1 worker.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def test_verl_quickstart_line_trains_ppo_with_a_critic(tiny_model_dir, arithmeti
         "trainer.total_training_steps=2",  # added: 2 steps
         f"trainer.default_local_dir={tmp_path}",
         "trainer.critic_warmup=1",
+        "actor_rollout_ref.actor.checkpoint.save_contents=['model','optimizer','extra','hf_model']",
         "trainer.log_val_generations=2",
     ]
     out = subprocess.run(
@@ -71,3 +72,5 @@ def test_verl_quickstart_line_trains_ppo_with_a_critic(tiny_model_dir, arithmeti
     # The last step validates (test_freq) and prints 2 samples.
     assert "val/test_score/mean" in by_step[2]
     assert out.stdout.count("[val step 2 sample") == 2
+    # The last step saves (save_freq), with a Hugging Face folder of the policy (save_contents: hf_model).
+    assert Path(tmp_path, "global_step_2", "huggingface", "config.json").is_file()

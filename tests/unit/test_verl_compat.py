@@ -293,10 +293,13 @@ def test_new_keys_bad_values_are_reported_together(files):
                 "actor_rollout_ref.rollout.mode=eager",
                 "data.truncation=cut",
                 "trainer.critic_warmup=-1",
+                "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]",
             ]
         )
     keys = sorted(p.split("`")[1] for p in info.value.problems)
     assert keys == [
+        "actor_rollout_ref.actor.checkpoint.load_contents",
+        "actor_rollout_ref.actor.checkpoint.save_contents",
         "actor_rollout_ref.actor.optim.lr_scheduler_type",
         "actor_rollout_ref.rollout.mode",
         "algorithm.rollout_correction.loss_type",
