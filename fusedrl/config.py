@@ -64,18 +64,47 @@ def _unknown_override_keys(base: DictConfig, overrides: Sequence[str]) -> list[s
     return problems
 
 
+def trainer_yaml(config_name: str = "ppo_trainer") -> DictConfig:
+    """The YAML's keys and defaults, without overrides (not validated; ``???`` left missing)."""
+    base = OmegaConf.load(os.path.join(str(_config_dir()), f"{config_name}.yaml"))
+    assert isinstance(base, DictConfig)
+    return base
+
+
+def _print_line(line: str) -> None:
+    print(line, flush=True)
+
+
 def load_config(
-    overrides: Sequence[str] = (), config_name: str = "ppo_trainer", validate_config: bool = True
+    overrides: Sequence[str] = (),
+    config_name: str = "ppo_trainer",
+    validate_config: bool = True,
+    report: Callable[[str], None] = _print_line,
 ) -> DictConfig:
-    """Compose ``config_name`` with Hydra-style ``key=value`` overrides; validate unless told not to."""
+    """Compose ``config_name`` with Hydra-style ``key=value`` overrides; validate unless told not to.
+
+    For the PPO trainer, verl's command lines are accepted as they are (`fusedrl.verl_compat`): verl keys
+    that have no effect here, and ``+key`` overrides that nothing reads, are dropped or kept and named
+    in one line passed to ``report`` (printed by default); values fusedrl cannot run are problems.
+    """
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from fusedrl import verl_compat
+
     config_dir = str(_config_dir())
+    pre_problems: list[str] = []
+    ignored: list[tuple[str, str]] = []
+    overrides = list(overrides)
+    if config_name == "ppo_trainer":
+        overrides, pre_problems = verl_compat.config_name_flags(overrides)
     base = OmegaConf.load(os.path.join(config_dir, f"{config_name}.yaml"))
     assert isinstance(base, DictConfig)
-    unknown = _unknown_override_keys(base, overrides)
-    bad_keys = {p.split("`")[1] for p in unknown}
+    if config_name == "ppo_trainer":
+        overrides, ignored, verl_problems = verl_compat.map_overrides(base, overrides)
+        pre_problems.extend(verl_problems)
+    unknown = [*pre_problems, *_unknown_override_keys(base, overrides)]
+    bad_keys = {p.split("`")[1] for p in unknown if p.startswith("`")}
     usable = [ov for ov in overrides if ov.split("=", 1)[0] not in bad_keys]
     GlobalHydra.instance().clear()
     try:
@@ -84,6 +113,10 @@ def load_config(
     except Exception as err:  # Hydra's parse / type errors: report them like every other problem
         raise ConfigError([*unknown, f"command line: {err}".replace("\n", " ")]) from err
     problems = list(unknown)
+    if config_name == "ppo_trainer":
+        problems.extend(verl_compat.apply_global_micro_batches(cfg))
+    if ignored:
+        report(verl_compat.format_no_effect(ignored))
     if validate_config:
         try:
             validate(cfg)
@@ -124,6 +157,7 @@ def validate(cfg: DictConfig) -> None:
     """Check a composed config; raise one `ConfigError` listing every problem."""
     from fusedrl.algorithms import get_adv_traits, list_adv_estimators, list_policy_losses
     from fusedrl.algorithms.losses import LOSS_AGG_MODES as AGG_MODES
+    from fusedrl.data.dataset import TRUNCATION_MODES
 
     problems: list[str] = []
 
@@ -201,8 +235,9 @@ def validate(cfg: DictConfig) -> None:
     for key in ("data.max_prompt_length", "data.max_response_length"):
         positive(key)
     need(
-        cfg.data.truncation in ("filter", "error"),
-        f"`data.truncation`={cfg.data.truncation!r}: use `filter` or `error`.",
+        cfg.data.truncation in TRUNCATION_MODES,
+        f"`data.truncation`={cfg.data.truncation!r}: use error, left, right or middle (and "
+        "`data.filter_overlong_prompts=true` to drop over-long prompts instead).",
     )
 
     # --- user plugins: modules imported for their registrations, by dotted path or file path
@@ -224,6 +259,8 @@ def validate(cfg: DictConfig) -> None:
         est in list_adv_estimators(),
         f"`algorithm.adv_estimator`={est!r}: unknown. Known: {', '.join(list_adv_estimators())}.",
     )
+    # GRPO / RLOO with n=1 run as in verl: a one-sample group has baseline 0 (and std 1), so the
+    # advantage is the raw score.
     min_group = get_adv_traits(est).min_group_size if est in list_adv_estimators() else 1
     if n is not None and n < min_group:
         problems.append(
@@ -257,9 +294,26 @@ def validate(cfg: DictConfig) -> None:
         f"`algorithm.kl_penalty`={alg.kl_penalty!r}: use kl (k1), mse (k2), low_var_kl (k3) or abs.",
     )
     need(
-        alg.filter_groups.metric in ("score", "seq_reward"),
-        f"`algorithm.filter_groups.metric`={alg.filter_groups.metric!r}: use score (the sequence's task reward).",
+        alg.filter_groups.metric in FILTER_METRICS,
+        f"`algorithm.filter_groups.metric`={alg.filter_groups.metric!r}: use {', '.join(FILTER_METRICS)} "
+        "(score / seq_reward: the sequence's task score; seq_final_reward: after the in-reward KL; acc: the "
+        "scorer's `acc` entry, else the score).",
     )
+    _rollout_correction_problems(cfg, problems)
+    _checkpoint_contents_problems(cfg, problems)
+    gen = positive("data.gen_batch_size") if alg.filter_groups.enable else None  # read by DAPO only
+    if gen is not None and bsz is not None:
+        need(
+            gen >= bsz,
+            f"`data.gen_batch_size`={gen} < `data.train_batch_size`={bsz}: dynamic sampling generates "
+            "gen_batch_size prompts a round and keeps train_batch_size groups; use gen_batch_size >= "
+            "train_batch_size.",
+        )
+    for role in ("actor_rollout_ref.actor", "critic"):
+        _schedule_problems(cfg, f"{role}.optim", problems)
+    for key in ("trainer.critic_warmup", "trainer.log_val_generations"):
+        value = number(key)
+        need(value is None or value >= 0, f"`{key}`={value}: must be >= 0.")
     if alg.use_kl_in_reward and alg.kl_ctrl.type == "adaptive":
         need(
             float(alg.kl_ctrl.target_kl or 0) > 0 and int(alg.kl_ctrl.horizon or 0) > 0,
@@ -308,6 +362,11 @@ def validate(cfg: DictConfig) -> None:
             not path or os.path.isfile(str(path)),
             f"`actor_rollout_ref.rollout.multi_turn.tool_config_path`: file `{path}` does not exist.",
         )
+    need(
+        rollout.mode in ("sync", "async"),
+        f"`actor_rollout_ref.rollout.mode`={rollout.mode!r}: use sync or async (the in-process engine runs "
+        "the same way for both).",
+    )
     need(
         rollout.sleep_level in (1, 2),
         f"`actor_rollout_ref.rollout.sleep_level`={rollout.sleep_level!r}: use 1 (keep a host copy of the "
@@ -400,6 +459,77 @@ def validate(cfg: DictConfig) -> None:
 
     if problems:
         raise ConfigError(problems)
+
+
+def _rollout_correction_problems(cfg: DictConfig, problems: list[str]) -> None:
+    from fusedrl.algorithms.rollout_correction import IS_LEVELS, RS_LEVELS, parse_rs_threshold
+
+    rc = cfg.algorithm.rollout_correction
+    key = "algorithm.rollout_correction"
+    if rc.rollout_is is not None and rc.rollout_is not in IS_LEVELS:
+        problems.append(f"`{key}.rollout_is`={rc.rollout_is!r}: use token, sequence or null.")
+    if rc.rollout_is is not None:
+        threshold = rc.rollout_is_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold <= 0:
+            problems.append(f"`{key}.rollout_is_threshold`={threshold!r}: must be a number > 0.")
+    if rc.rollout_rs is not None:
+        if rc.rollout_rs not in RS_LEVELS:
+            problems.append(
+                f"`{key}.rollout_rs`={rc.rollout_rs!r}: fusedrl has token, sequence and geometric rejection "
+                "(verl's k1/k2/k3 variants are not implemented)."
+            )
+        try:
+            parse_rs_threshold(rc.rollout_rs_threshold)
+        except (TypeError, ValueError):
+            problems.append(
+                f"`{key}.rollout_rs_threshold`={rc.rollout_rs_threshold!r}: with rollout_rs, give an upper "
+                'bound U > 1 (lower 1/U) or "lower_upper".'
+            )
+    if rc.loss_type != "ppo_clip":
+        problems.append(
+            f"`{key}.loss_type`={rc.loss_type!r}: fusedrl has ppo_clip only (the configured policy loss)."
+        )
+
+
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+
+def _checkpoint_contents_problems(cfg: DictConfig, problems: list[str]) -> None:
+    """``actor.checkpoint.{save,load}_contents``: fusedrl's checkpoints always hold model, optimizer and
+    driver state (a partial one could not resume exactly); ``hf_model`` adds a Hugging Face folder."""
+    for leaf in ("save_contents", "load_contents"):
+        key = f"actor_rollout_ref.actor.checkpoint.{leaf}"
+        value = OmegaConf.select(cfg, key)
+        items = [str(value)] if isinstance(value, str) else [str(v) for v in value]
+        unknown = [v for v in items if v not in CHECKPOINT_CONTENTS]
+        missing = [v for v in ("model", "optimizer", "extra") if v not in items]
+        if unknown:
+            problems.append(f"`{key}`={items}: unknown {unknown}; use {', '.join(CHECKPOINT_CONTENTS)}.")
+        elif missing:
+            problems.append(
+                f"`{key}`={items}: fusedrl always {'saves' if leaf == 'save_contents' else 'loads'} model, "
+                f"optimizer and extra (a resume restores them all); add {missing}."
+            )
+
+
+FILTER_METRICS = ("score", "seq_reward", "seq_final_reward", "acc")
+SCHEDULERS = ("constant", "cosine")
+
+
+def _schedule_problems(cfg: DictConfig, prefix: str, problems: list[str]) -> None:
+    """The learning-rate schedule keys of one optimizer (``actor_rollout_ref.actor.optim`` / ``critic.optim``)."""
+    optim = OmegaConf.select(cfg, prefix)
+    style = optim.warmup_style if optim.warmup_style is not None else optim.lr_scheduler_type
+    key = "warmup_style" if optim.warmup_style is not None else "lr_scheduler_type"
+    if style not in SCHEDULERS:
+        problems.append(f"`{prefix}.{key}`={style!r}: use constant or cosine.")
+    for leaf, low, high in (("lr_warmup_steps_ratio", 0.0, 1.0), ("min_lr_ratio", 0.0, 1.0)):
+        value = optim[leaf]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            problems.append(f"`{prefix}.{leaf}`={value!r}: must be a number in [{low}, {high}].")
+    steps = optim.lr_warmup_steps
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        problems.append(f"`{prefix}.lr_warmup_steps`={steps!r}: must be an integer (-1: use the ratio).")
 
 
 # (switch, token budget) pairs of dynamic batch size; the budgets are checked only where the switch is on.

@@ -20,9 +20,25 @@ import torch
 from fusedrl.batch import RolloutBatch, concat
 
 
-def informative_groups(batch: RolloutBatch) -> RolloutBatch:
-    """The rows of groups (rows sharing a ``uid``) whose sequence scores are not all equal."""
+def group_metric(batch: RolloutBatch, metric: str, sample_extras: list[dict] | None) -> torch.Tensor:
+    """The per-sample value groups are compared on (``algorithm.filter_groups.metric``): ``[B]``.
+
+    ``score`` / ``seq_reward``: the task score; ``seq_final_reward``: the reward after the in-reward KL (the
+    score here, as the KL is applied later); ``acc``: the scorer's ``acc`` entry per sample
+    (``sample_extras``, from a dict-returning compute_score), else the score.
+    """
     scores = batch.token_level_scores.sum(-1)  # [B]
+    if metric != "acc" or not sample_extras or len(sample_extras) != batch.num_samples:
+        return scores
+    return torch.tensor(
+        [e.get("acc", float(s)) for e, s in zip(sample_extras, scores.tolist())], dtype=torch.float32
+    )  # [B]
+
+
+def informative_groups(batch: RolloutBatch, metric: torch.Tensor | None = None) -> RolloutBatch:
+    """The rows of groups (rows sharing a ``uid``) whose ``metric`` values (default: the sequence scores)
+    are not all equal."""
+    scores = batch.token_level_scores.sum(-1) if metric is None else metric  # [B]
     by_uid: dict[str, list[int]] = {}
     for i, u in enumerate(batch.field_list("uid")):
         by_uid.setdefault(u, []).append(i)

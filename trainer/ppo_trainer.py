@@ -11,12 +11,17 @@ Quickstart (CPU, two fused workers, a tiny model built locally)::
     python -m fusedrl.utils.tiny_model --out /tmp/tiny
     python examples/data_preprocess/arithmetic.py --local_dir /tmp/arith
     python -m fusedrl.trainer.main_ppo data.train_files=/tmp/arith/train.parquet \\
-        actor_rollout_ref.model.path=/tmp/tiny trainer.total_training_steps=5
+        actor_rollout_ref.model.path=/tmp/tiny trainer.total_training_steps=5 \\
+        algorithm.adv_estimator=grpo actor_rollout_ref.rollout.n=4 actor_rollout_ref.rollout.dtype=float32
+
+(The defaults are verl's: PPO with a critic, one sample per prompt, a bfloat16 rollout; the last line
+asks for GRPO with 4 samples and a float32 rollout, which is faster on most CPUs.)
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -26,6 +31,7 @@ from omegaconf import DictConfig
 
 from fusedrl.algorithms import get_adv_estimator, get_adv_traits
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
+from fusedrl.algorithms.rollout_correction import correct_advantages
 from fusedrl.balance import apply_order, balanced_rank_order, rank_token_loads, sequence_lengths
 from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint, seed_rng
@@ -35,10 +41,11 @@ from fusedrl.controller.health import resume_hint
 from fusedrl.controller.placement import check_role_groups
 from fusedrl.controller.preemption import PreemptionGuard
 from fusedrl.data.dataset import PromptLoader, RLDataset
+from fusedrl.lr_schedule import scheduled_lr
 from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
 from fusedrl.tracking import Tracker, timer
-from fusedrl.trainer.dynamic_sampling import GroupCollector, informative_groups
+from fusedrl.trainer.dynamic_sampling import GroupCollector, group_metric, informative_groups
 from fusedrl.workers.rollout.base import SamplingConfig
 from fusedrl.workers.worker_dict import WorkerDict
 
@@ -64,7 +71,7 @@ class PPOTrainer:
 
             schemas = ToolSet.from_config(to_plain_dict(multi_turn), extra=self.agent_tools).schemas()
             agent_data = {"tools": schemas or None, "keep_messages": True}
-        for module in config.algorithm.get("custom_modules") or []:
+        for module in config.algorithm.custom_modules:
             import_plugin(str(module))  # idempotent with validate(); needed when validation was skipped
         arr = config.actor_rollout_ref
         self.tokenizer = AutoTokenizer.from_pretrained(arr.model.path)
@@ -76,9 +83,14 @@ class PPOTrainer:
             prompt_key=data.prompt_key,
             truncation=data.truncation,
             **agent_data,
+            filter_overlong_prompts=bool(data.filter_overlong_prompts),
+        )
+        # DAPO's dynamic sampling draws data.gen_batch_size prompts a round; plain steps train_batch_size.
+        prompts_per_round = (
+            int(data.gen_batch_size) if config.algorithm.filter_groups.enable else int(data.train_batch_size)
         )
         self.train_loader = PromptLoader(
-            self.train_dataset, int(data.train_batch_size), shuffle=bool(data.shuffle), seed=int(data.seed)
+            self.train_dataset, prompts_per_round, shuffle=bool(data.shuffle), seed=int(data.seed)
         )
         self.val_dataset = None
         if data.val_files:
@@ -89,6 +101,7 @@ class PPOTrainer:
                 prompt_key=data.prompt_key,
                 truncation=data.truncation,
                 **agent_data,
+                filter_overlong_prompts=bool(data.filter_overlong_prompts),
             )
         self.reward_fn = build_reward_manager(config, self.tokenizer, compute_score)
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
@@ -255,13 +268,17 @@ class PPOTrainer:
                     batch = self.compute_values(batch)
             with timer("adv", metrics):
                 batch = self.compute_advantages(batch)
+                batch = self.apply_rollout_correction(batch, metrics)
             if self.use_critic:
                 with timer("update_critic", metrics):
                     metrics.update(self.update_critic(batch))
-            with timer("update_actor", metrics):
-                metrics.update(self.update_actor(batch))
-            with timer("sync_weights", metrics):
-                metrics.update(self.sync_weights())
+            # trainer.critic_warmup: the first N steps train only the critic (the policy, and so the
+            # engine's weights, stay as they were).
+            if self.global_step > int(self.config.trainer.critic_warmup):
+                with timer("update_actor", metrics):
+                    metrics.update(self.update_actor(batch))
+                with timer("sync_weights", metrics):
+                    metrics.update(self.sync_weights())
         metrics.update(self.batch_metrics(batch, metrics["timing_s/step"]))
         return metrics
 
@@ -302,13 +319,17 @@ class PPOTrainer:
             "dataloader": self.train_loader.state_dict(),
             "kl_coef": self.kl_ctrl.value,
         }
-        return save_run_checkpoint(
+        path = save_run_checkpoint(
             str(tr.default_local_dir),
             self.global_step,
             self.workers,
             state,
             max_to_keep=tr.max_actor_ckpt_to_keep,
         )
+        # verl's actor.checkpoint.save_contents=[..., hf_model]: also a Hugging Face folder of the policy.
+        if "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
+            self.export_hf(os.path.join(path, "huggingface"))
+        return path
 
     def load_checkpoint(self) -> str | None:
         """Resume per ``trainer.resume_mode``; then re-sync the engine to the restored actor."""
@@ -354,7 +375,7 @@ class PPOTrainer:
             want=int(self.config.data.train_batch_size),
             n=n,
             max_rounds=int(fg.max_num_gen_batches),
-            keep=self.filter_groups,
+            keep=lambda b: self.filter_groups(b, self.filter_metric(b)),
         )
         for round_index in itertools.count():
             prompts = self.next_prompts()
@@ -385,9 +406,15 @@ class PPOTrainer:
         metrics["balance/max_over_mean_rank_tokens"] = max(loads) / max(sum(loads) / world, 1.0)
         return batch
 
-    def filter_groups(self, batch: RolloutBatch) -> RolloutBatch:
-        """Keep only groups (rows sharing a uid) whose sequence scores are not all equal."""
-        return informative_groups(batch)
+    def filter_metric(self, batch: RolloutBatch) -> torch.Tensor:
+        """Per-sample value that ``algorithm.filter_groups.metric`` names: ``[B]`` (`group_metric`)."""
+        extras = getattr(self.reward_fn, "last_sample_extras", None)
+        return group_metric(batch, str(self.config.algorithm.filter_groups.metric), extras)
+
+    def filter_groups(self, batch: RolloutBatch, metric: torch.Tensor | None = None) -> RolloutBatch:
+        """Keep only groups (rows sharing a uid) whose ``metric`` values (default: sequence scores) are not
+        all equal."""
+        return informative_groups(batch, metric)
 
     # ------------------------------------------------------------------ steps
     @property
@@ -410,7 +437,7 @@ class PPOTrainer:
             temperature=float(src.temperature),
             top_p=float(src.top_p),
             top_k=int(src.top_k),
-            do_sample=bool(src.get("do_sample", True)),
+            do_sample=bool(r.val_kwargs.do_sample) if validate else True,  # training rollouts sample
         )
 
     def generate(
@@ -516,8 +543,24 @@ class PPOTrainer:
     def _model_inputs(self, batch: RolloutBatch) -> RolloutBatch:
         return batch.select_fields(*batch.model_input_fields())
 
+    def apply_rollout_correction(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
+        """``algorithm.rollout_correction``: weight / reject the actor's advantages by the rollout-vs-trainer
+        log-prob ratio (`fusedrl.algorithms.rollout_correction`); a no-op when both are off."""
+        rc = self.config.algorithm.rollout_correction
+        if rc.rollout_is is None and rc.rollout_rs is None:
+            return batch
+        batch.advantages, rc_metrics = correct_advantages(
+            batch.advantages, batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, dict(rc)
+        )
+        metrics.update(rc_metrics)
+        return batch
+
     def compute_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
-        """``old_log_probs``: the actor's log-probs of the samples before this step's update."""
+        """``old_log_probs``: the actor's log-probs of the samples before this step's update. In
+        ``algorithm.rollout_correction.bypass_mode`` they are the rollout's own (no trainer forward)."""
+        if self.config.algorithm.rollout_correction.bypass_mode:
+            batch.old_log_probs = batch.rollout_log_probs.clone()
+            return batch
         t = self.temperature
         inputs = self._model_inputs(batch)
         actor = self.group_for("actor")
@@ -548,11 +591,17 @@ class PPOTrainer:
     def update_critic(self, batch: RolloutBatch) -> Metrics:
         """Regress the critic on the GAE returns (clipped value loss)."""
         inputs = batch.select_fields(*batch.model_input_fields(), "critic_values", "returns")
+        lr = self.scheduled_lr(self.config.critic.optim)
         critic = self.group_for("critic")
         critic.run_all(lambda w: w.load_critic.remote(optimizer=True))
-        per_rank = critic.run_split(lambda w, shard: w.critic_update.remote(shard), inputs)
+        per_rank = critic.run_split(lambda w, shard: w.critic_update.remote(shard, lr), inputs)
         critic.run_all(lambda w: w.offload_critic.remote())
         return mean_over_ranks(per_rank)
+
+    def scheduled_lr(self, optim: Any) -> float:
+        """This step's learning rate of one optimizer (warmup / decay keys); the schedule is a function of
+        ``global_step``, so a resumed run continues it exactly."""
+        return scheduled_lr(optim, self.global_step - 1, self.total_steps)
 
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
         """A registered pure function of the batch (``algorithm.adv_estimator``)."""
@@ -578,10 +627,13 @@ class PPOTrainer:
             fields.append("ref_log_probs")
         inputs = batch.select_fields(*fields)
         t = self.temperature
+        # The actor's schedule starts when it starts training (after trainer.critic_warmup steps).
+        step = self.global_step - 1 - int(self.config.trainer.critic_warmup)
+        lr = scheduled_lr(self.config.actor_rollout_ref.actor.optim, step, self.total_steps)
         actor = self.group_for("actor")
         # The optimizer state is on the device only for the update.
         actor.run_all(lambda w: w.load_actor.remote(optimizer=True))
-        per_rank = actor.run_split(lambda w, shard: w.actor_update.remote(shard, t), inputs)
+        per_rank = actor.run_split(lambda w, shard: w.actor_update.remote(shard, t, lr), inputs)
         actor.run_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
         self.rollout_stale = True
         return mean_over_ranks(per_rank)
@@ -623,7 +675,21 @@ class PPOTrainer:
         sources = np.array(batch.field_list("data_source"))
         for source in sorted(set(sources.tolist())):
             out[f"val/test_score/{source}"] = float(per_sample[torch.as_tensor(sources == source)].mean())
+        self.print_val_generations(batch, per_sample)
         return out
+
+    def print_val_generations(self, batch: RolloutBatch, scores: torch.Tensor) -> None:
+        """``trainer.log_val_generations``: print that many validation samples (the first ones, in file
+        order, so runs and steps show the same prompts)."""
+        count = min(int(self.config.trainer.log_val_generations), batch.num_samples)
+        for i in range(count):
+            prompt = self.tokenizer.decode(batch.prompts[i][batch.prompt_mask[i].bool()])
+            response = self.tokenizer.decode(batch.responses[i][batch.response_mask[i].bool()])
+            print(
+                f"[val step {self.global_step} sample {i}] score={float(scores[i]):.3f}\n"
+                f"[prompt] {prompt}\n[response] {response}",
+                flush=True,
+            )
 
     # ------------------------------------------------------------------ metrics
     def batch_metrics(self, batch: RolloutBatch, step_time: float) -> Metrics:

@@ -19,16 +19,20 @@ from fusedrl.workers.fsdp import (
     stream_full_tensors,
 )
 from fusedrl.workers.logprob import batched_log_probs, response_log_probs, token_budget
-from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates
+from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates, set_lr
 
 
 def _sharded_model(model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any]) -> nn.Module:
     model = load_causal_lm(
         model_cfg["path"],
-        fsdp_cfg.get("model_dtype", "float32"),
-        resolve_attn_implementation(model_cfg.get("attn_implementation")),
+        fsdp_cfg["model_dtype"],
+        resolve_attn_implementation(model_cfg["attn_implementation"]),
     )
-    return shard_for_training(model, model_cfg, fsdp_cfg)
+    return shard_for_training(
+        model,
+        gradient_checkpointing=bool(model_cfg["enable_gradient_checkpointing"]),
+        param_dtype=fsdp_cfg["param_dtype"],
+    )
 
 
 class RefRole:
@@ -36,8 +40,8 @@ class RefRole:
 
     def __init__(self, model_cfg: dict[str, Any], ref_cfg: dict[str, Any]) -> None:
         self.cfg = ref_cfg
-        self.use_remove_padding = bool(model_cfg.get("use_remove_padding", False))
-        self.model = _sharded_model(model_cfg, ref_cfg.get("fsdp_config", {}))
+        self.use_remove_padding = bool(model_cfg["use_remove_padding"])
+        self.model = _sharded_model(model_cfg, ref_cfg["fsdp_config"])
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -67,11 +71,15 @@ class ActorRole:
         self.cfg = cfg
         self.world_size = dist.get_world_size()
         self.rollout_n = rollout_n
-        self.use_remove_padding = bool(model_cfg.get("use_remove_padding", False))
-        self.model = _sharded_model(model_cfg, cfg.get("fsdp_config", {}))
+        self.use_remove_padding = bool(model_cfg["use_remove_padding"])
+        self.model = _sharded_model(model_cfg, cfg["fsdp_config"])
         self.optimizer = build_adamw(self.model, cfg["optim"])
-        self.policy_loss = get_policy_loss(cfg.get("policy_loss", {}).get("loss_mode", "vanilla"))
-        self.stepper = GuardedStepper(self.model, self.optimizer, float(cfg.get("grad_clip", 1.0)))
+        self.policy_loss = get_policy_loss(cfg["policy_loss"]["loss_mode"])
+        # A loss whose paper fixes the aggregation (GMPO) declares it; every term then uses that mode.
+        self.agg_mode = str(getattr(self.policy_loss, "agg_mode", cfg["loss_agg_mode"]))
+        # Extra actor keys a loss reads (SAPO's tau_pos / tau_neg), passed by name.
+        self.loss_kwargs = {k: float(cfg[k]) for k in getattr(self.policy_loss, "config_keys", ())}
+        self.stepper = GuardedStepper(self.model, self.optimizer, float(cfg["grad_clip"]))
 
     # ------------------------------------------------------------------ inference
     def compute_log_prob(
@@ -99,22 +107,23 @@ class ActorRole:
         self, mb: RolloutBatch, *, temperature: float, norm: float, token_norm: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
-        mode = cfg.get("loss_agg_mode", "token-mean")
-        entropy_coeff = float(cfg.get("entropy_coeff", 0.0))
+        mode = self.agg_mode
+        entropy_coeff = float(cfg["entropy_coeff"])
         log_prob, entropy = response_log_probs(
             self.model, mb, temperature=temperature, with_entropy=True, remove_padding=self.use_remove_padding
         )  # [b, Tr]
-        clip = float(cfg.get("clip_ratio", 0.2))
+        clip = float(cfg["clip_ratio"])
         pg_loss, pg_metrics = self.policy_loss(
             log_prob,
             mb.old_log_probs,
             mb.advantages,
             mb.response_mask,
-            clip_ratio_low=float(clip if cfg.get("clip_ratio_low") is None else cfg["clip_ratio_low"]),
-            clip_ratio_high=float(clip if cfg.get("clip_ratio_high") is None else cfg["clip_ratio_high"]),
-            clip_ratio_c=float(cfg.get("clip_ratio_c", 3.0)),
+            clip_ratio_low=float(clip if cfg["clip_ratio_low"] is None else cfg["clip_ratio_low"]),
+            clip_ratio_high=float(clip if cfg["clip_ratio_high"] is None else cfg["clip_ratio_high"]),
+            clip_ratio_c=float(cfg["clip_ratio_c"]),
             loss_agg_mode=mode,
             global_norm=norm,
+            **self.loss_kwargs,
         )
         assert entropy is not None
         entropy_loss = agg_loss(entropy, mb.response_mask, mode, norm)  # []
@@ -123,10 +132,10 @@ class ActorRole:
         token_share = mb.response_mask.sum() / max(token_norm, 1e-8)
         entropy_mean = (entropy * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
         terms = {"pg_loss": pg_loss.detach(), "entropy": (entropy_mean * token_share).detach()}
-        if cfg.get("use_kl_loss", False):
-            kl = kl_penalty(log_prob, mb.ref_log_probs, cfg.get("kl_loss_type", "low_var_kl"))  # [b, Tr]
+        if cfg["use_kl_loss"]:
+            kl = kl_penalty(log_prob, mb.ref_log_probs, cfg["kl_loss_type"])  # [b, Tr]
             kl_loss = agg_loss(kl, mb.response_mask, mode, norm)  # []
-            loss = loss + float(cfg.get("kl_loss_coef", 0.001)) * kl_loss
+            loss = loss + float(cfg["kl_loss_coef"]) * kl_loss
             terms["kl_loss"] = kl_loss.detach()
         # Ratio diagnostics are per micro-batch means; weight them by this micro-batch's share.
         share = mb.response_mask.sum() / max(token_norm, 1e-8)
@@ -134,9 +143,11 @@ class ActorRole:
             terms[key] = value.detach() * share
         return loss, terms
 
-    def update(self, batch: RolloutBatch, *, temperature: float) -> dict[str, float]:
-        """One PPO update pass over this rank's shard (``ppo_epochs`` x mini-batches x micro-batches)."""
+    def update(self, batch: RolloutBatch, *, temperature: float, lr: float | None = None) -> dict[str, float]:
+        """One PPO update pass over this rank's shard (``ppo_epochs`` x mini-batches x micro-batches).
+        ``lr``: this step's learning rate (the driver's schedule); None keeps the current one."""
         cfg = self.cfg
+        set_lr(self.optimizer, lr)
         self.model.train()
         metrics = minibatch_updates(
             batch,
@@ -146,8 +157,8 @@ class ActorRole:
             ),
             mini_rows=cfg["ppo_mini_batch_size"] * self.rollout_n // self.world_size,
             micro_rows=cfg["ppo_micro_batch_size_per_gpu"],
-            epochs=int(cfg.get("ppo_epochs", 1)),
-            loss_agg_mode=cfg.get("loss_agg_mode", "token-mean"),
+            epochs=int(cfg["ppo_epochs"]),
+            loss_agg_mode=self.agg_mode,
             world_size=self.world_size,
             max_token_len=token_budget(cfg, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
         )

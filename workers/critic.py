@@ -25,7 +25,7 @@ from fusedrl.workers.fsdp import (
     to_dtype,
 )
 from fusedrl.workers.logprob import restore_order, split_micro_batches, token_budget
-from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates
+from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates, set_lr
 from fusedrl.workers.packing import pack_batch
 
 if TYPE_CHECKING:
@@ -82,16 +82,20 @@ class CriticRole:
         self.world_size = dist.get_world_size()
         self.rollout_n = rollout_n
         model_cfg = critic_cfg["model"]
-        self.use_remove_padding = bool(model_cfg.get("use_remove_padding", False))
-        fsdp_cfg = model_cfg.get("fsdp_config") or {}
+        self.use_remove_padding = bool(model_cfg["use_remove_padding"])
+        fsdp_cfg = model_cfg["fsdp_config"]
         model = load_value_model(
             model_cfg["path"],
-            fsdp_cfg.get("model_dtype") or "float32",
-            resolve_attn_implementation(model_cfg.get("attn_implementation")),
+            fsdp_cfg["model_dtype"],
+            resolve_attn_implementation(model_cfg["attn_implementation"]),
         )
         model.to(device_type())
         _broadcast_head(model)  # every rank starts from rank 0's randomly initialised head
-        self.model = shard_for_training(model, model_cfg, fsdp_cfg)
+        self.model = shard_for_training(
+            model,
+            gradient_checkpointing=bool(model_cfg["enable_gradient_checkpointing"]),
+            param_dtype=fsdp_cfg["param_dtype"],
+        )
         self.optimizer = build_adamw(self.model, critic_cfg["optim"])
         self.stepper = GuardedStepper(self.model, self.optimizer, float(self.cfg["grad_clip"]))
 
@@ -113,14 +117,14 @@ class CriticRole:
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """``V(prefix)`` for every response position of this rank's shard: ``[B, Tr]``, 0 on padding."""
         self.model.eval()
-        size = self.cfg.get("forward_micro_batch_size_per_gpu") or self.cfg["ppo_micro_batch_size_per_gpu"]
+        size = self.cfg["forward_micro_batch_size_per_gpu"] or self.cfg["ppo_micro_batch_size_per_gpu"]
         budget = token_budget(self.cfg, "use_dynamic_bsz", "forward_max_token_len_per_gpu")
         mbs, order = split_micro_batches(batch, rows=int(size), max_token_len=budget)
         parts = [self._forward_values(mb) for mb in mbs]  # [b_i, Tr] each
         return restore_order(parts, order) * batch.response_mask  # [B, Tr]
 
     # ------------------------------------------------------------------ training
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, *, lr: float | None = None) -> dict[str, float]:
         """One pass of value regression over this rank's shard (``ppo_epochs`` x mini- x micro-batches).
 
         Needs ``batch.critic_values`` (the old values, from `compute_values` before the update) and
@@ -129,6 +133,7 @@ class CriticRole:
         if batch.critic_values is None or batch.returns is None:
             raise ValueError("CriticRole.update: the batch needs `critic_values` (old values) and `returns`")
         cfg = self.cfg
+        set_lr(self.optimizer, lr)
         self.model.train()
         mini_rows = int(cfg["ppo_mini_batch_size"]) * self.rollout_n // self.world_size
         if mini_rows < 1:

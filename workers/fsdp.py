@@ -95,14 +95,15 @@ def apply_fsdp2(
     return model
 
 
-def shard_for_training(model: nn.Module, model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any]) -> nn.Module:
-    """The one wrap of every role's model: non-reentrant gradient checkpointing when
-    ``model_cfg.enable_gradient_checkpointing``, onto the worker's device, then FSDP2 with the role's
-    ``fsdp_cfg.param_dtype`` mixed precision (gradients reduced in float32)."""
-    if model_cfg.get("enable_gradient_checkpointing", False):
+def shard_for_training(
+    model: nn.Module, *, gradient_checkpointing: bool, param_dtype: str | None
+) -> nn.Module:
+    """The one wrap of every role's model: non-reentrant gradient checkpointing (a role's
+    ``model.enable_gradient_checkpointing``), onto the worker's device, then FSDP2 with the role's
+    ``fsdp_config.param_dtype`` mixed precision (gradients reduced in float32)."""
+    if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
     model.to(device_type())
-    param_dtype = fsdp_cfg.get("param_dtype")
     return apply_fsdp2(model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None)
 
 
@@ -112,8 +113,8 @@ def build_adamw(model: nn.Module, optim_cfg: dict[str, Any], lr: float | None = 
     return torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=float(optim_cfg["lr"] if lr is None else lr),
-        betas=tuple(optim_cfg.get("betas", (0.9, 0.999))),
-        weight_decay=float(optim_cfg.get("weight_decay", 0.0)),
+        betas=tuple(optim_cfg["betas"]),
+        weight_decay=float(optim_cfg["weight_decay"]),
     )
 
 

@@ -44,6 +44,13 @@ class GuardedStepper:
         return value
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> None:
+    """Set every parameter group's learning rate (None: leave it)."""
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = float(lr)
+
+
 def minibatch_updates(
     batch: RolloutBatch,
     *,

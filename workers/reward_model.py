@@ -36,9 +36,8 @@ class RewardModelRole:
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = cfg
-        fsdp_cfg = cfg.get("fsdp_config", {}) or {}
-        model = load_reward_model(cfg["model"]["path"], fsdp_cfg.get("model_dtype", "float32"))
-        self.model = shard_for_training(model, {}, {})  # frozen: no checkpointing, no mixed precision
+        model = load_reward_model(cfg["model"]["path"], cfg["fsdp_config"]["model_dtype"])
+        self.model = shard_for_training(model, gradient_checkpointing=False, param_dtype=None)  # frozen
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -47,7 +46,7 @@ class RewardModelRole:
     def compute_scores(self, batch: RolloutBatch) -> torch.Tensor:
         """One scalar per sample: ``[B]``."""
         out = []
-        for mb in micro_batches(batch, int(self.cfg.get("micro_batch_size_per_gpu", 8))):
+        for mb in micro_batches(batch, int(self.cfg["micro_batch_size_per_gpu"])):
             input_ids, attention_mask, position_ids = mb.sequences()  # [b, T]
             captured: list[torch.Tensor] = []
             handle = self.model.score.register_forward_hook(

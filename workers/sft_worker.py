@@ -100,12 +100,16 @@ class SFTWorker(DistributedWorker):
         self._join(master_addr, master_port)
         if device_type() == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
-        torch.manual_seed(int(self.config["trainer"].get("seed", 0)))
+        torch.manual_seed(int(self.config["trainer"]["seed"]))
 
         model_cfg = self.config["model"]
-        fsdp_cfg = model_cfg.get("fsdp_config") or {}
-        model = load_causal_lm(model_cfg["path"], fsdp_cfg.get("model_dtype", "float32"))
-        self.model = shard_for_training(model, model_cfg, fsdp_cfg)
+        fsdp_cfg = model_cfg["fsdp_config"]
+        model = load_causal_lm(model_cfg["path"], fsdp_cfg["model_dtype"])
+        self.model = shard_for_training(
+            model,
+            gradient_checkpointing=bool(model_cfg["enable_gradient_checkpointing"]),
+            param_dtype=fsdp_cfg["param_dtype"],
+        )
         self.optimizer = build_adamw(self.model, self.config["optim"], lr=self.current_lr())
         return {"timing_s/init": time.perf_counter() - t0}
 
@@ -117,9 +121,9 @@ class SFTWorker(DistributedWorker):
             self.num_steps,
             base_lr=float(optim["lr"]),
             total_steps=total,
-            warmup_steps=int(float(optim.get("warmup_steps_ratio", 0.0)) * total),
-            scheduler=str(optim.get("lr_scheduler", "constant")),
-            min_lr_ratio=float(optim.get("min_lr_ratio", 0.0)),
+            warmup_steps=int(float(optim["warmup_steps_ratio"]) * total),
+            scheduler=str(optim["lr_scheduler"]),
+            min_lr_ratio=float(optim["min_lr_ratio"]),
         )
 
     def _parts(self) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -160,7 +164,7 @@ class SFTWorker(DistributedWorker):
         for group in optimizer.param_groups:
             group["lr"] = lr
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), float(self.config["optim"].get("clip_grad", 1.0))
+            model.parameters(), float(self.config["optim"]["clip_grad"])
         )
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()

@@ -90,14 +90,14 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         """Join the process group, then build the roles this worker holds. Collective."""
         t0 = time.perf_counter()
         self._join(master_addr, master_port, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        seed = int(self.config["actor_rollout_ref"]["rollout"].get("seed", 0))
+        seed = int(self.config["actor_rollout_ref"]["rollout"]["seed"])
         torch.manual_seed(seed)  # identical init on every rank (FSDP2 shards the same weights)
 
         arr = self.config["actor_rollout_ref"]
         model_cfg = arr["model"]
         from fusedrl.config import import_plugin
 
-        for module in self.config["algorithm"].get("custom_modules") or []:
+        for module in self.config["algorithm"]["custom_modules"]:
             import_plugin(str(module))  # user losses / estimators must be registered in this process too
         n = int(arr["rollout"]["n"])
         if "actor" in self.roles:
@@ -122,20 +122,20 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         arr = self.config["actor_rollout_ref"]
         if self.actor is not None:
             self.actor_mem = Offloader.from_fsdp_config(
-                "actor", self.actor.model, self.actor.optimizer, arr["actor"].get("fsdp_config"), self.events
+                "actor", self.actor.model, self.actor.optimizer, arr["actor"]["fsdp_config"], self.events
             )
             # The HF rollout generates with the actor's own parameters: they stay (validated at start-up).
             self.actor_mem.param_offload &= not isinstance(self.rollout, HFRollout)
         if self.ref is not None:
             self.ref_mem = Offloader.from_fsdp_config(
-                "ref", self.ref.model, None, arr["ref"].get("fsdp_config"), self.events
+                "ref", self.ref.model, None, arr["ref"]["fsdp_config"], self.events
             )
         if self.critic is not None:
             self.critic_mem = Offloader.from_fsdp_config(
                 "critic",
                 self.critic.model,
                 self.critic.optimizer,
-                self.config["critic"]["model"].get("fsdp_config"),
+                self.config["critic"]["model"]["fsdp_config"],
                 self.events,
             )
 
@@ -154,7 +154,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         data = self.config["data"]
         rcfg.setdefault("response_length", data["max_response_length"])
         tokens = self.config["_tokens"]  # resolved by the driver from the tokenizer
-        if rcfg.get("name", "vllm") == "hf":
+        if rcfg["name"] == "hf":
             if self.actor is None:
                 raise ValueError(
                     "rollout.name=hf generates with the actor's module: place both in one worker"
@@ -179,7 +179,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
             **extra,
             model_path=arr["model"]["path"],
             # The ranks of one tensor-parallel engine must sample alike: one seed per rollout (DP) group.
-            seed=int(rcfg.get("seed", 0)) + self.rank // int(rcfg.get("tensor_model_parallel_size", 1)),
+            seed=int(rcfg["seed"]) + self.rank // int(rcfg["tensor_model_parallel_size"]),
             max_model_len=int(data["max_prompt_length"]) + int(data["max_response_length"]),
             eos_token_id=tokens["eos_token_id"],
             pad_token_id=tokens["pad_token_id"],
@@ -205,8 +205,8 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         if self.rollout is None:
             return
         rcfg = self.config["actor_rollout_ref"]["rollout"]
-        if rcfg.get("free_cache_engine", True):
-            level = int(rcfg.get("sleep_level", 1))
+        if rcfg["free_cache_engine"]:
+            level = int(rcfg["sleep_level"])
             self.events.append(f"rollout.sleep(level={level})")
             self.rollout.sleep(level)
             empty_cache()
@@ -285,10 +285,13 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         return ref.compute_log_prob(_to_device(batch), temperature=temperature).cpu()
 
     # ------------------------------------------------------------------ training
-    def actor_update(self, batch: RolloutBatch, temperature: float) -> dict[str, float]:
-        """One PPO update of the actor on this shard (micro-batches, a global loss normaliser)."""
+    def actor_update(
+        self, batch: RolloutBatch, temperature: float, lr: float | None = None
+    ) -> dict[str, float]:
+        """One PPO update of the actor on this shard (micro-batches, a global loss normaliser) at learning
+        rate ``lr`` (the driver's schedule; None keeps the optimizer's)."""
         actor = self._need(self.actor, "actor", "actor_update")
-        metrics = actor.update(_to_device(batch), temperature=temperature)
+        metrics = actor.update(_to_device(batch), temperature=temperature, lr=lr)
         metrics.update(memory_metrics("update"))
         metrics.update(self.last_rollout_memory)
         metrics["memory/peak_rss_gb"] = peak_rss_gb()
@@ -301,10 +304,10 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         critic = self._need(self.critic, "critic", "critic_compute_values (algorithm.adv_estimator=gae)")
         return critic.compute_values(_to_device(batch)).cpu()
 
-    def critic_update(self, batch: RolloutBatch) -> dict[str, float]:
-        """One clipped value-loss update of the critic on this shard."""
+    def critic_update(self, batch: RolloutBatch, lr: float | None = None) -> dict[str, float]:
+        """One clipped value-loss update of the critic on this shard at learning rate ``lr``."""
         critic = self._need(self.critic, "critic", "critic_update (algorithm.adv_estimator=gae)")
-        metrics = critic.update(_to_device(batch))
+        metrics = critic.update(_to_device(batch), lr=lr)
         critic.model.zero_grad(set_to_none=True)
         return metrics
 

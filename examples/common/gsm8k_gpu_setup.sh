@@ -30,7 +30,8 @@ DATA=(
     data.train_batch_size="$TRAIN_BATCH"
     data.max_prompt_length=512
     data.max_response_length="$RESPONSE_LEN"
-    data.truncation=filter
+    data.filter_overlong_prompts=true
+    data.truncation=error
 )
 # model and actor: fp32 master weights, bf16 compute; 4 optimizer steps per RL step; training state in host
 # memory while vLLM generates

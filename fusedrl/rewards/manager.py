@@ -86,6 +86,8 @@ class _RewardManager:
         errors = timeouts = 0
         failures: list[str] = []
         extras: dict[str, list[float]] = defaultdict(list)
+        # Per-sample extra entries of the last call (e.g. ``acc``), read by DAPO's filter_groups.metric.
+        self.last_sample_extras: list[dict[str, float]] = [{} for _ in range(b)]
         for i, outcome in enumerate(outcomes):
             if outcome is None:
                 continue  # an empty response earns nothing and has no token to carry a score
@@ -104,6 +106,7 @@ class _RewardManager:
                 logger.warning("non-finite reward %r for sample %d (%s); using 0", score, i, source)
                 continue
             scores[i] = score
+            self.last_sample_extras[i] = dict(sample_extras)
             for key, value in sample_extras.items():
                 extras[key].append(value)
 

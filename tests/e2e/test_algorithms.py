@@ -60,6 +60,20 @@ ALGORITHMS = {
         "actor_rollout_ref.actor.clip_ratio_low=0.0003",
         "actor_rollout_ref.actor.clip_ratio_high=0.0004",
     ],
+    "gmpo_gpg": [  # GMPO's geometric-mean loss on GPG's advantages
+        "algorithm.adv_estimator=gpg",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean",
+        "actor_rollout_ref.actor.clip_ratio_low=0.4",
+        "actor_rollout_ref.actor.clip_ratio_high=0.4",
+    ],
+    "cispo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=cispo"],
+    "rollout_correction_bypass": [  # pi_old = the rollout's log-probs; token IS weights and rejection wired in
+        "algorithm.adv_estimator=grpo",
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_rs=token",
+        "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+    ],
 }
 
 
@@ -99,5 +113,8 @@ def test_algorithm_two_steps(algorithm, ray_cluster, tiny_model_dir, arithmetic_
         assert math.isfinite(metrics[key]), (key, metrics[key])
     changed = sum(any(not torch.equal(b[name], a[name]) for b, a in zip(before, after)) for name in before[0])
     assert changed == len(before[0]), f"{len(before[0]) - changed} actor parameters did not change"
+    if algorithm == "rollout_correction_bypass":
+        assert metrics["rollout_corr/is_weight_mean"] == pytest.approx(1.0)  # pi_old is pi_rollout
+        assert metrics["rollout_corr/rejected_token_frac"] == 0.0
     if algorithm == "ppo":  # the critic trained too
         assert math.isfinite(metrics["critic/vf_loss"]) and metrics["critic/grad_norm"] > 0

@@ -27,11 +27,18 @@ def _config(model, data, out_dir, steps: int, extra=()):
             "data.train_batch_size=2",
             "data.max_response_length=12",
             "actor_rollout_ref.rollout.n=4",
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "trainer.val_before_train=false",
             "actor_rollout_ref.rollout.temperature=1.0",
             "actor_rollout_ref.rollout.dtype=float32",
             "actor_rollout_ref.actor.ppo_mini_batch_size=1",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
             "actor_rollout_ref.actor.optim.lr=1e-3",
+            # A schedule that spans the interruption: warmup over steps 1-3, then cosine.
+            "actor_rollout_ref.actor.optim.lr_warmup_steps=3",
+            "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+            "actor_rollout_ref.actor.optim.min_lr_ratio=0.1",
             "trainer.n_gpus_per_node=2",
             f"trainer.total_training_steps={steps}",
             "trainer.save_freq=2",
@@ -86,6 +93,11 @@ def test_resume_equals_uninterrupted_and_export_reproduces_policy(
 
     a, b = _metrics_by_step(tmp_path / "a"), _metrics_by_step(tmp_path / "b")
     assert sorted(b) == [1, 2, 3, 4]  # the resumed run continued at step 3, not at 1
+    # The learning-rate schedule continues across the resume: 0, 1/3, 2/3 of the rate in warmup, then the
+    # cosine's first value (1.0 at the start of the decay).
+    for step, factor in ((1, 0.0), (2, 1 / 3), (3, 2 / 3), (4, 1.0)):
+        assert a[step]["actor/lr"] == pytest.approx(1e-3 * factor, rel=1e-6, abs=1e-12), step
+        assert b[step]["actor/lr"] == pytest.approx(a[step]["actor/lr"], rel=1e-6, abs=1e-12), step
     for step in (3, 4):  # same prompts, same samples, same rewards after the resume
         for key in ("critic/score/mean", "response_length/mean", "prompt_length/mean"):
             assert a[step][key] == pytest.approx(b[step][key], abs=1e-6), (step, key)

@@ -28,6 +28,8 @@ def trainer(tiny_model_dir, arithmetic_data, tmp_path_factory):
             "data.max_prompt_length=256",
             "data.max_response_length=16",
             "actor_rollout_ref.rollout.n=4",
+            "algorithm.adv_estimator=grpo",
+            "trainer.val_before_train=false",
             "actor_rollout_ref.rollout.temperature=0.8",
             "actor_rollout_ref.rollout.dtype=float32",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",

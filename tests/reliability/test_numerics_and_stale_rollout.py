@@ -19,6 +19,8 @@ def _config(model, data, out, extra):
             "data.train_batch_size=2",
             "data.max_response_length=8",
             "actor_rollout_ref.rollout.n=2",
+            "algorithm.adv_estimator=grpo",
+            "trainer.val_before_train=false",
             "actor_rollout_ref.rollout.dtype=float32",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.optim.lr=5e-3",

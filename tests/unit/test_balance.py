@@ -166,6 +166,10 @@ def base(tmp_path_factory) -> list[str]:
         "actor_rollout_ref.rollout.name=hf",
         "data.max_prompt_length=64",
         "data.max_response_length=32",
+        # GRPO with the KL loss: a reference, no critic (the tests below add the critic themselves)
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.use_kl_loss=true",
     ]
 
 

@@ -35,7 +35,13 @@ def _full_batch():
 
 def _critic_cfg(model_dir: str) -> dict:
     return {
-        "model": {"path": model_dir, "fsdp_config": {"model_dtype": "float32", "param_dtype": None}},
+        "model": {
+            "path": model_dir,
+            "fsdp_config": {"model_dtype": "float32", "param_dtype": None},
+            "use_remove_padding": False,
+            "enable_gradient_checkpointing": False,
+            "attn_implementation": "sdpa",
+        },
         "optim": {"lr": 1e-2, "betas": [0.9, 0.999], "weight_decay": 0.0},
         "ppo_mini_batch_size": 2,  # prompts across ranks: the whole batch, one optimizer step
         "ppo_micro_batch_size_per_gpu": 1,  # gradient accumulation over micro-batches

@@ -255,21 +255,24 @@ def test_overlong_prompt_error(tmp_path, tokenizer):
         RLDataset(path, tokenizer, max_prompt_length=48, truncation="error")
     msg = str(info.value)
     assert "long.parquet" in msg and "row 1" in msg and "max_prompt_length=48" in msg
-    # Filtering switched off: never drop silently, raise instead.
+    # verl's defaults (no filtering, truncation=error): never drop silently, raise instead.
     with pytest.raises(DataError, match="row 1"):
-        RLDataset(path, tokenizer, max_prompt_length=48, truncation="filter", filter_overlong_prompts=False)
+        RLDataset(path, tokenizer, max_prompt_length=48)
 
 
 def test_overlong_prompt_filter(tmp_path, tokenizer, caplog):
     path = _write(tmp_path / "long.parquet", _long_rows())
     with caplog.at_level(logging.WARNING, logger="fusedrl.data.dataset"):
-        ds = RLDataset(path, tokenizer, max_prompt_length=48)
+        ds = RLDataset(path, tokenizer, max_prompt_length=48, filter_overlong_prompts=True)
     assert ds.num_filtered == 1 and len(ds) == 2
     assert [ds[i]["uid"] for i in range(2)] == ["long-0", "long-2"]  # uids keep the file row
     assert "dropped 1 of 3" in caplog.text
     # Everything filtered is an error, not an empty dataset.
     with pytest.raises(DataError, match="no usable prompts"):
-        RLDataset(path, tokenizer, max_prompt_length=4)
+        RLDataset(path, tokenizer, max_prompt_length=4, filter_overlong_prompts=True)
+    # Filtering wins over truncation (verl drops over-long prompts before the loader truncates anything).
+    ds = RLDataset(path, tokenizer, max_prompt_length=48, filter_overlong_prompts=True, truncation="left")
+    assert len(ds) == 2 and ds.num_truncated == 0
 
 
 def test_overlong_prompt_truncate(tmp_path, tokenizer):
@@ -277,8 +280,22 @@ def test_overlong_prompt_truncate(tmp_path, tokenizer):
     full = _encode_chat(tokenizer, _long_rows()[1]["prompt"][0]["content"])
     left = RLDataset(path, tokenizer, max_prompt_length=48, truncation="left")
     right = RLDataset(path, tokenizer, max_prompt_length=48, truncation="right")
+    middle = RLDataset(path, tokenizer, max_prompt_length=47, truncation="middle")
     assert len(left) == 3 and left.num_truncated == 1
     assert left[1]["prompt_ids"] == full[-48:] and right[1]["prompt_ids"] == full[:48]
+    assert middle[1]["prompt_ids"] == full[:23] + full[-24:]  # 47 // 2 = 23 from the start, 24 from the end
+    assert middle[0]["prompt_ids"] == _encode_chat(tokenizer, _long_rows()[0]["prompt"][0]["content"])
+
+
+def test_truncate_ids_by_hand():
+    from fusedrl.data.dataset import truncate_ids
+
+    ids = [1, 2, 3, 4, 5, 6, 7]
+    assert truncate_ids(ids, 4, "left") == [4, 5, 6, 7]
+    assert truncate_ids(ids, 4, "right") == [1, 2, 3, 4]
+    assert truncate_ids(ids, 4, "middle") == [1, 2, 6, 7]
+    assert truncate_ids(ids, 5, "middle") == [1, 2, 5, 6, 7]
+    assert truncate_ids(ids, 9, "middle") == ids
 
 
 # ---------------------------------------------------------------- PromptLoader

@@ -62,6 +62,9 @@ def _config(model_dir: str, loss_agg_mode: str, packed: bool) -> dict:
             "data.train_files=unused",
             f"actor_rollout_ref.model.path={model_dir}",
             f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.rollout.dtype=float32",
+            "trainer.val_before_train=false",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # 2 prompts x n=2: 4 rows, 2 optimizer steps
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",  # padded micro-batches of 3 + 1 rows
             "actor_rollout_ref.actor.optim.lr=1e-3",

@@ -53,6 +53,10 @@ class EngineConfig:
     emulate_sleep: bool = False
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
+    enforce_eager: bool = True  # the CPU backend is always eager; CUDA captures graphs when False
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = None
+    disable_log_stats: bool = True
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -177,7 +181,7 @@ class VLLMEngine:
             model=cfg.model_path,
             dtype=cfg.dtype,
             seed=cfg.seed,
-            enforce_eager=True,
+            enforce_eager=cfg.enforce_eager or not _is_cuda(),
             tensor_parallel_size=cfg.tensor_parallel_size,
             distributed_executor_backend="external_launcher",
             # The driver detokenises; the engine works on ids only. This also keeps vLLM's tokenizer
@@ -188,7 +192,15 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=cfg.enable_prefix_caching,
             max_num_seqs=cfg.max_num_seqs,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            disable_log_stats=cfg.disable_log_stats,
         )
+        if cfg.max_num_batched_tokens is not None:
+            # vLLM needs a step's token budget to hold one whole sequence unless it chunks prefills.
+            budget = cfg.max_num_batched_tokens
+            if not cfg.enable_chunked_prefill and cfg.max_model_len is not None:
+                budget = max(budget, cfg.max_model_len)
+            kwargs["max_num_batched_tokens"] = budget
         if cfg.max_model_len is not None:
             kwargs["max_model_len"] = cfg.max_model_len
         if _is_cuda():

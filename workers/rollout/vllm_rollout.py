@@ -37,16 +37,20 @@ class VLLMRollout:
         self.engine = VLLMEngine(
             EngineConfig(
                 model_path=model_path,
-                dtype=cfg.get("dtype", "bfloat16"),
+                dtype=str(cfg["dtype"]),
                 seed=seed,
-                tensor_parallel_size=int(cfg.get("tensor_model_parallel_size", 1)),
-                max_model_len=max_model_len,
-                kv_cache_memory_bytes=int(float(cfg.get("cpu_kv_cache_gb", 0.25)) * _GIB),
-                gpu_memory_utilization=float(cfg.get("gpu_memory_utilization", 0.5)),
-                enable_sleep_mode=bool(cfg.get("free_cache_engine", True)),
-                emulate_sleep=bool(cfg.get("emulate_sleep", False)),
-                enable_prefix_caching=bool(cfg.get("enable_prefix_caching", True)),
-                max_num_seqs=int(cfg.get("max_num_seqs", 256)),
+                tensor_parallel_size=int(cfg["tensor_model_parallel_size"]),
+                max_model_len=int(cfg["max_model_len"] or max_model_len),
+                kv_cache_memory_bytes=int(float(cfg["cpu_kv_cache_gb"]) * _GIB),
+                gpu_memory_utilization=float(cfg["gpu_memory_utilization"]),
+                enable_sleep_mode=bool(cfg["free_cache_engine"]),
+                emulate_sleep=bool(cfg["emulate_sleep"]),
+                enable_prefix_caching=bool(cfg["enable_prefix_caching"]),
+                max_num_seqs=int(cfg["max_num_seqs"]),
+                enforce_eager=bool(cfg["enforce_eager"]),
+                enable_chunked_prefill=bool(cfg["enable_chunked_prefill"]),
+                max_num_batched_tokens=int(cfg["max_num_batched_tokens"]),
+                disable_log_stats=bool(cfg["disable_log_stats"]),
             )
         )
 

@@ -1,0 +1,400 @@
+"""How fusedrl treats each key of verl's ``ppo_trainer`` config, so a verl command line runs unchanged.
+
+A verl key is, in fusedrl, one of:
+
+- **in the YAML** (``trainer/config/ppo_trainer.yaml``): implemented or passed to the component it
+  configures; the command line sets it as usual;
+- **accepted with no effect** (`NO_EFFECT` below, each with the reason): the override is dropped, and
+  the loader prints one console line naming every such key and why;
+- **rejected** (`rejected_value`): a value fusedrl cannot honour (megatron, sglang, another config
+  name) is a config problem, reported with the others before anything starts.
+
+Three verl routes are translated rather than dropped (`translate`): ``+reward_model.reward_kwargs.
+overlong_buffer_cfg.*`` (verl's DAPO scripts) sets ``reward_model.overlong_buffer.*``, and
+``ray_kwargs.ray_init.num_cpus`` sets ``trainer.ray_num_cpus``. The list of verl's keys lives in
+``trainer/config/verl_ppo_trainer_keys.txt`` (``scripts/verl_keys.py`` writes it from verl's YAML);
+``docs/verl_compat.md`` is generated from it and from this module (``scripts/gen_verl_compat_docs.py``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+# (glob over dotted keys, reason). The first matching pattern wins; keep the reasons short (they are
+# printed on the console).
+_PROFILING = "profiling is not built in (run torch.profiler or py-spy around main_ppo)"
+_ULYSSES = "sequence parallelism is not implemented: each rank holds whole sequences (same math, more memory)"
+_FSDP_TUNING = "FSDP2 is applied per decoder layer with fixed settings"
+_LORA = "LoRA is not implemented yet: every parameter is trained"
+_KERNELS = "fused / Liger / tiled kernels are not used: Hugging Face modules as they are"
+_PLACEMENT = "every role is fused into one worker per device slot"
+_MULTIMODAL = "text-only: no image / video inputs"
+_SAME_ENGINE = "fusedrl's vLLM engine runs in-process with fixed settings for this"
+
+NO_EFFECT: tuple[tuple[str, str], ...] = (
+    # --- profiling, tracing, metrics export
+    ("*.profiler.*", _PROFILING),
+    ("*.profiler", _PROFILING),
+    ("global_profiler.*", _PROFILING),
+    ("actor_rollout_ref.rollout.trace.*", "rollout tracing is not built in"),
+    ("actor_rollout_ref.rollout.prometheus.*", "no Prometheus exporter (use trainer.logger)"),
+    ("ray_kwargs.timeline_json_file", "no Ray timeline dump"),
+    # --- parallelism and FSDP tuning
+    ("*ulysses_sequence_parallel_size", _ULYSSES),
+    ("*.fsdp_config.wrap_policy.*", _FSDP_TUNING),
+    ("*.fsdp_config.offload_policy", _FSDP_TUNING),
+    ("*.fsdp_config.reshard_after_forward", _FSDP_TUNING),
+    ("*.fsdp_config.fsdp_size", "FSDP2 always shards over every worker (no hybrid sharding)"),
+    ("*.fsdp_config.forward_prefetch", _FSDP_TUNING),
+    ("*.fsdp_config.use_orig_params", "FSDP2 has no flat parameters (FSDP1's use_orig_params)"),
+    ("*.fsdp_config.seed", "the seed is actor_rollout_ref.rollout.seed (identical init on every rank)"),
+    ("*.fsdp_config.full_determinism", "no deterministic-algorithms switch"),
+    ("*.fsdp_config.strategy", "always FSDP2"),
+    ("*.fsdp_config.forward_only", "derived from the role (the reference never trains)"),
+    ("*.fsdp_config.use_torch_compile", "torch.compile is not used"),
+    ("*.fsdp_config.entropy_*", "entropy is computed in one pass per micro-batch"),
+    ("*.fsdp_config.dtype", "the compute dtype is fsdp_config.param_dtype (null: model_dtype)"),
+    ("actor_rollout_ref.ref.fsdp_config.optimizer_offload", "the reference has no optimizer"),
+    ("reward_model.model.fsdp_config.param_offload", "the reward model stays on the device"),
+    ("*.strategy", "always FSDP2 (fsdp and fsdp2 both mean it; megatron is rejected)"),
+    ("*.use_torch_compile", "torch.compile is not used"),
+    ("*entropy_checkpointing", "entropy is computed in one pass per micro-batch"),
+    ("*entropy_from_logits_with_chunking", "entropy is computed in one pass per micro-batch"),
+    ("actor_rollout_ref.hybrid_engine", _PLACEMENT),
+    ("actor_rollout_ref.nccl_timeout", "process groups use a 30-minute timeout"),
+    ("reward_model.enable_resource_pool", _PLACEMENT),
+    ("reward_model.n_gpus_per_node", _PLACEMENT),
+    ("reward_model.nnodes", _PLACEMENT),
+    # --- model loading and kernels
+    ("*.lora_*", _LORA),
+    ("*.target_modules", _LORA),
+    ("*.exclude_modules", _LORA),
+    ("actor_rollout_ref.rollout.layered_summon", _LORA),
+    (
+        "actor_rollout_ref.rollout.load_format",
+        "the engine loads model.path, then receives the actor's weights",
+    ),
+    ("*.use_shm", "models are read from model.path directly"),
+    ("*.use_liger", _KERNELS),
+    ("*.use_fused_kernels", _KERNELS),
+    ("*.fused_kernel_options.*", _KERNELS),
+    ("*.tiled_mlp.*", _KERNELS),
+    ("*.enable_activation_offload", "use model.enable_gradient_checkpointing to save activation memory"),
+    ("*.mtp.*", "multi-token prediction is not supported"),
+    ("*.mtp", "multi-token prediction is not supported"),
+    ("*.override_config", "the model's config.json is used as it is"),
+    ("*.external_lib", "use algorithm.custom_modules to import user code"),
+    ("*.trust_remote_code", "models load with transformers' built-in classes (no remote code)"),
+    ("*.tokenizer_path", "the tokenizer is read from actor_rollout_ref.model.path"),
+    ("actor_rollout_ref.model.hf_config_path", "the config is read from actor_rollout_ref.model.path"),
+    ("actor_rollout_ref.model.custom_chat_template", "the tokenizer's own chat template renders prompts"),
+    ("reward_model.model.input_tokenizer", "the reward model must share the policy's tokenizer"),
+    # --- actor / critic details
+    ("*.rollout_n", "derived from actor_rollout_ref.rollout.n"),
+    ("critic.enable", "derived: the critic is built when algorithm.adv_estimator=gae"),
+    ("*.shuffle", "mini-batches follow the balanced batch order (trainer.balance_batch)"),
+    ("*.data_loader_seed", "mini-batches are not reshuffled"),
+    (
+        "*.checkpoint.*",
+        "one synchronous checkpoint holds every role (see actor_rollout_ref.actor.checkpoint.save_contents)",
+    ),
+    ("actor_rollout_ref.actor.loss_scale_factor", "the loss normaliser is fixed by loss_agg_mode"),
+    ("actor_rollout_ref.actor.calculate_entropy", "entropy is always computed and logged"),
+    ("actor_rollout_ref.actor.calculate_sum_pi_squared", "not computed"),
+    ("actor_rollout_ref.actor.sum_pi_squared_checkpointing", "not computed"),
+    ("actor_rollout_ref.actor.use_prefix_grouper", "not implemented"),
+    ("actor_rollout_ref.actor.freeze_vision_tower", _MULTIMODAL),
+    ("*.router_replay.*", "MoE router replay is not implemented"),
+    ("actor_rollout_ref.actor.use_remove_padding", "set actor_rollout_ref.model.use_remove_padding"),
+    ("actor_rollout_ref.actor.policy_loss.clip_cov_*", "used by loss_mode=clip_cov, not implemented"),
+    ("actor_rollout_ref.actor.policy_loss.kl_cov_ratio", "used by loss_mode=kl_cov, not implemented"),
+    ("actor_rollout_ref.actor.policy_loss.ppo_kl_coef", "used by loss_mode=kl_cov, not implemented"),
+    ("*.optim.optimizer", "always AdamW"),
+    ("*.optim.optimizer_impl", "always torch.optim.AdamW"),
+    ("*.optim.override_optimizer_config", "always torch.optim.AdamW with optim.lr / betas / weight_decay"),
+    ("*.optim.clip_grad", "set actor_rollout_ref.actor.grad_clip / critic.grad_clip"),
+    ("*.optim.total_training_steps", "derived from trainer.total_training_steps"),
+    # --- rollout
+    ("actor_rollout_ref.rollout.prompt_length", "derived from data.max_prompt_length"),
+    ("actor_rollout_ref.rollout.response_length", "derived from data.max_response_length"),
+    (
+        "actor_rollout_ref.rollout.do_sample",
+        "training rollouts always sample (val_kwargs.do_sample: validation)",
+    ),
+    ("actor_rollout_ref.rollout.ignore_eos", "generation stops at EOS"),
+    ("actor_rollout_ref.rollout.calculate_log_probs", "the rollout's log-probs are always kept"),
+    ("actor_rollout_ref.rollout.logprobs_mode", "always processed_logprobs (after temperature)"),
+    ("actor_rollout_ref.rollout.skip_tokenizer_init", "the engine never loads a tokenizer"),
+    ("actor_rollout_ref.rollout.cudagraph_capture_sizes", _SAME_ENGINE),
+    ("actor_rollout_ref.rollout.scheduling_policy", _SAME_ENGINE),
+    ("actor_rollout_ref.rollout.engine_kwargs.*", _SAME_ENGINE),
+    ("actor_rollout_ref.rollout.multi_stage_wake_up", "wake-up is staged already (weights, then KV cache)"),
+    ("actor_rollout_ref.rollout.data_parallel_size", "one engine per tensor-parallel group of workers"),
+    ("actor_rollout_ref.rollout.expert_parallel_size", "no expert parallelism"),
+    ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "no pipeline parallelism"),
+    ("actor_rollout_ref.rollout.over_sample_rate", "every requested sample is generated"),
+    ("actor_rollout_ref.rollout.multi_turn.*", "multi-turn / tool rollouts are not implemented yet"),
+    ("actor_rollout_ref.rollout.agent.*", "agent loops are not implemented yet"),
+    ("actor_rollout_ref.rollout.checkpoint_engine.*", "weights stream in place within each worker"),
+    ("actor_rollout_ref.rollout.skip_rollout", "no rollout dump / replay"),
+    ("actor_rollout_ref.rollout.skip_dump_dir", "no rollout dump / replay"),
+    ("actor_rollout_ref.rollout.enable_rollout_routing_replay", "MoE router replay is not implemented"),
+    ("actor_rollout_ref.rollout.quantization*", "the engine runs in rollout.dtype"),
+    # --- data
+    ("data.tokenizer", "the tokenizer is read from actor_rollout_ref.model.path"),
+    ("data.train_max_samples", "every row of data.train_files is used"),
+    ("data.val_max_samples", "every row of data.val_files is used"),
+    ("data.reward_fn_key", "the scorer is chosen by each row's data_source"),
+    ("data.tool_config_path", "tools are not implemented yet"),
+    ("data.return_raw_input_ids", "prompts are tokenized once, with the policy's tokenizer"),
+    ("data.return_raw_chat", "prompts are rendered on the driver; rewards get the decoded text"),
+    ("data.return_full_prompt", "prompts are rendered on the driver; rewards get the decoded text"),
+    ("data.dataloader_num_workers", "prompts are tokenized once at start-up"),
+    ("data.filter_overlong_prompts_workers", "prompts are tokenized once at start-up"),
+    ("data.image_*", _MULTIMODAL),
+    ("data.video_key", _MULTIMODAL),
+    ("data.return_multi_modal_inputs", _MULTIMODAL),
+    ("data.validation_shuffle", "validation runs over the whole set in file order"),
+    ("data.trust_remote_code", "models load with transformers' built-in classes (no remote code)"),
+    ("data.custom_cls.*", "the dataset class is fusedrl.data.RLDataset"),
+    ("data.sampler.*", "prompts are drawn by a seeded shuffle (data.shuffle, data.seed)"),
+    ("data.datagen.*", "no dynamic data generation"),
+    ("data.apply_chat_template_kwargs", "the chat template is applied with its defaults"),
+    # --- reward
+    ("reward_manager.*", "set reward_model.reward_manager (naive | batch | dapo)"),
+    ("reward_model.reward_loop_*", "set reward_model.reward_manager / custom_reward_function"),
+    ("reward_model.use_reward_loop", "rewards are scored on the driver (reward_model.num_workers processes)"),
+    (
+        "reward_model.launch_reward_fn_async",
+        "rewards are scored on the driver (reward_model.num_workers processes)",
+    ),
+    ("reward_model.sandbox_fusion.*", "no code sandbox"),
+    ("reward_model.rollout.*", "generative reward models are not implemented"),
+    ("reward_model.micro_batch_size", "set reward_model.micro_batch_size_per_gpu"),
+    ("reward_model.max_length", "the reward model scores prompt + response as generated"),
+    ("reward_model.use_dynamic_bsz", "the reward model uses row micro-batches"),
+    ("reward_model.forward_max_token_len_per_gpu", "the reward model uses row micro-batches"),
+    ("reward_model.model.use_remove_padding", "the reward model runs padded batches"),
+    ("reward_model.model.fsdp_config.*", _FSDP_TUNING),
+    # --- algorithm
+    ("algorithm.use_pf_ppo", "PF-PPO reweighting is not implemented"),
+    ("algorithm.pf_ppo.*", "PF-PPO reweighting is not implemented"),
+    # --- trainer
+    ("trainer.rollout_data_dir", "generations are not dumped (trainer.log_val_generations prints samples)"),
+    (
+        "trainer.validation_data_dir",
+        "generations are not dumped (trainer.log_val_generations prints samples)",
+    ),
+    (
+        "trainer.val_only",
+        "not implemented: run with trainer.total_training_steps=0 and val_before_train=true",
+    ),
+    ("trainer.esi_redundant_time", "no elastic-instance handling"),
+    ("trainer.default_hdfs_dir", "checkpoints go to trainer.default_local_dir"),
+    ("trainer.del_local_ckpt_after_load", "checkpoints are kept (trainer.max_actor_ckpt_to_keep)"),
+    ("trainer.max_critic_ckpt_to_keep", "one checkpoint holds every role: trainer.max_actor_ckpt_to_keep"),
+    ("trainer.ray_wait_register_center_timeout", "workers register directly with the driver"),
+    ("trainer.device", "the device is detected (CUDA when present, else CPU)"),
+    ("trainer.use_legacy_worker_impl", "one worker implementation"),
+    ("transfer_queue.*", "batches move through Ray's object store"),
+)
+
+# verl key -> fusedrl key it sets (same meaning, another name).
+RENAMED: dict[str, str] = {
+    "ray_kwargs.ray_init.num_cpus": "trainer.ray_num_cpus",
+}
+
+# verl's DAPO scripts pass the overlong shaping as extra reward keyword arguments.
+_OVERLONG_PREFIX = "reward_model.reward_kwargs.overlong_buffer_cfg."
+_OVERLONG_KEYS = {"enable": "enable", "len": "len", "penalty_factor": "penalty_factor"}
+_OVERLONG_NO_EFFECT = {
+    "log": "the overlong penalty is always logged (reward/overlong_penalty)",
+}
+_REWARD_KWARGS_NO_EFFECT = {
+    "reward_model.reward_kwargs.max_resp_len": "the DAPO overlong length L is data.max_response_length",
+}
+
+# Open mappings whose `+key` entries are read by fusedrl (passed on as keyword arguments).
+OPEN_MAPPINGS = ("reward_model.reward_kwargs.",)
+
+
+def verl_keys() -> list[str]:
+    """Every leaf key of verl's ``ppo_trainer`` config (from ``verl_ppo_trainer_keys.txt``)."""
+    from fusedrl.config import _config_dir
+
+    path = Path(_config_dir()) / "verl_ppo_trainer_keys.txt"
+    return [
+        line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")
+    ]
+
+
+def no_effect_reason(key: str) -> str | None:
+    """Why ``key`` has no effect in fusedrl, or None when it is not in `NO_EFFECT`."""
+    for pattern, reason in NO_EFFECT:
+        if fnmatch.fnmatchcase(key, pattern):
+            return reason
+    return None
+
+
+def translate(key: str) -> tuple[str | None, str | None]:
+    """``(fusedrl key, None)`` for a verl route fusedrl maps onto its own key; ``(None, reason)`` for a
+    route it accepts with no effect; ``(None, None)`` when ``key`` is neither."""
+    if key in RENAMED:
+        return RENAMED[key], None
+    if key.startswith(_OVERLONG_PREFIX):
+        leaf = key[len(_OVERLONG_PREFIX) :]
+        if leaf in _OVERLONG_KEYS:
+            return f"reward_model.overlong_buffer.{_OVERLONG_KEYS[leaf]}", None
+        return None, _OVERLONG_NO_EFFECT.get(leaf, "not an overlong-buffer setting fusedrl has")
+    if key in _REWARD_KWARGS_NO_EFFECT:
+        return None, _REWARD_KWARGS_NO_EFFECT[key]
+    return None, None
+
+
+def rejected_value(key: str, value: str) -> str | None:
+    """A problem line when ``key=value`` asks for something fusedrl cannot run; None otherwise."""
+    v = value.strip().strip("'\"").lower()
+    if key.endswith("strategy") and v.startswith("megatron"):
+        return (
+            f"`{key}`={value}: Megatron is not supported; fusedrl trains with FSDP2 "
+            "(drop the key, or set it to fsdp / fsdp2)."
+        )
+    if key.endswith("strategy") and v not in ("fsdp", "fsdp2"):
+        return f"`{key}`={value}: use fsdp or fsdp2 (both mean FSDP2 in fusedrl)."
+    if key == "actor_rollout_ref.rollout.name" and v in ("sglang", "trtllm"):
+        return (
+            f"`{key}`={value}: fusedrl's rollout engines are vllm (in-process) and hf; "
+            f"{v} is not supported. Use actor_rollout_ref.rollout.name=vllm."
+        )
+    return None
+
+
+def format_no_effect(entries: list[tuple[str, str]]) -> str:
+    """One console line: every ignored key, grouped by reason."""
+    by_reason: dict[str, list[str]] = {}
+    for key, reason in entries:
+        by_reason.setdefault(reason, []).append(key)
+    groups = "; ".join(f"{', '.join(keys)} ({reason})" for reason, keys in by_reason.items())
+    return f"fusedrl: accepted with no effect in fusedrl: {groups}"
+
+
+def config_name_flags(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """Drop verl's ``--config-name ppo_trainer`` / ``--config-path DIR`` flags (fusedrl has one PPO config);
+    another config name is a problem."""
+    kept: list[str] = []
+    problems: list[str] = []
+    it = iter(overrides)
+    for ov in it:
+        flag, eq, value = ov.partition("=")
+        if flag not in ("--config-name", "--config-path", "-cn", "-cp"):
+            kept.append(ov)
+            continue
+        if not eq:
+            value = next(it, "")
+        if flag in ("--config-name", "-cn"):
+            name = value.strip("'\"").removesuffix(".yaml")
+            if "megatron" in name:
+                problems.append(
+                    f"--config-name {name}: Megatron is not supported; fusedrl trains with FSDP2. Use "
+                    "--config-name ppo_trainer (or drop the flag) with FSDP keys."
+                )
+            elif name not in ("ppo_trainer", "_generated_ppo_trainer"):
+                problems.append(
+                    f"--config-name {name}: fusedrl's PPO entry point has one config, ppo_trainer. Drop the flag "
+                    "and pass that config's keys on the command line."
+                )
+    return kept, problems
+
+
+def map_overrides(
+    base: DictConfig, overrides: list[str]
+) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """Map a verl command line onto fusedrl's keys: ``(overrides to compose, (key, why it has no effect)
+    pairs, problems)``. See `fusedrl.verl_compat` for the classification."""
+    from fusedrl.config import _all_keys
+
+    known = set(_all_keys(base))
+    kept: list[str] = []
+    ignored: list[tuple[str, str]] = []
+    problems: list[str] = []
+    for ov in overrides:
+        if ov.startswith(("~", "hydra.")) or "=" not in ov:
+            kept.append(ov)
+            continue
+        lhs, value = ov.split("=", 1)
+        plus = lhs[: len(lhs) - len(lhs.lstrip("+"))]
+        key = lhs[len(plus) :]
+        bad = rejected_value(key, value)
+        if bad:
+            problems.append(bad)
+            continue
+        target, reason = translate(key)
+        if target is not None:
+            kept.append(f"{target}={value}")
+            continue
+        if reason is None and key not in known:
+            reason = next((r for r in map(no_effect_reason, _key_and_parents(key)) if r is not None), None)
+        if reason is not None:
+            ignored.append((key, reason))
+            continue
+        if key in known:
+            kept.append(f"{key}={value}" if plus == "+" else ov)  # `+` on a key the YAML has: just set it
+            continue
+        if plus:
+            kept.append(ov)
+            if not key.startswith(OPEN_MAPPINGS):
+                ignored.append((key, "added with +, but nothing in fusedrl reads it"))
+            continue
+        kept.append(ov)  # unknown: reported by _unknown_override_keys with a suggestion
+    return kept, ignored, problems
+
+
+def _key_and_parents(key: str) -> list[str]:
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+# (verl's global micro-batch key, fusedrl's per-worker key it sets): verl divides the global size by the
+# number of data-parallel workers, and so does fusedrl.
+GLOBAL_MICRO_BATCHES = (
+    ("actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    (
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    ),
+    (
+        "actor_rollout_ref.ref.log_prob_micro_batch_size",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    ),
+    ("critic.ppo_micro_batch_size", "critic.ppo_micro_batch_size_per_gpu"),
+    ("critic.forward_micro_batch_size", "critic.forward_micro_batch_size_per_gpu"),
+)
+
+
+def apply_global_micro_batches(cfg: DictConfig) -> list[str]:
+    """Set each ``*_per_gpu`` micro-batch size from its global verl key (when given): global / workers."""
+    problems: list[str] = []
+    try:
+        workers = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+    except (TypeError, ValueError):
+        return problems  # reported by validate
+    for global_key, per_gpu_key in GLOBAL_MICRO_BATCHES:
+        value = OmegaConf.select(cfg, global_key, throw_on_missing=False)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"`{global_key}`={value!r}: must be an integer >= 1 (or null).")
+            continue
+        if workers < 1 or value % workers:
+            problems.append(
+                f"`{global_key}`={value}: a global micro-batch is split evenly over the {workers} workers "
+                f"(trainer.n_gpus_per_node x trainer.nnodes); use a multiple of {workers}, or set "
+                f"`{per_gpu_key}` instead."
+            )
+            continue
+        parent, leaf = per_gpu_key.rsplit(".", 1)
+        OmegaConf.select(cfg, parent)[leaf] = value // workers
+    return problems

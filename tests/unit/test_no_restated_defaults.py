@@ -1,0 +1,48 @@
+"""The YAML is the one source of defaults: no ``cfg.get("key", default)`` in the roles, rewards or trainers.
+
+A ``.get`` with a default on a config section would restate (and could contradict) the YAML's value. The
+receivers listed in ``NOT_CONFIG`` are other dicts (checkpoint metadata, metric sums, the environment).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = ("workers", "trainer", "fusedrl/rewards")
+NOT_CONFIG = {
+    "extra",
+    "meta",
+    "state",
+    "metrics",
+    "sums",
+    "mini_terms",
+    "os.environ",
+    "e",
+    "g_now",
+    "self.sinks",
+}
+
+
+def _receiver(node: ast.AST) -> str:
+    return ast.unparse(node)
+
+
+def test_no_get_with_a_default_on_config_sections():
+    offenders = []
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                    continue
+                if node.func.attr != "get" or len(node.args) < 2:
+                    continue
+                default = node.args[1]
+                if isinstance(default, ast.Constant) and default.value is None:
+                    continue
+                receiver = _receiver(node.func.value)
+                if receiver in NOT_CONFIG:
+                    continue
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, "defaults restated outside the YAML:\n" + "\n".join(offenders)
