@@ -57,5 +57,5 @@ class HealthReporting:
         parts = []
         for tid, frame in busy.items():
             stack = "".join(traceback.format_stack(frame))
-            parts.append(f"Thread {names.get(tid, tid)} (pid {os.getpid()}):\n{stack}")
+            parts.append(f"Thread {names.get(tid) or tid} (pid {os.getpid()}):\n{stack}")
         return "\n".join(parts)
