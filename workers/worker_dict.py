@@ -408,6 +408,25 @@ class WorkerDict:
             "total_bytes": float(stats.total_bytes),
         }
 
+    def compute_dtypes(self) -> dict[str, str]:
+        """The dtypes the models really compute in: the actor's weights inside a forward (after FSDP2's
+        mixed-precision cast) and the rollout engine's parameters. Collective (the forward all-gathers)."""
+        assert self.actor is not None
+        seen: list[torch.dtype] = []
+        layer = self.actor.model.model.layers[0]
+        hook = layer.register_forward_pre_hook(lambda m, args: seen.append(next(m.parameters()).dtype))
+        try:
+            with self._resident(), torch.no_grad():
+                ids = torch.ones(1, 2, dtype=torch.long, device=device_type())
+                self.actor.model(input_ids=ids)
+        finally:
+            hook.remove()
+        out = {"actor": str(seen[0]).removeprefix("torch.")}
+        if not isinstance(self.rollout, HFRollout):
+            engine_params = self.rollout.engine.model_state()
+            out["rollout"] = str(next(iter(engine_params.values())).dtype).removeprefix("torch.")
+        return out
+
     def ping(self) -> int:
         return self.rank
 
