@@ -9,8 +9,9 @@ GFLOP/s (FLOPs counted by ``torch.utils.flop_counter`` on the real tokens' forwa
 top operators by self CPU time (``torch.profiler``) on rank 0.
 
 ``--variants`` measures switches of the implementation side by side in one process, alternating, so a
-shared machine's load falls on all alike: ``base`` (everything on) and e.g. ``no_trim`` (micro-batches
-keep their all-padding columns, the behaviour before the trim).
+shared machine's load falls on all alike: ``base`` (everything on, float32), ``no_trim`` (micro-batches
+keep their all-padding columns, the behaviour before the trim), ``bf16`` (the same roles under FSDP2 bf16
+mixed precision).
 
     python -m benchmarks.train_passes [--layouts 1x2,2x1] [--preset small] [--reps 3] [--variants base,no_trim]
 """
@@ -154,8 +155,11 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
         "fsdp_config": {"model_dtype": "float32", "param_dtype": args["param_dtype"]},
         "log_prob_micro_batch_size_per_gpu": 16,
     }
-    actor = ActorRole(model_cfg, actor_cfg, rollout_n=4)
-    ref = RefRole(model_cfg, actor_cfg)
+    roles = {"base": (ActorRole(model_cfg, actor_cfg, rollout_n=4), RefRole(model_cfg, actor_cfg))}
+    if "bf16" in args["variants"]:  # the same roles under FSDP2 bf16 mixed precision, side by side
+        bf16_cfg = {**actor_cfg, "fsdp_config": {"model_dtype": "float32", "param_dtype": "bfloat16"}}
+        roles["bf16"] = (ActorRole(model_cfg, bf16_cfg, rollout_n=4), RefRole(model_cfg, bf16_cfg))
+    actor, ref = roles["base"]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     full = synthetic_batch(args["response_length"])
     rows = ROWS // world
@@ -183,7 +187,9 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     defaults = {"trim": logprob.TRIM_PADDING}
 
     def apply(variant: str) -> None:
+        nonlocal actor, ref
         logprob.TRIM_PADDING = defaults["trim"] and variant != "no_trim"
+        actor, ref = roles["bf16" if variant == "bf16" else "base"]
 
     phases = {"old_log_prob": old, "ref": run_ref, "update": update, "hf_fwd_bwd": hf_pass}
     times: dict[str, dict[str, list[float]]] = {v: {p: [] for p in phases} for v in variants}
@@ -263,6 +269,7 @@ def main() -> None:
     for layout in a.layouts.split(","):
         world, threads = (int(x) for x in layout.split("x"))
         res = run_layout(world, threads, args)
+        print(f"LAYOUT {layout} " + json.dumps({k: v for k, v in res.items() if k != "profiles"}), flush=True)
         payload["layouts"][layout] = res
         flops = {"old_log_prob": res["fwd_gflop_per_rank"], "ref": res["fwd_gflop_per_rank"]}
         flops["update"] = flops["hf_fwd_bwd"] = res["fwd_bwd_gflop_per_rank"]
