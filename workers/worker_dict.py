@@ -427,6 +427,10 @@ class WorkerDict:
             out["rollout"] = str(next(iter(engine_params.values())).dtype).removeprefix("torch.")
         return out
 
+    def torch_threads(self) -> int:
+        """Torch's intra-op threads in this worker (the CPUs of its slot on a CPU machine)."""
+        return torch.get_num_threads()
+
     def ping(self) -> int:
         return self.rank
 

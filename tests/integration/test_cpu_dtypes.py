@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -58,6 +59,11 @@ def test_bf16_mixed_precision_trains(tiny_model_dir, arithmetic_data, tmp_path):
         assert trainer.rollout_check_tol == 0.1  # the bf16 bound of `auto`
         (dtypes,) = trainer.workers.run_all(lambda w: w.compute_dtypes.remote())
         assert dtypes == {"actor": "bfloat16", "rollout": "bfloat16"}
+        if "OMP_NUM_THREADS" not in os.environ:  # one worker trains on every core Ray has (not Ray's 1)
+            import ray
+
+            (threads,) = trainer.workers.run_all(lambda w: w.torch_threads.remote())
+            assert threads == int(ray.cluster_resources()["CPU"]), threads
         (before,) = trainer.workers.run_all(lambda w: w.actor_state.remote())
         metrics = trainer.fit()  # check_health runs the rollout check at the bf16 bound
         (after,) = trainer.workers.run_all(lambda w: w.actor_state.remote())
