@@ -122,6 +122,13 @@ def load_config(
             validate(cfg)
         except ConfigError as err:
             problems.extend(err.problems)
+        if not problems:
+            from fusedrl.cpu_dtype import apply_cpu_dtype_policy
+
+            try:  # bf16 on a CPU without bf16 instructions: float32 with a message, or refused
+                apply_cpu_dtype_policy(cfg)
+            except ConfigError as err:
+                problems.extend(err.problems)
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -456,6 +463,13 @@ def validate(cfg: DictConfig) -> None:
     if cpath:
         need(os.path.isfile(str(cpath)), f"`custom_reward_function.path`: file `{cpath}` does not exist.")
     problems.extend(_token_budget_problems(cfg))
+    from fusedrl.cpu_dtype import POLICIES
+
+    policy = _get(cfg, "trainer.emulated_bf16")
+    need(
+        policy is None or str(policy) in POLICIES,
+        f"`trainer.emulated_bf16`={policy!r}: must be one of {', '.join(POLICIES)}.",
+    )
 
     if problems:
         raise ConfigError(problems)

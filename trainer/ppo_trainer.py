@@ -36,7 +36,7 @@ from fusedrl.balance import apply_order, balanced_rank_order, rank_token_loads, 
 from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
-from fusedrl.controller import ResourcePool, WorkerGroup
+from fusedrl.controller import ResourcePool, WorkerGroup, cpus_for_cpu_slots
 from fusedrl.controller.health import resume_hint
 from fusedrl.controller.placement import check_role_groups
 from fusedrl.controller.preemption import PreemptionGuard
@@ -145,8 +145,15 @@ class PPOTrainer:
         """
         groups = check_role_groups(self.run_roles(), role_groups)
         cfg = self.config.trainer
+        use_gpu = torch.cuda.is_available()
         pool = ResourcePool(
-            slots_per_node=int(cfg.n_gpus_per_node), nnodes=int(cfg.nnodes), use_gpu=torch.cuda.is_available()
+            slots_per_node=int(cfg.n_gpus_per_node),
+            nnodes=int(cfg.nnodes),
+            use_gpu=use_gpu,
+            # CPU slots share the free cores (Ray gives each worker OMP_NUM_THREADS = its CPUs).
+            cpus_per_slot=1.0
+            if use_gpu
+            else float(cpus_for_cpu_slots(int(cfg.n_gpus_per_node) * int(cfg.nnodes))),
         )
         worker_config = to_plain_dict(self.config)
         worker_config["_tokens"] = {
@@ -256,8 +263,11 @@ class PPOTrainer:
         with timer("step", metrics):
             batch = self.collect_batch(metrics)  # generate + reward (+ dynamic sampling)
             batch = self.balance_batch(batch, metrics)
-            with timer("old_log_prob", metrics):
-                batch = self.compute_log_probs(batch)
+            reuse = self.old_log_probs_from_update(batch)
+            metrics["actor/old_log_prob_from_update"] = float(reuse)
+            if not reuse:
+                with timer("old_log_prob", metrics):
+                    batch = self.compute_log_probs(batch)
             if self.use_reference:
                 with timer("ref", metrics):
                     batch = self.compute_ref_log_probs(batch)
@@ -307,7 +317,7 @@ class PPOTrainer:
     def rollout_check_tol(self) -> float | None:
         tol = self.config.trainer.rollout_check_tol
         if tol == "auto":
-            return 1e-3 if str(self.config.actor_rollout_ref.rollout.dtype) in ("float32", "fp32") else None
+            return auto_rollout_check_tol(self.config)
         return None if tol is None else float(tol)
 
     # ------------------------------------------------------------------ checkpoints
@@ -569,6 +579,25 @@ class PPOTrainer:
         batch.old_log_probs = actor.gather_tensors(parts, inputs)
         return batch
 
+    def old_log_probs_from_update(self, batch: RolloutBatch) -> bool:
+        """Whether this batch is used once, in one optimizer step (``ppo_epochs=1``, every rank's shard fits
+        one mini-batch) and nothing needs ``old_log_probs`` before the update: then the update's own
+        forward provides them and the separate pass is skipped (``actor.old_log_prob_from_update``)."""
+        actor = self.config.actor_rollout_ref.actor
+        if not actor.old_log_prob_from_update or int(actor.ppo_epochs) != 1:
+            return False
+        alg = self.config.algorithm
+        if alg.use_kl_in_reward:
+            return False  # the in-reward KL penalty reads them before the advantages
+        rc = alg.rollout_correction
+        if rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None:
+            return False  # bypass takes the rollout's log-probs; the correction weights read them first
+        if self.global_step <= int(self.config.trainer.critic_warmup):
+            return False  # no actor update this step: nothing would provide them
+        world = self.workers.world_size
+        mini_rows = int(actor.ppo_mini_batch_size) * int(self.config.actor_rollout_ref.rollout.n) // world
+        return -(-batch.num_samples // world) <= mini_rows
+
     def compute_ref_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
         t = self.temperature
         inputs = self._model_inputs(batch)
@@ -625,7 +654,6 @@ class PPOTrainer:
         fields = [*batch.model_input_fields(), "old_log_probs", "advantages"]
         if self.config.actor_rollout_ref.actor.use_kl_loss:
             fields.append("ref_log_probs")
-        inputs = batch.select_fields(*fields)
         t = self.temperature
         # The actor's schedule starts when it starts training (after trainer.critic_warmup steps).
         step = self.global_step - 1 - int(self.config.trainer.critic_warmup)
@@ -633,9 +661,18 @@ class PPOTrainer:
         actor = self.group_for("actor")
         # The optimizer state is on the device only for the update.
         actor.run_all(lambda w: w.load_actor.remote(optimizer=True))
-        per_rank = actor.run_split(lambda w, shard: w.actor_update.remote(shard, t, lr), inputs)
-        actor.run_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
         self.rollout_stale = True
+        if batch.old_log_probs is None:  # see `old_log_probs_from_update`: the update's forward gives them
+            inputs = batch.select_fields(*[f for f in fields if f != "old_log_probs"])
+            pairs = actor.run_split(
+                lambda w, shard: w.actor_update_old_from_forward.remote(shard, t, lr), inputs
+            )
+            batch.old_log_probs = actor.gather_tensors([p[1] for p in pairs], inputs)  # [B, Tr]
+            per_rank = [p[0] for p in pairs]
+        else:
+            inputs = batch.select_fields(*fields)
+            per_rank = actor.run_split(lambda w, shard: w.actor_update.remote(shard, t, lr), inputs)
+        actor.run_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
         return mean_over_ranks(per_rank)
 
     def sync_weights(self) -> Metrics:
@@ -695,3 +732,20 @@ class PPOTrainer:
     def batch_metrics(self, batch: RolloutBatch, step_time: float) -> Metrics:
         """Per-step metrics of the finished batch (`fusedrl.metrics.batch_metrics`); a hook to extend."""
         return batch_metrics(batch, step_time, self.global_step)
+
+
+def auto_rollout_check_tol(config: DictConfig) -> float | None:
+    """``trainer.rollout_check_tol=auto``: the bound on mean |rollout - actor| log-prob that float error
+    alone stays far below. float32 on both sides agrees to ~1e-5 (bound 1e-3); bf16 on either side
+    (engine dtype, or the actor's FSDP2 compute dtype) rounds logits to 8 mantissa bits, measured ~1e-3 to
+    2e-2 on the tiny/small presets (bound 0.1). A sync that did not land gives NaN or gaps of order 1. Off
+    for other dtypes (fp16)."""
+    arr = config.actor_rollout_ref
+    fsdp = arr.actor.fsdp_config
+    names = {str(arr.rollout.dtype), str(fsdp.param_dtype or fsdp.model_dtype)}
+    names = {{"fp32": "float32", "bf16": "bfloat16"}.get(n, n) for n in names}
+    if names == {"float32"}:
+        return 1e-3
+    if names <= {"float32", "bfloat16"}:
+        return 0.1
+    return None

@@ -18,7 +18,7 @@ from fusedrl.workers.fsdp import (
     shard_for_training,
     stream_full_tensors,
 )
-from fusedrl.workers.logprob import batched_log_probs, response_log_probs, token_budget
+from fusedrl.workers.logprob import batched_log_probs, response_log_probs, restore_order, token_budget
 from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates, set_lr
 
 
@@ -80,6 +80,8 @@ class ActorRole:
         # Extra actor keys a loss reads (SAPO's tau_pos / tau_neg), passed by name.
         self.loss_kwargs = {k: float(cfg[k]) for k in getattr(self.policy_loss, "config_keys", ())}
         self.stepper = GuardedStepper(self.model, self.optimizer, float(cfg["grad_clip"]))
+        self._forward_log_probs: list[torch.Tensor] = []  # detached, per micro-batch, during `update`
+        self.forward_log_probs: torch.Tensor | None = None  # [B, Tr] after an update without old_log_probs
 
     # ------------------------------------------------------------------ inference
     def compute_log_prob(
@@ -113,9 +115,14 @@ class ActorRole:
             self.model, mb, temperature=temperature, with_entropy=True, remove_padding=self.use_remove_padding
         )  # [b, Tr]
         clip = float(cfg["clip_ratio"])
+        old_log_prob = mb.old_log_probs  # [b, Tr]
+        if old_log_prob is None:
+            # The batch is used once, in one mini-batch: the policy before the step is this very forward.
+            old_log_prob = log_prob.detach()
+            self._forward_log_probs.append(old_log_prob)
         pg_loss, pg_metrics = self.policy_loss(
             log_prob,
-            mb.old_log_probs,
+            old_log_prob,
             mb.advantages,
             mb.response_mask,
             clip_ratio_low=float(clip if cfg["clip_ratio_low"] is None else cfg["clip_ratio_low"]),
@@ -145,23 +152,43 @@ class ActorRole:
 
     def update(self, batch: RolloutBatch, *, temperature: float, lr: float | None = None) -> dict[str, float]:
         """One PPO update pass over this rank's shard (``ppo_epochs`` x mini-batches x micro-batches).
-        ``lr``: this step's learning rate (the driver's schedule); None keeps the current one."""
+        ``lr``: this step's learning rate (the driver's schedule); None keeps the current one.
+
+        A batch without ``old_log_probs`` must be used once in a single mini-batch (one optimizer step):
+        the old log-probs are then the update's own forward, detached (the same values a separate pass
+        would compute before the step), and `forward_log_probs` holds them afterwards (``[B, Tr]``).
+        """
         cfg = self.cfg
         set_lr(self.optimizer, lr)
         self.model.train()
+        mini_rows = cfg["ppo_mini_batch_size"] * self.rollout_n // self.world_size
+        epochs = int(cfg["ppo_epochs"])
+        from_forward = batch.old_log_probs is None
+        if from_forward and (epochs != 1 or batch.num_samples > mini_rows):
+            raise ValueError(
+                f"actor update without old_log_probs: needs ppo_epochs=1 and one mini-batch, got ppo_epochs="
+                f"{epochs} and {batch.num_samples} rows > {mini_rows} per mini-batch; compute them first"
+            )
+        self._forward_log_probs = []
+        orders: list[torch.Tensor] = []
         metrics = minibatch_updates(
             batch,
             stepper=self.stepper,
             micro_loss=lambda mb, norm, token_norm: self._loss_terms(
                 mb, temperature=temperature, norm=norm, token_norm=token_norm
             ),
-            mini_rows=cfg["ppo_mini_batch_size"] * self.rollout_n // self.world_size,
+            mini_rows=mini_rows,
             micro_rows=cfg["ppo_micro_batch_size_per_gpu"],
-            epochs=int(cfg["ppo_epochs"]),
+            epochs=epochs,
             loss_agg_mode=self.agg_mode,
             world_size=self.world_size,
             max_token_len=token_budget(cfg, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+            on_micro_split=orders.append,
         )
+        self.forward_log_probs = (
+            restore_order(self._forward_log_probs, orders[0]) * batch.response_mask if from_forward else None
+        )  # [B, Tr], 0 on padding
+        self._forward_log_probs = []
         out = {f"actor/{k}": v for k, v in metrics.items()}
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         out["actor/skipped_steps"] = float(self.stepper.num_skipped)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fusedrl.batch import RolloutBatch
-from fusedrl.workers.fsdp import StreamStats
+from fusedrl.workers.fsdp import StreamStats, device_type
 
 
 class InspectionHooks:
@@ -18,6 +18,7 @@ class InspectionHooks:
 
     actor: Any
     ref: Any
+    rollout: Any
     events: Any
     rank: int
 
@@ -58,6 +59,31 @@ class InspectionHooks:
             "largest_bytes": float(stats.largest_bytes),
             "total_bytes": float(stats.total_bytes),
         }
+
+    def compute_dtypes(self) -> dict[str, str]:
+        """The dtypes the models really compute in: the actor's weights inside a forward (after FSDP2's
+        mixed-precision cast) and the rollout engine's parameters. Collective (the forward all-gathers)."""
+        assert self.actor is not None
+        seen: list[torch.dtype] = []
+        layer = self.actor.model.model.layers[0]
+        hook = layer.register_forward_pre_hook(lambda m, args: seen.append(next(m.parameters()).dtype))
+        try:
+            with self._resident(), torch.no_grad():
+                ids = torch.ones(1, 2, dtype=torch.long, device=device_type())
+                self.actor.model(input_ids=ids)
+        finally:
+            hook.remove()
+        out = {"actor": str(seen[0]).removeprefix("torch.")}
+        from fusedrl.workers.rollout.hf_rollout import HFRollout
+
+        if self.rollout is not None and not isinstance(self.rollout, HFRollout):
+            engine_params = self.rollout.engine.model_state()
+            out["rollout"] = str(next(iter(engine_params.values())).dtype).removeprefix("torch.")
+        return out
+
+    def torch_threads(self) -> int:
+        """Torch's intra-op threads in this worker (the CPUs of its slot on a CPU machine)."""
+        return torch.get_num_threads()
 
     def ping(self) -> int:
         """This worker's rank: a round trip with no work."""

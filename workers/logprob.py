@@ -27,6 +27,10 @@ from fusedrl.workers.packing import pack_batch
 
 B = TypeVar("B", RolloutBatch, dict)
 
+# Drop the columns that are padding in every row of a padded micro-batch before its forward (exact; see
+# `response_log_probs`). A module switch only so benchmarks can measure the untrimmed forward side by side.
+TRIM_PADDING = True
+
 
 def micro_batches(batch: B, size: int) -> Iterator[B]:
     """Consecutive slices of at most ``size`` rows of a `RolloutBatch` or a dict of ``[B, ...]`` tensors
@@ -121,12 +125,31 @@ def response_log_probs(
         )  # [M] each
         return packed.unpack(log_probs), None if entropy is None else packed.unpack(entropy)  # [B, Tr]
     input_ids, attention_mask, position_ids = batch.sequences()  # [B, Tp+Tr] each
-    prompt_len = batch.prompts.shape[1]
+    prompt_len, resp_len = batch.prompts.shape[1], batch.responses.shape[1]
+    first, last = 0, resp_len
+    if TRIM_PADDING:
+        # Columns that are padding in every row change nothing (positions count real tokens; masked keys get
+        # no attention weight) but cost a full forward/backward each: prompts are left-padded to
+        # data.max_prompt_length, responses right-padded to the longest allowed. Keep >= 1 column of each.
+        first = min(int(batch.prompt_mask.any(0).float().argmax()), prompt_len - 1)
+        last = max(int(batch.response_mask.any(0).nonzero().max()) + 1 if batch.response_mask.any() else 1, 1)
+        input_ids, attention_mask, position_ids = (
+            t[:, first : prompt_len + last] for t in (input_ids, attention_mask, position_ids)
+        )  # [B, Tp' + Tr'] each
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     # The token at position t is predicted by the logits at t-1: responses start at Tp.
-    return _token_log_probs(
-        logits[:, prompt_len - 1 : -1, :], batch.responses, temperature=temperature, with_entropy=with_entropy
-    )  # [B, Tr] each
+    log_probs, entropy = _token_log_probs(
+        logits[:, prompt_len - first - 1 : -1, :],
+        batch.responses[:, :last],
+        temperature=temperature,
+        with_entropy=with_entropy,
+    )  # [B, Tr'] each
+    if last < resp_len:  # back to the batch's [B, Tr]; the trimmed columns are padding (callers mask)
+        log_probs, entropy = (
+            None if t is None else torch.nn.functional.pad(t, (0, resp_len - last))
+            for t in (log_probs, entropy)
+        )
+    return log_probs, entropy  # [B, Tr] each
 
 
 @torch.no_grad()

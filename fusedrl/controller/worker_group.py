@@ -63,8 +63,9 @@ class _CallRecorder:
 class ResourcePool:
     """``nnodes x slots_per_node`` device slots as one Ray placement group.
 
-    A slot is a GPU where GPUs exist and one CPU core otherwise (``trainer.n_gpus_per_node`` then counts
-    CPU slots). ``cpus_per_slot`` CPUs go with each slot for the worker's host-side work.
+    A slot is a GPU where GPUs exist and a share of the CPU cores otherwise (``trainer.n_gpus_per_node``
+    then counts CPU slots; `cpus_for_cpu_slots` sizes the share). ``cpus_per_slot`` CPUs go with each slot;
+    Ray sets the worker's ``OMP_NUM_THREADS`` (hence its torch threads) to that number.
     """
 
     slots_per_node: int
@@ -95,6 +96,14 @@ class ResourcePool:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+
+def cpus_for_cpu_slots(world_size: int) -> int:
+    """CPUs per fused worker on a machine without GPUs: the CPUs Ray has free now, shared evenly by the
+    ``world_size`` slots (at least 1). One worker on a 2-core box then trains on 2 threads, not 1."""
+    from fusedrl.utils.hardware import cpus_per_cpu_slot
+
+    return cpus_per_cpu_slot(world_size, int(ray.available_resources().get("CPU", 1)))
 
 
 class WorkerGroup:

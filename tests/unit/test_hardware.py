@@ -1,0 +1,35 @@
+"""CPU facts the workers are sized by: cores per CPU slot, and the bf16 instruction flags."""
+
+from __future__ import annotations
+
+from fusedrl.utils.hardware import BF16_CPU_FLAGS, cpu_flags, cpus_per_cpu_slot, native_bf16
+
+
+def test_cores_are_shared_evenly_by_the_slots():
+    assert cpus_per_cpu_slot(1, 2) == 2  # one worker on a 2-core box: both cores, not Ray's default 1
+    assert cpus_per_cpu_slot(2, 2) == 1
+    assert cpus_per_cpu_slot(3, 8) == 2
+    assert cpus_per_cpu_slot(4, 2) == 1  # more slots than cores: still one each
+    assert cpus_per_cpu_slot(1) >= 1
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu sse avx2 fma\n\nprocessor\t: 1\n")
+    bf16 = tmp_path / "bf16"
+    bf16.write_text("flags\t\t: avx2 avx512f avx512_bf16 amx_bf16\n")
+    assert cpu_flags(str(avx2)) == {"fpu", "sse", "avx2", "fma"}
+    assert not cpu_flags(str(avx2)) & set(BF16_CPU_FLAGS)
+    assert cpu_flags(str(bf16)) & set(BF16_CPU_FLAGS) == {"avx512_bf16", "amx_bf16"}
+    assert cpu_flags(str(tmp_path / "missing")) == set()
+
+
+def test_native_bf16_names_the_device_and_agrees_with_the_flags():
+    import torch
+
+    ok, what = native_bf16()
+    if torch.cuda.is_available():
+        return
+    has_flag = bool(cpu_flags() & set(BF16_CPU_FLAGS))
+    assert ok == (has_flag and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+    assert what.startswith("CPU ")

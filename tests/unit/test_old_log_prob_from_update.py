@@ -1,0 +1,141 @@
+"""Old log-probs from the update's own forward (a batch used once, in one optimizer step).
+
+Two actors start from the same weights. One gets ``old_log_probs`` from a separate no-grad pass (the
+recomputed route) and updates; the other updates a batch without them, so its loss takes the forward's
+own log-probs, detached. The two updates must be the same (parameters within 1e-6 after a large step) and
+the forward's log-probs must equal the separate pass's. Run for row micro-batches and for dynamic batch
+size (which reorders rows into micro-batches, so the order must be restored). Real gloo process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from support import padded_batch
+
+TP, TR = 6, 5
+LR = 1e-2
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _actor_cfg(dynamic: bool) -> dict:
+    return {
+        "ppo_mini_batch_size": 3,  # prompts: 3 x n=2 = the whole 6-row batch, one optimizer step
+        "ppo_micro_batch_size_per_gpu": 2,
+        "use_dynamic_bsz": dynamic,
+        "ppo_max_token_len_per_gpu": 16,  # 2-3 rows of up to 11 tokens: rows regrouped by length
+        "ppo_epochs": 1,
+        "clip_ratio": 0.2,
+        "loss_agg_mode": "token-mean",
+        "entropy_coeff": 0.01,
+        "use_kl_loss": True,
+        "kl_loss_coef": 0.1,
+        "kl_loss_type": "low_var_kl",
+        "grad_clip": 1.0,
+        "policy_loss": {"loss_mode": "vanilla"},
+        "optim": {"lr": LR, "betas": [0.9, 0.999], "weight_decay": 0.0},
+        "fsdp_config": {"model_dtype": "float32", "param_dtype": None},
+    }
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(3)
+    batch = padded_batch([6, 4, 3, 5, 2, 6], [5, 2, 4, 1, 5, 3], tp=TP, tr=TR, gen=gen)
+    batch.advantages = torch.randn(6, TR, generator=gen) * batch.response_mask  # [B, Tr]
+    batch.ref_log_probs = -6.0 + 0.1 * torch.randn(6, TR, generator=gen)  # [B, Tr]
+    return batch
+
+
+def _params(actor) -> dict[str, torch.Tensor]:
+    return {n: p.to_local().detach().clone() for n, p in actor.model.named_parameters()}
+
+
+def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        from fusedrl.workers.actor import ActorRole
+
+        model_cfg = {"path": model_dir}
+        result = {}
+        for dynamic in (False, True):
+            torch.manual_seed(0)
+            recomputed = ActorRole(model_cfg, _actor_cfg(dynamic), rollout_n=2)
+            torch.manual_seed(0)
+            reused = ActorRole(model_cfg, _actor_cfg(dynamic), rollout_n=2)
+            before = _params(recomputed)
+
+            batch = _batch()
+            old = recomputed.compute_log_prob(
+                batch, temperature=0.7, micro_batch_size=4, max_token_len=16 if dynamic else None
+            )  # [B, Tr], the separate pass
+            batch.old_log_probs = old
+            m_recomputed = recomputed.update(batch, temperature=0.7)
+
+            batch = _batch()  # no old_log_probs
+            m_reused = reused.update(batch, temperature=0.7)
+            forward = reused.forward_log_probs
+
+            p_rec, p_reu = _params(recomputed), _params(reused)
+            result[str(dynamic)] = {
+                "max_param_diff": max(float((p_rec[n] - p_reu[n]).abs().max()) for n in p_rec),
+                "max_param_change": max(float((p_rec[n] - before[n]).abs().max()) for n in p_rec),
+                "changed": sum(bool((p_rec[n] != before[n]).any()) for n in p_rec) / len(p_rec),
+                "log_prob_diff": float((forward - old).abs().max()),
+                "padding_zero": bool((forward[batch.response_mask == 0] == 0).all()),
+                "pg_loss": [m_recomputed["actor/pg_loss"], m_reused["actor/pg_loss"]],
+                "grad_norm": [m_recomputed["actor/grad_norm"], m_reused["actor/grad_norm"]],
+                "ppo_kl": m_reused["actor/ppo_kl"],
+            }
+        Path(out_dir, "result.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_update_with_forward_old_log_probs_equals_recomputed(tiny_model_dir, tmp_path):
+    mp.spawn(_worker, args=(_free_port(), tiny_model_dir, str(tmp_path)), nprocs=1, join=True)
+    result = json.loads((tmp_path / "result.json").read_text())
+    for dynamic, r in result.items():
+        # A real step: Adam moves parameters by ~lr; both routes move them the same way.
+        assert r["max_param_change"] > 0.5 * LR, (dynamic, r)
+        assert r["changed"] > 0.9, (dynamic, r)
+        assert r["max_param_diff"] <= 1e-6, (dynamic, r)
+        # The forward's log-probs are the old policy's: float32 agreement of two forwards of other shapes.
+        assert r["log_prob_diff"] <= 1e-5, (dynamic, r)
+        assert r["padding_zero"], dynamic
+        assert abs(r["pg_loss"][0] - r["pg_loss"][1]) <= 1e-5 * max(1.0, abs(r["pg_loss"][0])), (dynamic, r)
+        assert abs(r["grad_norm"][0] - r["grad_norm"][1]) <= 1e-4 * r["grad_norm"][0], (dynamic, r)
+        assert abs(r["ppo_kl"]) <= 1e-7, (dynamic, r)  # ratio exactly 1 on the reused route
+
+
+def test_update_without_old_log_probs_refuses_several_steps(tiny_model_dir):
+    """Several mini-batches (or epochs) need the old policy's log-probs from before the first step."""
+    import pytest
+
+    cfg = _actor_cfg(False)
+    cfg["ppo_mini_batch_size"] = 1  # 2 rows per mini-batch: three optimizer steps
+    with pytest.raises(ValueError, match="one mini-batch"):
+        _refusal(tiny_model_dir, cfg)
+
+
+def _refusal(model_dir: str, cfg: dict) -> None:
+    """ActorRole.update's check runs before any collective; build the role's state without a group."""
+    from fusedrl.workers.actor import ActorRole
+
+    actor = ActorRole.__new__(ActorRole)
+    actor.cfg, actor.world_size, actor.rollout_n = cfg, 1, 2
+    actor.model = torch.nn.Linear(1, 1)
+    actor.update(_batch(), temperature=1.0)
