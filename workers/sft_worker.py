@@ -27,6 +27,7 @@ from torch import nn
 
 from fusedrl.checkpoint import ACTOR_DIR, shard_prefix
 from fusedrl.workers.checkpoint_io import export_hf, load_fsdp_state, save_fsdp_state
+from fusedrl.workers.device import local_device_index
 from fusedrl.workers.fsdp import apply_fsdp2, build_mesh, device_type, load_causal_lm, to_dtype
 
 Batch = dict[str, torch.Tensor]
@@ -115,16 +116,17 @@ class SFTWorker:
         """Join the process group and build the FSDP2 model and AdamW. Collective."""
         t0 = time.perf_counter()
         slots = max(1, int(self.config["trainer"]["n_gpus_per_node"]))
+        local = local_device_index(self.rank, slots, device_count=torch.cuda.device_count())
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
             RANK=str(self.rank),
-            LOCAL_RANK=str(self.rank % slots),
+            LOCAL_RANK=str(local),
             WORLD_SIZE=str(self.world_size),
             TOKENIZERS_PARALLELISM="false",
         )
         if device_type() == "cuda":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(local)
             self.device = torch.device("cuda", torch.cuda.current_device())
         backend = "nccl" if device_type() == "cuda" else "gloo"
         dist.init_process_group(

@@ -35,6 +35,7 @@ from fusedrl.checkpoint import shard_prefix
 from fusedrl.workers.actor import ActorRole, RefRole
 from fusedrl.workers.checkpoint_io import export_hf, load_fsdp_state, save_fsdp_state
 from fusedrl.workers.critic import CriticRole
+from fusedrl.workers.device import local_device_index
 from fusedrl.workers.fsdp import StreamStats, device_type
 from fusedrl.workers.logprob import token_budget
 from fusedrl.workers.memory import (
@@ -90,20 +91,28 @@ class WorkerDict:
     def init_roles(self, master_addr: str, master_port: int) -> dict[str, float]:
         """Join the process group, then build actor, reference and rollout. Collective."""
         t0 = time.perf_counter()
+        local = local_device_index(
+            self.rank, int(self.config["trainer"]["n_gpus_per_node"]), device_count=torch.cuda.device_count()
+        )
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
             RANK=str(self.rank),
-            LOCAL_RANK=str(self.rank % max(1, self.config["trainer"]["n_gpus_per_node"])),
+            LOCAL_RANK=str(local),
             WORLD_SIZE=str(self.world_size),
             VLLM_ENABLE_V1_MULTIPROCESSING="0",
             TOKENIZERS_PARALLELISM="false",
         )
         if device_type() == "cuda":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(local)
         backend = "nccl" if device_type() == "cuda" else "gloo"
         dist.init_process_group(
-            backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=30)
+            backend,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(minutes=30),
+            # NCCL binds the group to this worker's device up front (no guessing from the rank).
+            device_id=torch.device("cuda", local) if backend == "nccl" else None,
         )
         seed = int(self.config["actor_rollout_ref"]["rollout"].get("seed", 0))
         torch.manual_seed(seed)  # identical init on every rank (FSDP2 shards the same weights)
