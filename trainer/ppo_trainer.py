@@ -36,7 +36,7 @@ from fusedrl.controller import ResourcePool, WorkerGroup
 from fusedrl.data.dataset import PromptLoader, RLDataset
 from fusedrl.rewards import build_reward_manager
 from fusedrl.tracking import Tracker, timer
-from fusedrl.workers.rollout.base import SamplingConfig
+from fusedrl.workers.rollout.base import SamplingConfig, rollout_dtype
 from fusedrl.workers.worker_dict import WorkerDict
 
 Metrics = dict[str, float]
@@ -125,6 +125,8 @@ class PPOTrainer:
         self.group = WorkerGroup.start(
             WorkerDict, pool, worker_config, init=lambda w, addr, port: w.init_roles.remote(addr, port)
         )
+        # The engines went to sleep right after they were built; at level 2 their weights are gone.
+        self.rollout_stale = self.rollout_discards_weights
 
     @property
     def workers(self) -> WorkerGroup:
@@ -221,7 +223,10 @@ class PPOTrainer:
     def rollout_check_tol(self) -> float | None:
         tol = self.config.trainer.rollout_check_tol
         if tol == "auto":
-            return 1e-3 if str(self.config.actor_rollout_ref.rollout.dtype) in ("float32", "fp32") else None
+            dtype = rollout_dtype(
+                str(self.config.actor_rollout_ref.rollout.dtype), cuda=torch.cuda.is_available()
+            )
+            return 1e-3 if dtype == "float32" else None
         return None if tol is None else float(tol)
 
     # ------------------------------------------------------------------ checkpoints
@@ -233,13 +238,15 @@ class PPOTrainer:
             "dataloader": self.train_loader.state_dict(),
             "kl_coef": self.kl_ctrl.value,
         }
-        return save_run_checkpoint(
+        path = save_run_checkpoint(
             str(tr.default_local_dir),
             self.global_step,
             self.workers,
             state,
             max_to_keep=tr.max_actor_ckpt_to_keep,
         )
+        self.rollout_stale |= self.rollout_discards_weights  # the engines slept while the state was resident
+        return path
 
     def load_checkpoint(self) -> str | None:
         """Resume per ``trainer.resume_mode``; then re-sync the engine to the restored actor."""
@@ -264,6 +271,7 @@ class PPOTrainer:
     def export_hf(self, out_dir: str) -> None:
         """Write the current policy as a Hugging Face folder that transformers and vLLM load."""
         self.workers.run_all(lambda w: w.export_hf.remote(out_dir))
+        self.rollout_stale |= self.rollout_discards_weights  # the engines slept while the state was resident
 
     def next_prompts(self) -> RolloutBatch:
         """The next batch of prompts; epochs roll over (the loader's position is checkpointed)."""

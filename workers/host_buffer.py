@@ -45,8 +45,11 @@ class HostBuffer:
             self._slots[id(t)] = (offset, t)
             local = _local(t)
             offset += _align(local.numel() * local.element_size())
-        self.nbytes = offset
-        self.storage: torch.Tensor | None = torch.empty(max(offset, 1), dtype=torch.uint8)
+        # The host allocator aligns to 64 bytes only: allocate one slot of slack and start on a boundary.
+        self.storage: torch.Tensor | None = torch.empty(offset + ALIGN, dtype=torch.uint8)
+        self.nbytes = self.storage.numel()
+        start = -self.storage.data_ptr() % ALIGN
+        self._slab = self.storage[start : start + offset]
         self.pinned = False
         if pin and offset > 0:
             err = torch.cuda.cudart().cudaHostRegister(self.storage.data_ptr(), self.storage.numel(), 0)
@@ -67,7 +70,7 @@ class HostBuffer:
         offset, _ = self._slots[id(t)]
         local = _local(t)
         nbytes = local.numel() * local.element_size()
-        view = self.storage[offset : offset + nbytes].view(local.dtype).view(local.shape)
+        view = self._slab[offset : offset + nbytes].view(local.dtype).view(local.shape)
         view.copy_(local, non_blocking=True)
         if local is t:
             return view
@@ -84,3 +87,4 @@ class HostBuffer:
             torch.cuda.cudart().cudaHostUnregister(self.storage.data_ptr())
             self.pinned = False
         self.storage = None
+        del self._slab

@@ -5,12 +5,16 @@ torch.distributed needs the rank-0 address before any rank can join: ``__init__`
 is, `init_roles` joins the process group and builds the roles (collectively, on all ranks at once).
 
 Every method the driver calls is written out here (no generated methods), so grep finds each call site.
-The memory choreography of a step is visible in `sync_weights` and `rollout_generate`:
+The memory choreography is visible in `init_roles`, `sync_weights` and `rollout_generate`:
 
-    sync_weights:     empty cache, expandable segments off -> (reload actor params if offloaded) ->
-                      engine wakes its weights -> stream weights in place -> offload actor params
+    init_roles:       build the training roles -> offload what the rollout does not use (per config) ->
+                      build the engine (vLLM checks free memory against gpu_memory_utilization here) ->
+                      engine sleeps (level 2: the driver re-streams before the first rollout)
+    sync_weights:     empty cache -> (reload actor params if offloaded) -> engine wakes its weights ->
+                      stream weights in place -> offload actor params
     rollout_generate: engine wakes its KV cache -> generate -> engine sleeps (level 1 or 2) ->
-                      expandable segments on -> reload actor params
+                      reload actor params
+    checkpoints:      an awake engine sleeps before offloaded state comes back to the device
     log-probs / update: each role's params (and optimizer state) are loaded for its phase and offloaded
                       after it, per its ``fsdp_config.param_offload`` / ``optimizer_offload``.
 
@@ -44,7 +48,6 @@ from fusedrl.workers.memory import (
     memory_metrics,
     peak_rss_gb,
     rss_gb,
-    set_expandable_segments,
 )
 from fusedrl.workers.reward_model import RewardModelRole
 from fusedrl.workers.rollout.base import SamplingConfig
@@ -80,6 +83,7 @@ class WorkerDict:
         self.ref_mem: Offloader | None = None
         self.critic_mem: Offloader | None = None
         self.last_rollout_memory: dict[str, float] = {}
+        self.rollout_asleep = False  # the engine released its memory (until the next wake_up)
 
     # ------------------------------------------------------------------ setup
     def master_address(self) -> tuple[str, int]:
@@ -131,11 +135,38 @@ class WorkerDict:
             self.critic = CriticRole(self.config["critic"], rollout_n=int(arr["rollout"]["n"]))
         if roles["reward_model"]:
             self.reward_model = RewardModelRole(self.config["reward_model"])
-        self.rollout = self._build_rollout()
-        # The engine starts from the checkpoint on disk, the actor from the same files: already in sync.
+        # vLLM refuses to start unless gpu_memory_utilization x total is free: the training state the rollout
+        # does not use leaves the device first, and the engine gives its memory back as soon as it is built.
         self._build_offloaders()
         self._offload_idle_state()
-        return {"timing_s/init_roles": time.perf_counter() - t0, "memory/cpu_rss_gb": rss_gb()}
+        self.events.append("rollout.build")
+        self.rollout = self._build_rollout()
+        # The engine starts from the checkpoint on disk, the actor from the same files: already in sync.
+        self._sleep_rollout()
+        return {
+            "timing_s/init_roles": time.perf_counter() - t0,
+            "memory/cpu_rss_gb": rss_gb(),
+            **memory_metrics("init"),
+        }
+
+    def _uses_hf_rollout(self) -> bool:
+        return self.config["actor_rollout_ref"]["rollout"].get("name", "vllm") == "hf"
+
+    def _sleep_rollout(self) -> None:
+        """Put the engine to sleep (``rollout.free_cache_engine``) at ``rollout.sleep_level``."""
+        rcfg = self.config["actor_rollout_ref"]["rollout"]
+        if not rcfg.get("free_cache_engine", True) or self.rollout_asleep:
+            return
+        level = int(rcfg.get("sleep_level", 1))
+        self.events.append(f"rollout.sleep(level={level})")
+        self.rollout.sleep(level)
+        self.rollout_asleep = True
+        empty_cache()
+
+    def _wake_rollout(self, tag: str) -> None:
+        self.events.append(f"rollout.wake_up({tag})")
+        self.rollout.wake_up([tag])
+        self.rollout_asleep = False
 
     def _build_offloaders(self) -> None:
         arr = self.config["actor_rollout_ref"]
@@ -144,7 +175,7 @@ class WorkerDict:
             "actor", self.actor.model, self.actor.optimizer, arr["actor"].get("fsdp_config"), self.events
         )
         # The HF rollout generates with the actor's own parameters: they stay (validated at start-up).
-        self.actor_mem.param_offload &= not isinstance(self.rollout, HFRollout)
+        self.actor_mem.param_offload &= not self._uses_hf_rollout()
         if self.ref is not None:
             self.ref_mem = Offloader.from_fsdp_config(
                 "ref", self.ref.model, None, arr["ref"].get("fsdp_config"), self.events
@@ -169,8 +200,13 @@ class WorkerDict:
         empty_cache()
 
     @contextmanager
-    def _resident(self) -> Iterator[None]:
-        """Every offloaded model and optimizer on the device inside the block (checkpoints, export)."""
+    def _resident(self, *, engine_sleeps: bool = False) -> Iterator[None]:
+        """Every offloaded model and optimizer on the device inside the block (checkpoints, export).
+
+        ``engine_sleeps``: an awake engine sleeps first, as at start-up, so the state coming back fits
+        (at level 2 its weights are gone: the driver re-streams them before the next rollout)."""
+        if engine_sleeps:
+            self._sleep_rollout()
         with ExitStack() as stack:
             for mem in (self.actor_mem, self.ref_mem, self.critic_mem):
                 if mem is not None:
@@ -208,20 +244,11 @@ class WorkerDict:
         """Sample one response per row of this rank's shard, then put the engine to sleep and bring the
         actor's parameters back. The engine's weights must be current (`sync_weights` after every update,
         and after every level-2 sleep: the driver tracks both)."""
-        rcfg = self.config["actor_rollout_ref"]["rollout"]
-        self.events.append("rollout.wake_up(weights)")
-        self.rollout.wake_up(["weights"])  # a no-op after sync_weights woke them
-        self.events.append("rollout.wake_up(kv_cache)")
-        self.rollout.wake_up(["kv_cache"])
+        self._wake_rollout("weights")  # a no-op after sync_weights woke them
+        self._wake_rollout("kv_cache")
         self.events.append("rollout.generate")
         out = self.rollout.generate(_to_device(batch), sampling).cpu()
-        if rcfg.get("free_cache_engine", True):
-            level = int(rcfg.get("sleep_level", 1))
-            self.events.append(f"rollout.sleep(level={level})")
-            self.rollout.sleep(level)
-            empty_cache()
-        set_expandable_segments(True)
-        self.events.append("allocator.expandable_segments(on)")
+        self._sleep_rollout()
         self.last_rollout_memory = memory_metrics("rollout")
         assert self.actor_mem is not None
         self.actor_mem.load_params()
@@ -254,6 +281,9 @@ class WorkerDict:
         metrics.update(memory_metrics("update"))
         metrics.update(self.last_rollout_memory)
         metrics["memory/peak_rss_gb"] = peak_rss_gb()
+        for mem in (self.actor_mem, self.ref_mem, self.critic_mem):
+            if mem is not None:
+                metrics.update(mem.host_metrics())
         # Gradients are not needed until the next backward; the optimizer state not until the next step.
         self.actor.model.zero_grad(set_to_none=True)
         self.actor_mem.offload_optimizer()
@@ -294,14 +324,11 @@ class WorkerDict:
         if isinstance(self.rollout, HFRollout):
             return {"timing_s/sync_weights_inner": 0.0, **memory_metrics("sync")}
         t0 = time.perf_counter()
-        # The engine allocates from here on: give it the cached blocks and plain (non-expandable) segments.
+        # The engine allocates from here on: give it the cached blocks.
         empty_cache()
         self.events.append("empty_cache")
-        set_expandable_segments(False)
-        self.events.append("allocator.expandable_segments(off)")
         self.actor_mem.load_params()
-        self.events.append("rollout.wake_up(weights)")
-        self.rollout.wake_up(["weights"])
+        self._wake_rollout("weights")
         stats = StreamStats()
         self.rollout.update_weights(self.actor.stream_weights(stats), reset_prefix_cache=reset_prefix_cache)
         self.events.append("rollout.update_weights")
@@ -321,7 +348,7 @@ class WorkerDict:
     def save_checkpoint(self, ckpt_dir: str) -> dict[str, float]:
         """This rank's shards of the actor (and critic) with optimizer and RNG state. No collectives."""
         assert self.actor is not None
-        with self._resident():
+        with self._resident(engine_sleeps=True):
             info = save_fsdp_state(
                 self.actor.model,
                 self.actor.optimizer,
@@ -338,7 +365,7 @@ class WorkerDict:
     def load_checkpoint(self, ckpt_dir: str) -> dict[str, float]:
         """Restore what `save_checkpoint` wrote. The rollout engine is refreshed by the next sync."""
         assert self.actor is not None
-        with self._resident():
+        with self._resident(engine_sleeps=True):
             extra = load_fsdp_state(
                 self.actor.model, self.actor.optimizer, shard_prefix(ckpt_dir, self.rank, "actor")
             )
@@ -352,7 +379,7 @@ class WorkerDict:
     def export_hf(self, out_dir: str) -> list[str]:
         """Write the current policy as a Hugging Face folder (rank 0 writes). Collective."""
         assert self.actor is not None
-        with self._resident():
+        with self._resident(engine_sleeps=True):
             return export_hf(
                 self.actor.model,
                 out_dir,
