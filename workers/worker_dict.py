@@ -123,9 +123,9 @@ class WorkerDict:
 
         arr = self.config["actor_rollout_ref"]
         model_cfg = arr["model"]
-        from fusedrl.config import import_plugin
-
         for module in self.config["algorithm"].get("custom_modules") or []:
+            from fusedrl.config import import_plugin  # only here: the GPU check runs without omegaconf
+
             import_plugin(str(module))  # user losses / estimators must be registered in this process too
         roles = self.config["_roles"]
         self.actor = ActorRole(model_cfg, arr["actor"], rollout_n=int(arr["rollout"]["n"]))

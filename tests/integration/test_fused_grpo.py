@@ -30,6 +30,8 @@ def trainer(tiny_model_dir, arithmetic_data, tmp_path_factory):
             "actor_rollout_ref.rollout.n=4",
             "actor_rollout_ref.rollout.temperature=0.8",
             "actor_rollout_ref.rollout.dtype=float32",
+            "actor_rollout_ref.rollout.free_cache_engine=true",
+            "actor_rollout_ref.rollout.sleep_level=1",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
             "actor_rollout_ref.actor.optim.lr=2e-3",
@@ -219,16 +221,13 @@ def test_sync_holds_no_second_copy(trainer, tiny_model_dir):
 def test_memory_choreography_order(trainer):
     events = trainer.workers.run_all(lambda w: w.get_events.remote())
     for ev in events:
-        assert ev[:5] == [
+        assert ev[:6] == [
+            "rollout.build",
+            "rollout.sleep(level=1)",  # right after building: the engine gives its memory back
             "rollout.wake_up(weights)",
             "rollout.wake_up(kv_cache)",
             "rollout.generate",
             "rollout.sleep(level=1)",
-            "allocator.expandable_segments(on)",
         ]
         i = ev.index("rollout.update_weights")
-        assert ev[i - 3 : i] == [
-            "empty_cache",
-            "allocator.expandable_segments(off)",
-            "rollout.wake_up(weights)",
-        ]
+        assert ev[i - 2 : i] == ["empty_cache", "rollout.wake_up(weights)"]
