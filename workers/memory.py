@@ -171,7 +171,8 @@ class Offloader:
         if self.params_on_device:
             return
         move_params(self.model, self.device)
-        self._param_host = self._release(self._param_host)
+        self._release(self._param_host)
+        self._param_host = None
         self._state_bytes["params"] = 0
         self.params_on_device = True
         self.events.append(f"{self.name}.load_params")
@@ -194,7 +195,8 @@ class Offloader:
             return
         assert self.optimizer is not None
         move_optimizer_state(self.optimizer, self.device)
-        self._optim_host = self._release(self._optim_host)
+        self._release(self._optim_host)
+        self._optim_host = None
         self._state_bytes["optimizer"] = 0
         self.optimizer_on_device = True
         self.events.append(f"{self.name}.load_optimizer")
@@ -206,10 +208,10 @@ class Offloader:
         return HostBuffer(tensors, pin=self.device == "cuda")
 
     def _release(self, host: HostBuffer | None) -> None:
-        """The state is back on the device: nothing refers to the host copy any more; free it."""
+        """The state is back on the device: nothing refers to the host copy any more; free it. (On CPU the
+        state stays in the buffer's memory: dropping our reference is all there is to do.)"""
         if host is not None and self.device != "cpu":
             host.release()
-        return None
 
     def _record_offload(self, kind: str, tensors: list[torch.Tensor]) -> None:
         self._state_bytes[kind] = local_bytes({id(t): t for t in tensors}.values())
@@ -222,8 +224,8 @@ class Offloader:
 
     def host_metrics(self) -> dict[str, float]:
         """``memory/<role>_host_bytes_per_offloaded_byte``: host memory taken per byte of offloaded state
-        (1.0 plus alignment slack with host buffers; 0 when nothing went to exactly-sized buffers)."""
-        if self.offloaded_bytes == 0:
+        (1.0 plus alignment slack; absent on CPU, where offloading copies nothing)."""
+        if self.offloaded_bytes == 0 or self.peak_host_bytes == 0:
             return {}
         return {
             f"memory/{self.name}_offloaded_gb": self.offloaded_bytes / _GB,
