@@ -363,15 +363,21 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
+    # The driver's moves of one step (PPOTrainer.generate / compute_*_log_probs / update_actor), in order.
+    worker.rollout_wake_up(["weights", "kv_cache"])
     out = worker.rollout_generate(
         batch.select_fields("prompts", "prompt_mask", "sample_seeds"),
         SamplingConfig(max_tokens=response_length, temperature=temperature),
     )
+    worker.rollout_sleep()
+    worker.load_actor()
     t_gen = time.perf_counter() - t0
     batch.update_from(out, "responses", "response_mask", "rollout_log_probs")
     inputs = batch.select_fields("prompts", "prompt_mask", "responses", "response_mask")
     batch.old_log_probs = worker.actor_compute_log_prob(inputs, temperature)
+    worker.load_ref()
     batch.ref_log_probs = worker.ref_compute_log_prob(inputs, temperature)
+    worker.offload_ref()
     # A reward that varies within each group: the share of even token ids, on the last response token.
     mask = batch.response_mask.float()  # [B, Tr]
     score = ((batch.responses % 2 == 0).float() * mask).sum(1) / mask.sum(1).clamp(min=1)  # [B]
@@ -385,7 +391,9 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
     update_in = batch.select_fields(
         "prompts", "prompt_mask", "responses", "response_mask", "old_log_probs", "advantages", "ref_log_probs"
     )
+    worker.load_actor(optimizer=True)
     metrics = worker.actor_update(update_in, temperature)
+    worker.offload_actor(params=False, optimizer=True)
     if cuda:
         torch.cuda.synchronize()
     step_s = time.perf_counter() - t0

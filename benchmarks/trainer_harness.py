@@ -10,7 +10,7 @@ from collections.abc import Iterator
 def trainer_for(preset: str, workers: int, extra: list[str], out_dir: str) -> Iterator:
     from benchmarks.common import arithmetic_data, model_dir
     from fusedrl.config import load_config
-    from fusedrl.trainer.ppo_trainer import started_trainer
+    from fusedrl.trainer.runtime import started_trainer
 
     cfg = load_config(
         [

@@ -122,7 +122,7 @@ def _get(cfg: DictConfig, key: str) -> Any:
 
 def validate(cfg: DictConfig) -> None:
     """Check a composed config; raise one `ConfigError` listing every problem."""
-    from fusedrl.algorithms import list_adv_estimators, list_policy_losses
+    from fusedrl.algorithms import get_adv_traits, list_adv_estimators, list_policy_losses
     from fusedrl.algorithms.losses import LOSS_AGG_MODES as AGG_MODES
 
     problems: list[str] = []
@@ -224,10 +224,11 @@ def validate(cfg: DictConfig) -> None:
         est in list_adv_estimators(),
         f"`algorithm.adv_estimator`={est!r}: unknown. Known: {', '.join(list_adv_estimators())}.",
     )
-    if est in ("grpo", "rloo") and n is not None and n < 2:
+    min_group = get_adv_traits(est).min_group_size if est in list_adv_estimators() else 1
+    if n is not None and n < min_group:
         problems.append(
             f"`actor_rollout_ref.rollout.n`={n}: `{est}` compares samples of the same prompt, so every advantage "
-            "would be 0. Use n >= 2."
+            f"would be 0. Use n >= {min_group}."
         )
     actor = cfg.actor_rollout_ref.actor
     mode = actor.policy_loss.loss_mode
@@ -411,30 +412,24 @@ def _token_budget_problems(cfg: DictConfig) -> list[str]:
 
 
 def import_plugin(spec: str) -> None:
-    """Import a user module for the estimators / losses it registers: ``pkg.module`` or ``/path/file.py``."""
-    import importlib
+    """Import a user module for the estimators / losses it registers: ``pkg.module`` or ``/path/file.py``
+    (once per module; two files with the same name in different folders are two modules)."""
+    from fusedrl.plugins import load_module
 
-    if spec.endswith(".py") or os.sep in spec:
-        import importlib.util
-
-        name = "fusedrl_plugin_" + Path(spec).stem
-        if name in sys.modules:  # imported already (validation, then the trainer): register once
-            return
-        loader_spec = importlib.util.spec_from_file_location(name, spec)
-        if loader_spec is None or loader_spec.loader is None or not os.path.isfile(spec):
-            raise ImportError(f"no such file: {spec}")
-        module = importlib.util.module_from_spec(loader_spec)
-        loader_spec.loader.exec_module(module)
-        sys.modules[name] = module
-    else:
-        importlib.import_module(spec)
+    load_module(spec)
 
 
 def needed_roles(cfg: DictConfig) -> dict[str, bool]:
-    """Which optional roles the fused workers must build: decided here once, passed to the workers."""
+    """Which optional roles the fused workers must build: decided here once, passed to the workers.
+
+    The critic comes from the estimator's declared needs (an unknown estimator, reported by `validate`,
+    needs nothing here)."""
+    from fusedrl.algorithms import get_adv_traits, list_adv_estimators
+
+    est = str(cfg.algorithm.adv_estimator)
     return {
         "ref": bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward),
-        "critic": cfg.algorithm.adv_estimator == "gae",
+        "critic": est in list_adv_estimators() and get_adv_traits(est).needs_critic,
         "reward_model": bool(cfg.reward_model.enable),
     }
 

@@ -17,15 +17,22 @@ def varied_score(data_source, solution_str, ground_truth, extra_info=None) -> fl
 
 @contextmanager
 def started_trainer(
-    overrides: Sequence[str], *, compute_score: Any = varied_score, trainer_cls: type | None = None
+    overrides: Sequence[str],
+    *,
+    compute_score: Any = varied_score,
+    trainer_cls: type | None = None,
+    role_groups: Sequence[Sequence[str]] | None = None,
 ) -> Iterator[Any]:
-    """`fusedrl.trainer.ppo_trainer.started_trainer` from command-line overrides, scoring with
+    """`fusedrl.trainer.runtime.started_trainer` from command-line overrides, scoring with
     `varied_score` unless told otherwise."""
     from fusedrl.config import load_config
-    from fusedrl.trainer import ppo_trainer
+    from fusedrl.trainer import runtime
 
-    with ppo_trainer.started_trainer(
-        load_config(list(overrides)), trainer_cls=trainer_cls, compute_score=compute_score
+    with runtime.started_trainer(
+        load_config(list(overrides)),
+        trainer_cls=trainer_cls,
+        compute_score=compute_score,
+        role_groups=role_groups,
     ) as trainer:
         yield trainer
 

@@ -24,13 +24,8 @@ import torch
 from safetensors import safe_open
 
 from fusedrl.checkpoint import ACTOR_DIR, CheckpointError, checkpoint_problem
-from fusedrl.workers.checkpoint_io import (
-    DEFAULT_MAX_SHARD_BYTES,
-    MODEL_PREFIX,
-    HFShardWriter,
-    copy_hf_side_files,
-    read_sidecar,
-)
+from fusedrl.workers.checkpoint_io import MODEL_PREFIX, read_sidecar
+from fusedrl.workers.export import DEFAULT_MAX_SHARD_BYTES, HFShardWriter, copy_hf_side_files
 from fusedrl.workers.fsdp import to_dtype
 
 _RANK_FILE = re.compile(r"^rank_(\d+)\.safetensors$")

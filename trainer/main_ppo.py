@@ -15,7 +15,7 @@ from fusedrl.config import cli_main, load_config
 
 def run_ppo(config: DictConfig, trainer_cls: type | None = None) -> dict[str, float]:
     """Start Ray, build the trainer (``trainer_cls`` lets a user plug in a subclass), train, clean up."""
-    from fusedrl.trainer.ppo_trainer import started_trainer
+    from fusedrl.trainer.runtime import started_trainer
 
     with started_trainer(config, trainer_cls=trainer_cls) as trainer:
         return trainer.fit()

@@ -16,35 +16,28 @@ Quickstart (CPU, two fused workers, a tiny model built locally)::
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from fusedrl.algorithms import get_adv_estimator
+from fusedrl.algorithms import get_adv_estimator, get_adv_traits
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
 from fusedrl.balance import apply_order, balanced_rank_order, rank_token_loads, sequence_lengths
-from fusedrl.batch import RolloutBatch, concat
+from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
 from fusedrl.data.dataset import PromptLoader, RLDataset
+from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
 from fusedrl.tracking import Tracker, timer
+from fusedrl.trainer.dynamic_sampling import GroupCollector, informative_groups
 from fusedrl.workers.rollout.base import SamplingConfig, rollout_dtype
 from fusedrl.workers.worker_dict import WorkerDict
-
-Metrics = dict[str, float]
-
-
-def _mean_over_ranks(per_rank: list[Metrics]) -> Metrics:
-    keys = per_rank[0].keys()
-    return {k: float(np.mean([m[k] for m in per_rank])) for k in keys}
 
 
 class PPOTrainer:
@@ -82,6 +75,7 @@ class PPOTrainer:
             )
         self.reward_fn = build_reward_manager(config, self.tokenizer, compute_score)
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
+        self.adv_traits = get_adv_traits(config.algorithm.adv_estimator)
         steps_per_epoch = len(self.train_loader)
         self.total_steps = int(
             config.trainer.total_training_steps or steps_per_epoch * int(config.trainer.total_epochs)
@@ -99,15 +93,40 @@ class PPOTrainer:
             kl_ctrl.type, float(kl_ctrl.kl_coef), kl_ctrl.target_kl, kl_ctrl.horizon
         )
         self.global_step = 0
-        self.group: WorkerGroup | None = None
+        self.groups: dict[str, WorkerGroup] = {}
         # The engines' weights differ from the actor's (after an update, or after a level-2 sleep threw
         # them away) until the next `sync_weights`; `generate` re-syncs first when they do.
         self.rollout_stale = False
         self._data_iter: Iterator[RolloutBatch] | None = None
 
     # ------------------------------------------------------------------ setup
-    def init_workers(self) -> None:
-        """Reserve the device slots, start one fused worker per slot, build their roles (collective)."""
+    def run_roles(self) -> list[str]:
+        """The roles this run needs: actor and rollout always, the rest as the config asks."""
+        return ["actor", "rollout", *[role for role, on in needed_roles(self.config).items() if on]]
+
+    def init_workers(self, role_groups: Sequence[Sequence[str]] | None = None) -> None:
+        """Reserve the device slots and start the workers, then build their roles (collective per group).
+
+        ``role_groups`` lists the roles each worker group holds (default: one fused group with every role
+        of `run_roles`). Every group has one worker per slot; groups after the first share the first
+        group's slots. The driver's calls are the same whatever the grouping: each goes to the group that
+        holds the role (`group_for`). The actor, the rollout and the critic stay in one group here (the
+        in-place weight stream and the checkpoint need them together).
+        """
+        needed = self.run_roles()
+        groups = [list(needed)] if role_groups is None else [list(g) for g in role_groups]
+        placed = [r for g in groups for r in g]
+        problems = [f"role {r!r} is not placed" for r in needed if r not in placed]
+        problems += [f"role {r!r} is placed twice" for r in set(placed) if placed.count(r) > 1]
+        problems += [f"role {r!r} is not used by this run" for r in set(placed) - set(needed)]
+        home = next((g for g in groups if "actor" in g), [])
+        problems += [
+            f"role {r!r} must share the actor's group"
+            for r in ("rollout", "critic")
+            if r in placed and r not in home
+        ]
+        if problems:
+            raise ValueError(f"init_workers(role_groups={groups}): " + "; ".join(sorted(problems)))
         cfg = self.config.trainer
         pool = ResourcePool(
             slots_per_node=int(cfg.n_gpus_per_node), nnodes=int(cfg.nnodes), use_gpu=torch.cuda.is_available()
@@ -121,23 +140,35 @@ class PPOTrainer:
                 else self.tokenizer.eos_token_id
             ),
         }
-        worker_config["_roles"] = needed_roles(self.config)
-        self.group = WorkerGroup.start(
-            WorkerDict, pool, worker_config, init=lambda w, addr, port: w.init_roles.remote(addr, port)
-        )
+        self.groups = {}
+        for i, roles in enumerate(groups):
+            group = WorkerGroup.start(
+                WorkerDict,
+                pool,
+                worker_config,
+                init=lambda w, addr, port: w.init_roles.remote(addr, port),
+                roles=roles,
+                share_slots=i > 0,
+            )
+            self.groups.update(dict.fromkeys(roles, group))
         # The engines went to sleep right after they were built; at level 2 their weights are gone.
         self.rollout_stale = self.rollout_discards_weights
 
+    def group_for(self, role: str) -> WorkerGroup:
+        """The worker group holding ``role``."""
+        if role not in self.groups:
+            raise RuntimeError(f"no worker group holds {role!r} (call init_workers() first)")
+        return self.groups[role]
+
     @property
     def workers(self) -> WorkerGroup:
-        if self.group is None:
-            raise RuntimeError("call init_workers() first")
-        return self.group
+        """The group holding the actor (and the rollout): the fused workers."""
+        return self.group_for("actor")
 
     def close(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
+        for group in {id(g): g for g in self.groups.values()}.values():
+            group.shutdown()
+        self.groups = {}
         self.tracker.close()
         close = getattr(self.reward_fn, "close", None)
         if close is not None:
@@ -285,43 +316,31 @@ class PPOTrainer:
             yield from loader
 
     def collect_batch(self, metrics: Metrics) -> RolloutBatch:
-        """Generate and score one step's samples.
-
-        With ``algorithm.filter_groups.enable`` (DAPO's dynamic sampling) groups whose samples all scored
-        the same carry no GRPO signal; they are dropped and more prompts are generated until
-        ``data.train_batch_size`` informative groups are collected (at most ``max_num_gen_batches`` rounds).
-        """
+        """Generate and score one step's samples. With ``algorithm.filter_groups.enable`` (DAPO's dynamic
+        sampling, `GroupCollector`) uninformative groups are dropped and more prompts generated."""
         fg = self.config.algorithm.filter_groups
         n = int(self.config.actor_rollout_ref.rollout.n)
-        want = int(self.config.data.train_batch_size)
-        kept: list[RolloutBatch] = []
-        num_groups = 0
-        for round_index in range(10**9):
+        collector = GroupCollector(
+            want=int(self.config.data.train_batch_size),
+            n=n,
+            max_rounds=int(fg.max_num_gen_batches),
+            keep=self.filter_groups,
+        )
+        for round_index in itertools.count():
             prompts = self.next_prompts()
             with timer("gen", metrics):
                 batch = self.generate(prompts, seed_offset=round_index)
             with timer("reward", metrics):
                 batch = self.compute_rewards(batch, metrics)
-            if getattr(self.adv_fn, "needs_greedy_baseline", False):
+            if self.adv_traits.needs_greedy_baseline:
                 with timer("gen_baseline", metrics):
                     batch = self.compute_reward_baselines(prompts, batch)
             if not fg.enable:
                 return batch
-            batch = self.filter_groups(batch)
-            kept.append(batch)
-            num_groups += batch.num_samples // n
             metrics["filter_groups/num_gen_batches"] = float(round_index + 1)
-            if num_groups >= want:
-                return concat(kept)[: want * n]
-            limit = int(fg.max_num_gen_batches)
-            if limit > 0 and round_index + 1 >= limit:
-                raise RuntimeError(
-                    f"dynamic sampling found only {num_groups} of {want} groups with differing rewards after "
-                    f"{limit} generation rounds (algorithm.filter_groups.max_num_gen_batches). The task is too "
-                    "easy or too hard for the policy: raise max_num_gen_batches, change the data, or disable "
-                    "algorithm.filter_groups.enable."
-                )
-        raise AssertionError("unreachable")
+            if (done := collector.add(batch)) is not None:
+                return done
+        raise AssertionError("itertools.count() does not end")
 
     def balance_batch(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Reorder rows so each DP rank's contiguous shard carries about the same real tokens
@@ -338,13 +357,7 @@ class PPOTrainer:
 
     def filter_groups(self, batch: RolloutBatch) -> RolloutBatch:
         """Keep only groups (rows sharing a uid) whose sequence scores are not all equal."""
-        scores = batch.token_level_scores.sum(-1)  # [B]
-        uids = batch.field_list("uid")
-        by_uid: dict[str, list[int]] = {}
-        for i, u in enumerate(uids):
-            by_uid.setdefault(u, []).append(i)
-        keep = [i for rows in by_uid.values() if float(scores[rows].std()) > 0 for i in rows]
-        return batch[torch.tensor(keep, dtype=torch.long)]
+        return informative_groups(batch)
 
     # ------------------------------------------------------------------ steps
     @property
@@ -373,7 +386,11 @@ class PPOTrainer:
     def generate(
         self, prompts: RolloutBatch, *, validate: bool = False, seed_offset: int = 0
     ) -> RolloutBatch:
-        """Repeat each prompt ``n`` times and sample one response per row on the fused workers.
+        """Repeat each prompt ``n`` times and sample one response per row on the rollout workers.
+
+        The rollout phase's memory moves, in order: re-stream the weights if the engine's are stale (an
+        update since the last stream, or a level-2 sleep threw them away) -> wake the engine -> generate ->
+        the engine sleeps -> the actor's parameters come back for the log-prob passes.
 
         Each row gets its own sampling seed, a function of (``rollout.seed``, step, round, row): a resumed
         run regenerates exactly the samples the uninterrupted run would have.
@@ -386,15 +403,19 @@ class PPOTrainer:
         # Group ids unique to this generation call, so groups never merge across rounds or epochs.
         batch.uid = [f"{u}@{self.global_step}.{seed_offset}" for u in batch.field_list("uid")]
         sampling = self.sampling(validate)
-        if self.rollout_stale:
-            self.sync_weights()
         to_send = batch.select_fields("prompts", "prompt_mask", "sample_seeds")
         tp = int(self.config.actor_rollout_ref.rollout.tensor_model_parallel_size)
-        shards = self.workers.run_split(
+        rollout = self.group_for("rollout")
+        if self.rollout_stale:
+            self.sync_weights()
+        rollout.queue_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
+        shards = rollout.run_split(
             lambda w, shard: w.rollout_generate.remote(shard, sampling), to_send, replicas=tp
         )
+        rollout.queue_all(lambda w: w.rollout_sleep.remote())
         self.rollout_stale = self.rollout_discards_weights
-        out = self.workers.gather_batches(shards, to_send)
+        self.group_for("actor").queue_all(lambda w: w.load_actor.remote())
+        out = rollout.gather_batches(shards, to_send)
         return batch.update_from(out, "responses", "response_mask", "rollout_log_probs")
 
     def compute_rewards(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
@@ -410,8 +431,9 @@ class PPOTrainer:
     def compute_reward_model_scores(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Sequence scores from the reward-model role, placed on each response's last token."""
         inputs = self._model_inputs(batch)
-        parts = self.workers.run_split(lambda w, shard: w.reward_model_compute_scores.remote(shard), inputs)
-        seq_scores = self.workers.gather_tensors(parts, inputs)  # [B]
+        rm = self.group_for("reward_model")
+        parts = rm.run_split(lambda w, shard: w.reward_model_compute_scores.remote(shard), inputs)
+        seq_scores = rm.gather_tensors(parts, inputs)  # [B]
         last = (batch.response_mask.sum(-1) - 1).clamp(min=0)  # [B]
         scores = torch.zeros(batch.response_mask.shape, dtype=torch.float32)  # [B, Tr]
         scores[torch.arange(batch.num_samples), last] = seq_scores * (batch.response_mask.sum(-1) > 0)
@@ -456,22 +478,29 @@ class PPOTrainer:
         """``old_log_probs``: the actor's log-probs of the samples before this step's update."""
         t = self.temperature
         inputs = self._model_inputs(batch)
-        parts = self.workers.run_split(lambda w, shard: w.actor_compute_log_prob.remote(shard, t), inputs)
-        batch.old_log_probs = self.workers.gather_tensors(parts, inputs)
+        actor = self.group_for("actor")
+        actor.queue_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
+        parts = actor.run_split(lambda w, shard: w.actor_compute_log_prob.remote(shard, t), inputs)
+        batch.old_log_probs = actor.gather_tensors(parts, inputs)
         return batch
 
     def compute_ref_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
         t = self.temperature
         inputs = self._model_inputs(batch)
-        parts = self.workers.run_split(lambda w, shard: w.ref_compute_log_prob.remote(shard, t), inputs)
-        batch.ref_log_probs = self.workers.gather_tensors(parts, inputs)
+        ref = self.group_for("ref")
+        ref.queue_all(lambda w: w.load_ref.remote())
+        parts = ref.run_split(lambda w, shard: w.ref_compute_log_prob.remote(shard, t), inputs)
+        ref.queue_all(lambda w: w.offload_ref.remote())
+        batch.ref_log_probs = ref.gather_tensors(parts, inputs)
         return batch
 
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
         """Critic values ``V(s_t)`` of every response position (PPO with GAE)."""
         inputs = self._model_inputs(batch)
-        parts = self.workers.run_split(lambda w, shard: w.critic_compute_values.remote(shard), inputs)
-        batch.critic_values = self.workers.gather_tensors(parts, inputs)
+        critic = self.group_for("critic")
+        critic.queue_all(lambda w: w.load_critic.remote())
+        parts = critic.run_split(lambda w, shard: w.critic_compute_values.remote(shard), inputs)
+        batch.critic_values = critic.gather_tensors(parts, inputs)
         return batch
 
     def update_critic(self, batch: RolloutBatch) -> Metrics:
@@ -479,8 +508,11 @@ class PPOTrainer:
         inputs = batch.select_fields(
             "prompts", "prompt_mask", "responses", "response_mask", "critic_values", "returns"
         )
-        per_rank = self.workers.run_split(lambda w, shard: w.critic_update.remote(shard), inputs)
-        return _mean_over_ranks(per_rank)
+        critic = self.group_for("critic")
+        critic.queue_all(lambda w: w.load_critic.remote(optimizer=True))
+        per_rank = critic.run_split(lambda w, shard: w.critic_update.remote(shard), inputs)
+        critic.queue_all(lambda w: w.offload_critic.remote())
+        return mean_over_ranks(per_rank)
 
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
         """A registered pure function of the batch (``algorithm.adv_estimator``)."""
@@ -506,15 +538,28 @@ class PPOTrainer:
             fields.append("ref_log_probs")
         inputs = batch.select_fields(*fields)
         t = self.temperature
-        per_rank = self.workers.run_split(lambda w, shard: w.actor_update.remote(shard, t), inputs)
+        actor = self.group_for("actor")
+        # The optimizer state is on the device only for the update.
+        actor.queue_all(lambda w: w.load_actor.remote(optimizer=True))
+        per_rank = actor.run_split(lambda w, shard: w.actor_update.remote(shard, t), inputs)
+        actor.queue_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
         self.rollout_stale = True
-        return _mean_over_ranks(per_rank)
+        return mean_over_ranks(per_rank)
 
     def sync_weights(self) -> Metrics:
-        """Stream the updated policy into every rollout engine in place (collective)."""
-        per_rank = self.workers.run_all(lambda w: w.sync_weights.remote())
+        """Stream the updated policy into every rollout engine in place (collective).
+
+        Moves, in order: the engine's allocator is prepared -> the actor's shards are on the device ->
+        the engine's weights wake -> one full tensor at a time into the engine -> the shards leave again.
+        """
+        actor, rollout = self.group_for("actor"), self.group_for("rollout")
+        rollout.queue_all(lambda w: w.prepare_weight_update.remote())
+        actor.queue_all(lambda w: w.load_actor.remote())
+        rollout.queue_all(lambda w: w.rollout_wake_up.remote(["weights"]))
+        per_rank = actor.run_all(lambda w: w.update_weights.remote())
+        actor.queue_all(lambda w: w.offload_actor.remote(params=True, optimizer=False))
         self.rollout_stale = False
-        return _mean_over_ranks(per_rank)
+        return mean_over_ranks(per_rank)
 
     @property
     def rollout_discards_weights(self) -> bool:
@@ -538,74 +583,5 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ metrics
     def batch_metrics(self, batch: RolloutBatch, step_time: float) -> Metrics:
-        mask = batch.response_mask.float()  # [B, Tr]
-        lengths = mask.sum(-1)  # [B]
-        scores = batch.token_level_scores.sum(-1)  # [B]
-        adv = batch.advantages[batch.response_mask.bool()]  # [N valid]
-        diff = (batch.rollout_log_probs - batch.old_log_probs).abs()[batch.response_mask.bool()]  # [N valid]
-        prompt_tokens = float(batch.prompt_mask.sum())
-        return {
-            "critic/score/mean": float(scores.mean()),
-            "critic/score/max": float(scores.max()),
-            "critic/score/min": float(scores.min()),
-            "critic/advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
-            "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
-            "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
-            "prompt_length/mean": prompt_tokens / batch.num_samples,
-            # Rollout vs trainer log-probs of the same tokens: ~0 when the weight sync is right.
-            "rollout/log_prob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
-            "rollout/log_prob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
-            "perf/total_num_tokens": prompt_tokens + float(lengths.sum()),
-            "perf/throughput": (prompt_tokens + float(lengths.sum())) / max(step_time, 1e-9),
-            "training/global_step": float(self.global_step),
-        }
-
-
-@contextlib.contextmanager
-def started_trainer(
-    config: DictConfig, *, trainer_cls: type | None = None, compute_score: Any = None
-) -> Iterator[PPOTrainer]:
-    """Ray up (`init_ray`), the trainer built (``trainer_cls``: a user subclass) and its fused workers
-    started; on exit the workers and trackers are closed, and Ray is shut down if this call started it."""
-    import ray
-
-    owns_ray = not ray.is_initialized()
-    init_ray(config)
-    kwargs = {} if compute_score is None else {"compute_score": compute_score}
-    trainer = (trainer_cls or PPOTrainer)(config, **kwargs)
-    try:
-        trainer.init_workers()
-        yield trainer
-    finally:
-        trainer.close()
-        if owns_ray:
-            ray.shutdown()
-
-
-def init_ray(config: DictConfig) -> None:
-    """Start a local Ray runtime sized for the run (no dashboard; workers get the engine env vars)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    slots = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
-    num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, slots)
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "TOKENIZERS_PARALLELISM": "false",
-        # vLLM's INFO lines (one per request batch, per reload) would drown the per-step log.
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-    }
-    for key in ("PYTHONPATH", "HF_HUB_OFFLINE", "OMP_NUM_THREADS"):
-        if key in os.environ:
-            env[key] = os.environ[key]
-    ray.init(
-        num_cpus=int(num_cpus),
-        include_dashboard=False,
-        object_store_memory=int(float(config.trainer.ray_object_store_gb) * (1 << 30)),
-        runtime_env={"env_vars": env},
-        logging_level=logging.WARNING,
-    )
+        """Per-step metrics of the finished batch (`fusedrl.metrics.batch_metrics`); a hook to extend."""
+        return batch_metrics(batch, step_time, self.global_step)

@@ -308,9 +308,7 @@ class SFTTrainer:
 
     def run_split(self, call: Callable[[Any, Batch], ray.ObjectRef], batch: Batch) -> list[Any]:
         """Shard a dict batch by DP rank (padding rows carry loss_mask 0), call each rank on its shard."""
-        group = self.workers
-        shards = shard_batch(batch, group.world_size)
-        return ray.get([call(w, shard) for w, shard in zip(group.workers, shards)])
+        return self.workers.run_shards(call, shard_batch(batch, self.workers.world_size))
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Metrics:
@@ -434,7 +432,7 @@ def run_sft(config: DictConfig) -> Metrics:
 
     ``config`` is a composed SFT config, e.g. ``load_sft_config(["data.train_files=...", ...])``.
     """
-    from fusedrl.trainer.ppo_trainer import init_ray
+    from fusedrl.trainer.runtime import init_ray
 
     validate_sft(config)
     init_ray(config)

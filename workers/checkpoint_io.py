@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,7 +33,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fusedrl.checkpoint import CheckpointError, capture_rng_state, fsync_file, restore_rng_state
-from fusedrl.workers.fsdp import stream_full_tensors
 
 SHARD_FORMAT = "fusedrl.fsdp_shard"
 SHARD_FORMAT_VERSION = 1
@@ -42,22 +40,6 @@ MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
 RNG_CPU_KEY = "rng.torch_cpu"
 RNG_CUDA_KEY = "rng.torch_cuda"
-DEFAULT_MAX_SHARD_BYTES = 1 << 30
-
-# Files copied next to the exported weights so the folder is a complete HF model.
-HF_SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "tokenizer.model",
-)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -86,7 +68,7 @@ def _to_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
 
-def _aliases(model: nn.Module, names: Iterable[str]) -> dict[str, str]:
+def tied_aliases(model: nn.Module, names: Iterable[str]) -> dict[str, str]:
     """``{alias: first name}`` for state-dict entries that are the same parameter (tied weights)."""
     wanted = set(names)
     first: dict[int, str] = {}
@@ -130,12 +112,12 @@ def _json_value(key: str, value: Any, where: str) -> Any:
     return value
 
 
-def _save_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
     save_file(_unshare(tensors), path, metadata={"format": "pt"})
     fsync_file(path)
 
 
-def _write_json(obj: Any, path: str) -> None:
+def write_json(obj: Any, path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)
         f.flush()
@@ -166,7 +148,7 @@ def save_fsdp_state(
     tensors: dict[str, torch.Tensor] = {}
     entries = []
     state = model.state_dict()
-    aliases = _aliases(model, state.keys())
+    aliases = tied_aliases(model, state.keys())
     for name, value in state.items():
         if name in aliases:
             continue
@@ -234,8 +216,8 @@ def save_fsdp_state(
     }
     json.dumps(sidecar)  # fail before writing anything if ``extra`` is not JSON
     tensor_path = path_prefix + ".safetensors"
-    _save_safetensors(tensors, tensor_path)
-    _write_json(sidecar, path_prefix + ".json")
+    save_safetensors(tensors, tensor_path)
+    write_json(sidecar, path_prefix + ".json")
     return {"bytes": os.path.getsize(tensor_path)}
 
 
@@ -268,7 +250,7 @@ def _check_layout(model: nn.Module, meta: dict[str, Any], where: str) -> dict[st
             "start a new run from the exported model"
         )
     state = model.state_dict()
-    aliases = _aliases(model, state.keys())
+    aliases = tied_aliases(model, state.keys())
     expected = [n for n in state if n not in aliases]
     saved = [e["name"] for e in meta["entries"]]
     if saved != expected:
@@ -426,122 +408,3 @@ def _load_optimizer(
         group["params"] = [index[n] for n in g_saved["params"]]
         groups.append(group)
     optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
-
-
-# ---------------------------------------------------------------------- HF export
-class HFShardWriter:
-    """Writes ``(name, tensor)`` pairs into HF safetensors shards of at most ``max_shard_bytes`` each.
-
-    Holds at most one shard's worth of tensors: when the next tensor would overflow the current shard, the
-    shard is saved and freed. `close` names the files ``model.safetensors`` (one shard) or
-    ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
-    """
-
-    def __init__(
-        self, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None
-    ) -> None:
-        self.out_dir = out_dir
-        self.max_shard_bytes = int(max_shard_bytes)
-        self.dtype = dtype
-        os.makedirs(out_dir, exist_ok=True)
-        for name in os.listdir(out_dir):  # never mix with weights of an earlier export
-            if name.startswith("model") and (name.endswith(".safetensors") or name.endswith(".index.json")):
-                os.remove(os.path.join(out_dir, name))
-        self._buffer: dict[str, torch.Tensor] = {}
-        self._buffer_bytes = 0
-        self._files: list[tuple[str, list[str]]] = []
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        t = tensor.detach()
-        if self.dtype is not None and t.is_floating_point():
-            t = t.to(self.dtype)
-        t = t.to("cpu").contiguous()
-        nbytes = t.numel() * t.element_size()
-        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        self._buffer[name] = t
-        self._buffer_bytes += nbytes
-        self.total_bytes += nbytes
-
-    def _flush(self) -> None:
-        if not self._buffer:
-            return
-        path = os.path.join(self.out_dir, f"model.part{len(self._files):05d}.safetensors")
-        _save_safetensors(self._buffer, path)
-        self._files.append((path, list(self._buffer)))
-        self._buffer, self._buffer_bytes = {}, 0
-
-    def close(self) -> list[str]:
-        """Save the last shard, give the files their final names and write the index. Returns the files."""
-        self._flush()
-        if not self._files:
-            raise ValueError("HFShardWriter: no tensors were written")
-        n = len(self._files)
-        if n == 1:
-            final = os.path.join(self.out_dir, "model.safetensors")
-            os.replace(self._files[0][0], final)
-            return [final]
-        weight_map: dict[str, str] = {}
-        finals = []
-        for k, (path, names) in enumerate(self._files, start=1):
-            fname = f"model-{k:05d}-of-{n:05d}.safetensors"
-            os.replace(path, os.path.join(self.out_dir, fname))
-            finals.append(os.path.join(self.out_dir, fname))
-            weight_map.update(dict.fromkeys(names, fname))
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        _write_json(index, os.path.join(self.out_dir, "model.safetensors.index.json"))
-        return finals
-
-
-def copy_hf_side_files(src_model_dir: str, out_dir: str, dtype: torch.dtype | None = None) -> list[str]:
-    """Copy config, generation config and tokenizer files (those present) from ``src_model_dir``."""
-    copied = []
-    for name in HF_SIDE_FILES:
-        src = os.path.join(src_model_dir, name)
-        if os.path.isfile(src):
-            shutil.copyfile(src, os.path.join(out_dir, name))
-            copied.append(name)
-    if "config.json" not in copied:
-        raise FileNotFoundError(f"{src_model_dir} has no config.json; pass the original HF model folder")
-    if dtype is not None:
-        path = os.path.join(out_dir, "config.json")
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-        dtype_name = str(dtype).removeprefix("torch.")
-        for key in ("dtype", "torch_dtype"):
-            if key in config:
-                config[key] = dtype_name
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2)
-            f.write("\n")
-    return copied
-
-
-def export_hf(
-    model: nn.Module,
-    out_dir: str,
-    *,
-    src_model_dir: str,
-    rank: int,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    dtype: torch.dtype | None = None,
-) -> list[str]:
-    """Write the full model as a HF folder in ``out_dir`` (rank 0 writes; returns its files, [] elsewhere).
-
-    Collective: every rank iterates `stream_full_tensors` (one all-gather per tensor). Rank 0 keeps at most
-    one shard (``max_shard_bytes``) of gathered tensors on CPU before writing it out. Tied aliases are
-    skipped (HF re-ties them on load). ``dtype`` casts floating tensors (e.g. ``torch.bfloat16``).
-    """
-    names = list(model.state_dict().keys())
-    aliases = _aliases(model, names)
-    writer = HFShardWriter(out_dir, max_shard_bytes, dtype) if rank == 0 else None
-    for name, tensor in stream_full_tensors(model):
-        if writer is not None and name not in aliases:
-            writer.add(name, tensor)
-        del tensor
-    if writer is None:
-        return []
-    files = writer.close()
-    copy_hf_side_files(src_model_dir, out_dir, dtype)
-    return files

@@ -13,11 +13,8 @@ averages gradients over the ``W`` ranks, which turns that into ``sum(all nll) / 
 from __future__ import annotations
 
 import math
-import os
-import socket
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -26,8 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedrl.checkpoint import ACTOR_DIR, shard_prefix
-from fusedrl.workers.checkpoint_io import export_hf, load_fsdp_state, save_fsdp_state
-from fusedrl.workers.device import local_device_index
+from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
+from fusedrl.workers.distributed import join_process_group, rendezvous_address
+from fusedrl.workers.export import export_hf
 from fusedrl.workers.fsdp import apply_fsdp2, build_mesh, device_type, load_causal_lm, to_dtype
 
 Batch = dict[str, torch.Tensor]
@@ -85,12 +83,6 @@ def micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
         yield {k: v[:, :length] for k, v in mb.items()}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class SFTWorker:
     """One data-parallel rank of supervised fine-tuning. ``config`` is the resolved SFT config (plain dict)
     plus ``_total_steps`` (optimizer steps of the run, for the LR schedule) set by the driver."""
@@ -108,30 +100,20 @@ class SFTWorker:
     # ------------------------------------------------------------------ setup
     def master_address(self) -> tuple[str, int]:
         """Rank 0 is asked for the rendezvous address of torch.distributed."""
-        if int(self.config["trainer"]["nnodes"]) == 1:
-            return "127.0.0.1", _free_port()
-        return socket.gethostbyname(socket.gethostname()), _free_port()
+        return rendezvous_address(int(self.config["trainer"]["nnodes"]))
 
     def init(self, master_addr: str, master_port: int) -> dict[str, float]:
         """Join the process group and build the FSDP2 model and AdamW. Collective."""
         t0 = time.perf_counter()
-        slots = max(1, int(self.config["trainer"]["n_gpus_per_node"]))
-        local = local_device_index(self.rank, slots, device_count=torch.cuda.device_count())
-        os.environ.update(
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-            RANK=str(self.rank),
-            LOCAL_RANK=str(local),
-            WORLD_SIZE=str(self.world_size),
-            TOKENIZERS_PARALLELISM="false",
+        join_process_group(
+            rank=self.rank,
+            world_size=self.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            slots_per_node=int(self.config["trainer"]["n_gpus_per_node"]),
         )
         if device_type() == "cuda":
-            torch.cuda.set_device(local)
             self.device = torch.device("cuda", torch.cuda.current_device())
-        backend = "nccl" if device_type() == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=30)
-        )
         torch.manual_seed(int(self.config["trainer"].get("seed", 0)))
 
         model_cfg = self.config["model"]

@@ -166,7 +166,7 @@ def sft_overrides(data: dict[str, str], model_dir: str, run_dir: str, lr: float,
 
 def run_sft_stage(overrides: list[str], wall_budget_s: float | None = None) -> tuple[str, float, int]:
     """Run SFT; with ``wall_budget_s``, stop after the step that exhausts the budget. Returns (hf dir, s, steps)."""
-    from fusedrl.trainer.ppo_trainer import init_ray
+    from fusedrl.trainer.runtime import init_ray
     from fusedrl.trainer.sft_trainer import SFTTrainer, export_dir_of, load_sft_config
 
     config = load_sft_config(overrides)
@@ -227,7 +227,8 @@ def grpo_overrides(
 def run_grpo_stage(overrides: list[str], export_to: str) -> tuple[str, float]:
     """GRPO with fused workers; returns (exported HF dir, seconds in the training loop)."""
     from fusedrl.config import load_config
-    from fusedrl.trainer.ppo_trainer import PPOTrainer, init_ray
+    from fusedrl.trainer.ppo_trainer import PPOTrainer
+    from fusedrl.trainer.runtime import init_ray
 
     config = load_config(overrides)
     init_ray(config)

@@ -8,7 +8,9 @@ from fusedrl.algorithms.advantages import discounted_returns
 from fusedrl.algorithms.kl import entropy_from_logits, kl_penalty
 from fusedrl.algorithms.losses import agg_denominator, agg_loss
 from fusedrl.algorithms.registry import (
+    EstimatorTraits,
     get_adv_estimator,
+    get_adv_traits,
     get_policy_loss,
     list_adv_estimators,
     list_policy_losses,
@@ -20,11 +22,13 @@ from fusedrl.algorithms.utils import masked_mean, masked_sum, masked_var, masked
 from fusedrl.algorithms.value import value_loss
 
 __all__ = [
+    "EstimatorTraits",
     "agg_denominator",
     "agg_loss",
     "discounted_returns",
     "entropy_from_logits",
     "get_adv_estimator",
+    "get_adv_traits",
     "get_policy_loss",
     "kl_penalty",
     "list_adv_estimators",

@@ -80,7 +80,7 @@ def _group_mean_std(scores: torch.Tensor, inv: torch.Tensor, num_groups: int) ->
     return mean, std, count
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo", min_group_size=2)
 @torch.no_grad()
 def compute_grpo_advantage(
     token_level_rewards: torch.Tensor,
@@ -107,7 +107,7 @@ def compute_grpo_advantage(
     return advantages, advantages
 
 
-@register_adv_estimator("rloo")
+@register_adv_estimator("rloo", min_group_size=2)
 @torch.no_grad()
 def compute_rloo_advantage(
     token_level_rewards: torch.Tensor,
@@ -231,7 +231,7 @@ def compute_opo_advantage(
     return advantages, advantages
 
 
-@register_adv_estimator("gae")
+@register_adv_estimator("gae", needs_critic=True)
 @torch.no_grad()
 def compute_gae_advantage(
     token_level_rewards: torch.Tensor,
@@ -276,7 +276,7 @@ def compute_gae_advantage(
     return advantages, returns
 
 
-@register_adv_estimator("remax")
+@register_adv_estimator("remax", needs_greedy_baseline=True)
 @torch.no_grad()
 def compute_remax_advantage(
     token_level_rewards: torch.Tensor,
@@ -302,7 +302,3 @@ def compute_remax_advantage(
     returns = rewards.flip(-1).cumsum(-1).flip(-1)  # [B, T], reward-to-go with gamma = 1
     advantages = (returns - reward_baselines.to(mask.dtype).unsqueeze(-1)) * mask  # [B, T]
     return advantages, returns * mask
-
-
-# Estimators that need the trainer to roll out a greedy baseline before computing advantages.
-compute_remax_advantage.needs_greedy_baseline = True  # type: ignore[attr-defined]

@@ -2,16 +2,17 @@
 
 The trainer only ever looks functions up by the string found in its config, so a new algorithm is a
 decorated function in any imported module (or a file named by ``load_function``) and no trainer edit.
+An estimator declares what it needs (`EstimatorTraits`) in the same decorator. Importing this module
+imports the package ``fusedrl.algorithms`` first, whose ``__init__`` registers the built-ins.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from fusedrl import plugins
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -20,6 +21,25 @@ POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
 
 _ADV_ESTIMATORS: dict[str, Callable[..., Any]] = {}
 _POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EstimatorTraits:
+    """What an advantage estimator needs from the run, declared where it is registered.
+
+    The role set (`fusedrl.config.needed_roles`), validation and the trainer read these; nothing compares
+    estimator names. A new estimator with a new need adds a field here and reads it where it is used.
+    """
+
+    needs_critic: bool = False
+    """Values from a critic role (GAE): the workers build one and the trainer updates it."""
+    needs_greedy_baseline: bool = False
+    """One greedy response per prompt, scored, as every sample's baseline (ReMax)."""
+    min_group_size: int = 1
+    """Smallest ``rollout.n`` that gives non-zero advantages (group-relative estimators compare samples)."""
+
+
+_ADV_TRAITS: dict[str, EstimatorTraits] = {}
 
 
 def _same_function(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
@@ -48,15 +68,27 @@ def _register(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Cal
     return decorator
 
 
-def register_adv_estimator(name: str) -> Callable[[F], F]:
-    """Decorator registering a function as the advantage estimator called ``name``.
+def register_adv_estimator(
+    name: str, *, needs_critic: bool = False, needs_greedy_baseline: bool = False, min_group_size: int = 1
+) -> Callable[[F], F]:
+    """Decorator registering a function as the advantage estimator called ``name``, with its needs.
 
     No paper: registry plumbing. The function must take
     ``(token_level_rewards [B, T], response_mask [B, T], index, **kwargs)`` and return
-    ``(advantages [B, T], returns [B, T])``. Registering a different function under a taken name
-    raises ValueError.
+    ``(advantages [B, T], returns [B, T])``. The keyword arguments are its `EstimatorTraits`.
+    Registering a different function under a taken name raises ValueError.
     """
-    return _register(_ADV_ESTIMATORS, "advantage estimator", name)
+    traits = EstimatorTraits(
+        needs_critic=needs_critic, needs_greedy_baseline=needs_greedy_baseline, min_group_size=min_group_size
+    )
+    register = _register(_ADV_ESTIMATORS, "advantage estimator", name)
+
+    def decorator(fn: F) -> F:
+        register(fn)
+        _ADV_TRAITS[name] = traits
+        return fn
+
+    return decorator
 
 
 def register_policy_loss(name: str) -> Callable[[F], F]:
@@ -70,17 +102,9 @@ def register_policy_loss(name: str) -> Callable[[F], F]:
     return _register(_POLICY_LOSSES, "policy loss", name)
 
 
-def _ensure_builtins_loaded() -> None:
-    # The built-in functions register themselves on import; importing here lets a caller use the
-    # getters without remembering to import the algorithm modules first.
-    importlib.import_module("fusedrl.algorithms.advantages")
-    importlib.import_module("fusedrl.algorithms.losses")
-
-
 def _lookup(
     table: dict[str, Callable[..., Any]], name: str, kind: str, key: str, decorator: str
 ) -> Callable[..., Any]:
-    _ensure_builtins_loaded()
     fn = table.get(name)
     if fn is None:
         known = ", ".join(sorted(table)) or "<none>"
@@ -99,6 +123,15 @@ def get_adv_estimator(name: str) -> Callable[..., Any]:
     return _lookup(_ADV_ESTIMATORS, name, "advantage estimator", ADV_ESTIMATOR_KEY, "register_adv_estimator")
 
 
+def get_adv_traits(name: str) -> EstimatorTraits:
+    """The `EstimatorTraits` the estimator ``name`` was registered with; ValueError if unknown.
+
+    No paper: registry plumbing.
+    """
+    get_adv_estimator(name)  # the error for an unknown name
+    return _ADV_TRAITS[name]
+
+
 def get_policy_loss(name: str) -> Callable[..., Any]:
     """Return the policy loss registered as ``name``; ValueError naming the config key if unknown.
 
@@ -109,36 +142,12 @@ def get_policy_loss(name: str) -> Callable[..., Any]:
 
 def list_adv_estimators() -> list[str]:
     """Sorted names of all registered advantage estimators. No paper: registry plumbing."""
-    _ensure_builtins_loaded()
     return sorted(_ADV_ESTIMATORS)
 
 
 def list_policy_losses() -> list[str]:
     """Sorted names of all registered policy losses. No paper: registry plumbing."""
-    _ensure_builtins_loaded()
     return sorted(_POLICY_LOSSES)
-
-
-def _load_module_from_file(path: str) -> Any:
-    abspath = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(abspath):
-        raise ImportError(f"load_function: file {abspath!r} does not exist")
-    # A name derived from the absolute path keeps two same-named files in different folders apart
-    # and lets a repeated load reuse the module instead of re-running its registrations.
-    mod_name = "fusedrl_user_" + "".join(c if c.isalnum() else "_" for c in abspath)
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, abspath)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"load_function: cannot build an import spec for file {abspath!r}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[mod_name]
-        raise ImportError(f"load_function: importing file {abspath!r} failed: {exc!r}") from exc
-    return module
 
 
 def load_function(dotted: str) -> Callable[..., Any]:
@@ -147,36 +156,6 @@ def load_function(dotted: str) -> Callable[..., Any]:
     No paper: plumbing for user-supplied reward / advantage / loss functions named in a config.
     Accepted forms: ``pkg.mod:func``, ``pkg.mod.func`` and ``/path/to/file.py:func`` (a relative
     ``file.py:func`` is resolved against the current directory). Errors name the path that failed.
+    See `fusedrl.plugins` (the one loader for user code).
     """
-    if not isinstance(dotted, str) or not dotted.strip():
-        raise ValueError(f"load_function: expected 'pkg.mod:func' or '/path/file.py:func', got {dotted!r}")
-    spec = dotted.strip()
-    if ":" in spec:
-        # rsplit so that a Windows drive letter or a ':' inside a directory name stays in the path.
-        target, attr = spec.rsplit(":", 1)
-    elif "." in spec:
-        target, attr = spec.rsplit(".", 1)
-    else:
-        raise ValueError(
-            f"load_function: {spec!r} names no module; use 'pkg.mod:func' or '/path/file.py:func'"
-        )
-    if not target or not attr:
-        raise ValueError(f"load_function: {spec!r} is missing the module/file or the function name")
-
-    is_file = target.endswith(".py") or os.sep in target or "/" in target
-    if is_file:
-        module = _load_module_from_file(target)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise ImportError(
-                f"load_function: cannot import module {target!r} (from {spec!r}): {exc}"
-            ) from exc
-
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise AttributeError(f"load_function: {target!r} has no attribute {attr!r} (from {spec!r})")
-    if not callable(fn):
-        raise TypeError(f"load_function: {spec!r} resolves to a non-callable {type(fn).__name__}")
-    return fn
+    return plugins.load_function(dotted)

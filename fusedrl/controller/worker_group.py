@@ -3,9 +3,13 @@
 Remote calls are written at the call site as ``lambda w: w.some_method.remote(...)``, so every call into
 a worker can be found with grep; this module only decides *which* workers get *which* shard:
 
-    group.run_all(lambda w: w.sync_weights.remote())                         # every rank, same args
+    group.run_all(lambda w: w.update_weights.remote())                       # every rank, same args
     group.run_rank0(lambda w: w.master_address.remote())                     # rank 0 only
     group.run_split(lambda w, shard: w.rollout_generate.remote(shard, s), batch)  # DP split, gather
+    group.queue_all(lambda w: w.offload_ref.remote())                        # ordered, not waited for
+
+Several groups may share one pool (one worker of each per slot, e.g. the reference apart from the fused
+actor/rollout worker); each group is its own torch.distributed world.
 """
 
 from __future__ import annotations
@@ -68,23 +72,37 @@ class ResourcePool:
 class WorkerGroup:
     """The fused workers of one resource pool, rank-ordered."""
 
-    def __init__(self, worker_cls: type, pool: ResourcePool, config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        worker_cls: type,
+        pool: ResourcePool,
+        config: dict[str, Any],
+        *,
+        roles: Sequence[str] | None = None,
+        share_slots: bool = False,
+    ) -> None:
+        """One ``worker_cls(config, rank=, world_size=[, roles=])`` per slot of ``pool`` (``roles``: what a
+        fused worker holds; None for single-purpose workers). With ``share_slots`` the workers take no
+        CPU/GPU of their own: they join the slots of a group already on the pool."""
         self.pool = pool
-        roles = config.get("_roles", {})
-        self.role_names = ", ".join(["actor", "rollout", *[r for r, on in roles.items() if on]])
+        self.roles = tuple(roles) if roles is not None else (worker_cls.__name__,)
+        self.role_names = ", ".join(self.roles)
+        role_kw = {} if roles is None else {"roles": self.roles}
         pg = pool.pg if pool.pg is not None else pool.create()
         remote_cls: Any = ray.remote(worker_cls)
+        share = 0.0 if share_slots else 1.0
         self.workers: list[Any] = [
             remote_cls.options(
-                num_cpus=pool.cpus_per_slot,
-                num_gpus=1 if pool.use_gpu else 0,
+                num_cpus=pool.cpus_per_slot * share,
+                num_gpus=(1 if pool.use_gpu else 0) * share,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank
                 ),
                 name=None,
-            ).remote(config, rank=rank, world_size=pool.world_size)
+            ).remote(config, rank=rank, world_size=pool.world_size, **role_kw)
             for rank in range(pool.world_size)
         ]
+        self._queued: list[ray.ObjectRef] = []
 
     @classmethod
     def start(
@@ -93,10 +111,13 @@ class WorkerGroup:
         pool: ResourcePool,
         config: dict[str, Any],
         init: Callable[[Any, str, int], ray.ObjectRef],
+        *,
+        roles: Sequence[str] | None = None,
+        share_slots: bool = False,
     ) -> WorkerGroup:
         """Spawn the workers, get the torch.distributed rendezvous from rank 0, then run ``init`` (the
         worker's collective set-up, e.g. ``lambda w, addr, port: w.init_roles.remote(addr, port)``) on all."""
-        group = cls(worker_cls, pool, config)
+        group = cls(worker_cls, pool, config, roles=roles, share_slots=share_slots)
         addr, port = group.run_rank0(lambda w: w.master_address.remote())
         group.run_all(lambda w: init(w, addr, port))
         return group
@@ -111,7 +132,17 @@ class WorkerGroup:
         return self._get([call(w) for w in self.workers])
 
     def run_rank0(self, call: Callable[[Any], ray.ObjectRef]) -> Any:
+        """Call rank 0 only; its result."""
         return self._get([call(self.workers[0])])[0]
+
+    def queue_all(self, call: Callable[[Any], ray.ObjectRef]) -> None:
+        """Call every rank without waiting for the answer (memory moves between phases).
+
+        Ray runs one caller's calls to an actor in submission order, so a queued call has happened before
+        any later call to the same worker starts; its errors surface, failing fast, at the next call that
+        waits (`run_all`, `run_split`, ...). Costs no round trip.
+        """
+        self._queued.extend(call(w) for w in self.workers)
 
     def _get(self, refs: list[ray.ObjectRef]) -> list[Any]:
         """Results of one call per rank, failing fast.
@@ -120,13 +151,16 @@ class WorkerGroup:
         process-group timeout. Instead of ``ray.get`` on all (which would wait for them), results are
         taken as they complete; the first failure stops every worker and raises `WorkerDiedError`.
         """
+        queued, self._queued = self._queued, []
+        if queued:
+            self._get(queued)
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             try:
                 ray.get(done[0])
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-                rank = refs.index(done[0]) if len(refs) == len(self.workers) else 0
+                rank = refs.index(done[0]) % len(self.workers) if len(refs) % len(self.workers) == 0 else 0
                 died = isinstance(err, ray.exceptions.RayActorError)
                 what = "died" if died else "raised an error"
                 self.shutdown()
@@ -152,8 +186,14 @@ class WorkerGroup:
         if self.world_size % replicas:
             raise ValueError(f"replicas={replicas} does not divide the world size {self.world_size}")
         shards, _ = split_for_ranks(batch, self.world_size // replicas)
-        results = self._get([call(w, shards[r // replicas]) for r, w in enumerate(self.workers)])
+        results = self.run_shards(call, [shards[r // replicas] for r in range(self.world_size)])
         return results[::replicas]
+
+    def run_shards(self, call: Callable[[Any, Any], ray.ObjectRef], shards: Sequence[Any]) -> list[Any]:
+        """Call rank ``r`` with ``shards[r]`` (one per rank, already split); results in rank order."""
+        if len(shards) != self.world_size:
+            raise ValueError(f"{len(shards)} shards for {self.world_size} workers")
+        return self._get([call(w, shard) for w, shard in zip(self.workers, shards)])
 
     @staticmethod
     def split_pad(batch: RolloutBatch, num_shards: int) -> int:
@@ -174,4 +214,5 @@ class WorkerGroup:
             with contextlib.suppress(Exception):  # already dead
                 ray.kill(w)
         self.workers.clear()
+        self._queued.clear()
         self.pool.release()

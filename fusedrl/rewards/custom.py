@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fusedrl.plugins import get_callable, load_file
+
 DEFAULT_FUNCTION_NAME = "compute_score"
-
-
-def _module_name(path: Path) -> str:
-    # One stable name per file, so that objects defined in it pickle the same way in every process.
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    return f"fusedrl_custom_reward_{path.stem.replace('-', '_').replace('.', '_')}_{digest}"
 
 
 def load_custom_reward_function(
@@ -37,34 +30,8 @@ def load_custom_reward_function(
             f"custom reward file not found: {str(path)!r} (custom_reward_function.path; resolved to "
             f"{file.resolve()})"
         )
-    file = file.resolve()
-    module_name = _module_name(file)
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ImportError(
-            f"custom reward file {file} cannot be imported as a Python module (is it a .py file?)"
-        )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # before exec: dataclasses and pickle look the module up by name
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(module_name, None)
-        raise ImportError(f"importing custom reward file {file} failed: {type(exc).__name__}: {exc}") from exc
-    if not hasattr(module, name):
-        defined = sorted(
-            k
-            for k, v in vars(module).items()
-            if callable(v) and not k.startswith("_") and not isinstance(v, type)
-        )
-        raise AttributeError(
-            f"custom reward file {file} has no function {name!r} (custom_reward_function.name); "
-            f"functions defined there: {defined}"
-        )
-    fn = getattr(module, name)
-    if not callable(fn):
-        raise TypeError(f"{name!r} in custom reward file {file} is a {type(fn).__name__}, not a function")
-    return fn
+    module = load_file(file)
+    return get_callable(module, name, f"custom reward file {file.resolve()} (custom_reward_function.name)")
 
 
 class FileRewardFunction:

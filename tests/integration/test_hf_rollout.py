@@ -12,7 +12,8 @@ def test_hf_rollout_grpo_step(tiny_model_dir, arithmetic_data, tmp_path):
     import ray
 
     from fusedrl.config import load_config
-    from fusedrl.trainer.ppo_trainer import PPOTrainer, init_ray
+    from fusedrl.trainer.ppo_trainer import PPOTrainer
+    from fusedrl.trainer.runtime import init_ray
 
     cfg = load_config(
         [

@@ -40,7 +40,8 @@ def test_reward_model_role_and_plugins(tiny_model_dir, arithmetic_data, tmp_path
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from fusedrl.config import load_config
-    from fusedrl.trainer.ppo_trainer import PPOTrainer, init_ray
+    from fusedrl.trainer.ppo_trainer import PPOTrainer
+    from fusedrl.trainer.runtime import init_ray
 
     rm_dir = str(tmp_path / "rm")
     torch.manual_seed(0)

@@ -38,7 +38,8 @@ def _score(data_source, solution_str, ground_truth, extra_info=None) -> float:
 def test_nan_updates_are_skipped_then_stop(tiny_model_dir, arithmetic_data, tmp_path):
     import ray
 
-    from fusedrl.trainer.ppo_trainer import PPOTrainer, init_ray
+    from fusedrl.trainer.ppo_trainer import PPOTrainer
+    from fusedrl.trainer.runtime import init_ray
 
     class NaNAdvantages(PPOTrainer):
         def compute_advantages(self, batch):
@@ -68,7 +69,8 @@ def test_nan_updates_are_skipped_then_stop(tiny_model_dir, arithmetic_data, tmp_
 def test_stale_rollout_weights_stop_the_run(tiny_model_dir, arithmetic_data, tmp_path):
     import ray
 
-    from fusedrl.trainer.ppo_trainer import PPOTrainer, init_ray
+    from fusedrl.trainer.ppo_trainer import PPOTrainer
+    from fusedrl.trainer.runtime import init_ray
 
     class ForgetsToSync(PPOTrainer):
         def sync_weights(self):

@@ -22,7 +22,8 @@ def test_killed_worker_stops_the_driver_with_a_clear_message(tiny_model_dir, ari
 
     from fusedrl.config import load_config
     from fusedrl.controller import WorkerDiedError
-    from fusedrl.trainer.ppo_trainer import PPOTrainer, init_ray
+    from fusedrl.trainer.ppo_trainer import PPOTrainer
+    from fusedrl.trainer.runtime import init_ray
 
     cfg = load_config(
         [

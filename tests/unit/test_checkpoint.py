@@ -187,7 +187,8 @@ def _local_params(model) -> dict[str, torch.Tensor]:
 def _train_and_save(rank: int, model_dir: str, port: int, ckpt_tmp: str, out: str) -> None:
     from safetensors.torch import save_file
 
-    from fusedrl.workers.checkpoint_io import export_hf, save_fsdp_state
+    from fusedrl.workers.checkpoint_io import save_fsdp_state
+    from fusedrl.workers.export import export_hf
     from fusedrl.workers.fsdp import stream_full_tensors
 
     mesh = _setup(rank, port)

@@ -1,0 +1,43 @@
+"""Metrics helpers of the driver: per-step batch statistics and the mean of per-rank metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fusedrl.batch import RolloutBatch
+
+Metrics = dict[str, float]
+
+
+def mean_over_ranks(per_rank: list[Metrics]) -> Metrics:
+    """The mean of each metric over the workers' answers (every rank reports the same keys)."""
+    keys = per_rank[0].keys()
+    return {k: float(np.mean([m[k] for m in per_rank])) for k in keys}
+
+
+def batch_metrics(batch: RolloutBatch, step_time: float, global_step: int) -> Metrics:
+    """Scores, advantages, lengths, the rollout-vs-actor log-prob gap and throughput of one step's batch."""
+    mask = batch.response_mask.float()  # [B, Tr]
+    lengths = mask.sum(-1)  # [B]
+    scores = batch.token_level_scores.sum(-1)  # [B]
+    adv = batch.advantages[batch.response_mask.bool()]  # [N valid]
+    diff = (batch.rollout_log_probs - batch.old_log_probs).abs()[batch.response_mask.bool()]  # [N valid]
+    prompt_tokens = float(batch.prompt_mask.sum())
+    return {
+        "critic/score/mean": float(scores.mean()),
+        "critic/score/max": float(scores.max()),
+        "critic/score/min": float(scores.min()),
+        "critic/advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
+        "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
+        "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
+        "prompt_length/mean": prompt_tokens / batch.num_samples,
+        # Rollout vs trainer log-probs of the same tokens: ~0 when the weight sync is right.
+        "rollout/log_prob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
+        "rollout/log_prob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
+        "perf/total_num_tokens": prompt_tokens + float(lengths.sum()),
+        "perf/throughput": (prompt_tokens + float(lengths.sum())) / max(step_time, 1e-9),
+        "training/global_step": float(global_step),
+    }

@@ -1,0 +1,69 @@
+"""Ray start-up for the trainers: `init_ray` sizes a local runtime; `started_trainer` brings up Ray, a
+trainer and its workers for the duration of a ``with`` block (entry points, benchmarks, tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from fusedrl.trainer.ppo_trainer import PPOTrainer
+
+
+@contextlib.contextmanager
+def started_trainer(
+    config: DictConfig,
+    *,
+    trainer_cls: type | None = None,
+    compute_score: Any = None,
+    role_groups: Sequence[Sequence[str]] | None = None,
+) -> Iterator[PPOTrainer]:
+    """Ray up (`init_ray`), the trainer built (``trainer_cls``: a user subclass) and its workers started
+    (``role_groups``: see `PPOTrainer.init_workers`); on exit the workers and trackers are closed, and Ray
+    is shut down if this call started it."""
+    import ray
+
+    from fusedrl.trainer.ppo_trainer import PPOTrainer
+
+    owns_ray = not ray.is_initialized()
+    init_ray(config)
+    kwargs = {} if compute_score is None else {"compute_score": compute_score}
+    trainer = (trainer_cls or PPOTrainer)(config, **kwargs)
+    try:
+        trainer.init_workers(role_groups)
+        yield trainer
+    finally:
+        trainer.close()
+        if owns_ray:
+            ray.shutdown()
+
+
+def init_ray(config: DictConfig) -> None:
+    """Start a local Ray runtime sized for the run (no dashboard; workers get the engine env vars)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    slots = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, slots)
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+        # vLLM's INFO lines (one per request batch, per reload) would drown the per-step log.
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
+    for key in ("PYTHONPATH", "HF_HUB_OFFLINE", "OMP_NUM_THREADS"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    ray.init(
+        num_cpus=int(num_cpus),
+        include_dashboard=False,
+        object_store_memory=int(float(config.trainer.ray_object_store_gb) * (1 << 30)),
+        runtime_env={"env_vars": env},
+        logging_level=logging.WARNING,
+    )

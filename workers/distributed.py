@@ -1,0 +1,60 @@
+"""Process-group start-up shared by every worker kind (fused RL workers, SFT workers).
+
+Start-up is two-phase because torch.distributed needs rank 0's address before any rank can join: the
+driver asks rank 0 for `rendezvous_address`, then every rank calls `join_process_group` with it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fusedrl.workers.device import local_device_index
+from fusedrl.workers.fsdp import device_type
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rendezvous_address(nnodes: int) -> tuple[str, int]:
+    """This host's address (loopback on a single node) and a free port, for rank 0 to serve."""
+    host = "127.0.0.1" if nnodes == 1 else socket.gethostbyname(socket.gethostname())
+    return host, _free_port()
+
+
+def join_process_group(
+    *, rank: int, world_size: int, master_addr: str, master_port: int, slots_per_node: int, **extra_env: str
+) -> None:
+    """Set the torch.distributed environment (plus ``extra_env``), pick this rank's device and join the
+    default process group: NCCL on CUDA, gloo on CPU. Collective.
+
+    The device is the worker's slot on its node among the devices it can see (`local_device_index`: under
+    Ray, one visible device, index 0); ``LOCAL_RANK`` is set to it, as vLLM's external launcher expects."""
+    local_rank = local_device_index(rank, slots_per_node, device_count=torch.cuda.device_count())
+    os.environ.update(
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        TOKENIZERS_PARALLELISM="false",
+        **extra_env,
+    )
+    if device_type() == "cuda":
+        torch.cuda.set_device(local_rank)
+    backend = "nccl" if device_type() == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=30),
+        # NCCL binds the group to this worker's device up front instead of guessing it from the rank.
+        device_id=torch.device("cuda", local_rank) if backend == "nccl" else None,
+    )

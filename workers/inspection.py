@@ -1,0 +1,72 @@
+"""Read-only hooks of a fused worker for tests, benchmarks and debugging: copies of a role's shards, the
+recorded memory moves, the weight stream's bookkeeping, and bare round trips. None changes state that
+training uses; `WorkerDict` inherits them so grep finds every remote call on the one worker class."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from fusedrl.batch import RolloutBatch
+from fusedrl.workers.fsdp import StreamStats
+
+
+class InspectionHooks:
+    """Mixed into `WorkerDict`; uses its ``actor``, ``ref``, ``events``, ``rank`` and ``_resident``."""
+
+    actor: Any
+    ref: Any
+    events: Any
+    rank: int
+
+    def _resident(self) -> Any:  # provided by WorkerDict
+        raise NotImplementedError
+
+    def get_events(self) -> list[str]:
+        """The memory moves recorded so far (the last `MAX_EVENTS`), oldest first."""
+        return list(self.events)
+
+    def actor_state(self) -> dict[str, torch.Tensor]:
+        """This rank's local shards of the actor's parameters (copies), keyed by name."""
+        assert self.actor is not None
+        with self._resident():
+            return {n: p.to_local().detach().cpu().clone() for n, p in self.actor.model.named_parameters()}
+
+    def ref_state(self) -> dict[str, torch.Tensor]:
+        """This rank's local shards of the reference's parameters (copies), keyed by name."""
+        assert self.ref is not None
+        with self._resident():
+            return {n: p.to_local().detach().cpu().clone() for n, p in self.ref.model.named_parameters()}
+
+    def measure_weight_stream(self, hoard: bool) -> dict[str, float]:
+        """Stream the actor's weights to a consumer that copies-and-drops (like the engine's loader) or,
+        with ``hoard=True``, keeps every tensor (a second full copy). Returns the stream's bookkeeping, so a
+        test can show the accounting tells the two apart. Collective."""
+        assert self.actor is not None
+        stats = StreamStats()
+        kept = []
+        with self._resident():
+            for _name, tensor in self.actor.stream_weights(stats):
+                if hoard:
+                    kept.append(tensor)
+                del tensor  # a copy-and-drop consumer lets go before asking for the next tensor
+        del kept
+        return {
+            "peak_live_bytes": float(stats.peak_live_bytes),
+            "largest_bytes": float(stats.largest_bytes),
+            "total_bytes": float(stats.total_bytes),
+        }
+
+    def ping(self) -> int:
+        """This worker's rank: a round trip with no work."""
+        return self.rank
+
+    def pid(self) -> int:
+        """The worker's process id."""
+        return os.getpid()
+
+    def echo_rows(self, batch: RolloutBatch) -> int:
+        """Receives a batch and answers its size: the controller round trip without any model work."""
+        return batch.num_samples
