@@ -254,9 +254,8 @@ def run_model(preset: str, *, dry_run: bool, workdir: str) -> dict[str, Any]:
     cfg = resolved_config(check_overrides(model_dir, cuda=cuda, response_length=response_length, n=n))
     tok, batch = _prompts(model_dir, n_prompts, n)
     cfg["_tokens"] = {"eos_token_id": int(tok.eos_token_id), "pad_token_id": int(tok.pad_token_id)}
-    cfg["_roles"] = {"ref": True, "critic": False, "reward_model": False}
     alloc_before = allocator_settings()
-    worker = WorkerDict(cfg, rank=0, world_size=1)
+    worker = WorkerDict(cfg, rank=0, world_size=1, roles=("actor", "rollout", "ref"))
     t0 = time.perf_counter()
     init = worker.init_roles("127.0.0.1", _free_port())
     out["init_s"] = time.perf_counter() - t0
