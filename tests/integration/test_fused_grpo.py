@@ -179,6 +179,7 @@ def test_prefix_cache_is_reset_after_sync(trainer):
     assert _sync_gap(trainer, long_prompts) < SYNC_TOL  # warms the prefix cache with the current weights
 
     _update_without_sync(trainer, train_prompts)
+    trainer.workers.run_all(lambda w: w.rollout_wake_up.remote(["weights"]))  # never stream into a sleeper
     trainer.workers.run_all(lambda w: w.update_weights.remote(reset_prefix_cache=False))
     stale_gap = _sync_gap(trainer, long_prompts)
     assert stale_gap > 100 * SYNC_TOL, f"stale prefix KV went unnoticed (gap {stale_gap:.2e})"
