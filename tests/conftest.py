@@ -13,12 +13,23 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+FOLDER_MARKERS = {
+    "unit": "unit",
+    "integration": "integration",
+    "e2e": "e2e",
+    "reliability": "reliability",
+    "gpu": "gpu",
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    """Each test carries its folder's marker (``-m e2e`` selects tests/e2e); GPU tests skip without CUDA."""
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        folder = Path(str(item.fspath)).parent.name
+        if folder in FOLDER_MARKERS:
+            item.add_marker(FOLDER_MARKERS[folder])
+        if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
 
 

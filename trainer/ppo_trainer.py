@@ -31,6 +31,7 @@ from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
+from fusedrl.controller.placement import check_role_groups
 from fusedrl.data.dataset import PromptLoader, RLDataset
 from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
@@ -113,20 +114,7 @@ class PPOTrainer:
         holds the role (`group_for`). The actor, the rollout and the critic stay in one group here (the
         in-place weight stream and the checkpoint need them together).
         """
-        needed = self.run_roles()
-        groups = [list(needed)] if role_groups is None else [list(g) for g in role_groups]
-        placed = [r for g in groups for r in g]
-        problems = [f"role {r!r} is not placed" for r in needed if r not in placed]
-        problems += [f"role {r!r} is placed twice" for r in set(placed) if placed.count(r) > 1]
-        problems += [f"role {r!r} is not used by this run" for r in set(placed) - set(needed)]
-        home = next((g for g in groups if "actor" in g), [])
-        problems += [
-            f"role {r!r} must share the actor's group"
-            for r in ("rollout", "critic")
-            if r in placed and r not in home
-        ]
-        if problems:
-            raise ValueError(f"init_workers(role_groups={groups}): " + "; ".join(sorted(problems)))
+        groups = check_role_groups(self.run_roles(), role_groups)
         cfg = self.config.trainer
         pool = ResourcePool(
             slots_per_node=int(cfg.n_gpus_per_node), nnodes=int(cfg.nnodes), use_gpu=torch.cuda.is_available()

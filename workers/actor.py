@@ -12,13 +12,11 @@ from fusedrl.algorithms import agg_loss, get_policy_loss, kl_penalty
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.fsdp import (
     StreamStats,
-    apply_fsdp2,
-    build_mesh,
-    device_type,
+    build_adamw,
     load_causal_lm,
     resolve_attn_implementation,
+    shard_for_training,
     stream_full_tensors,
-    to_dtype,
 )
 from fusedrl.workers.logprob import batched_log_probs, response_log_probs, token_budget
 from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates
@@ -30,11 +28,7 @@ def _sharded_model(model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any]) -> nn.Mo
         fsdp_cfg.get("model_dtype", "float32"),
         resolve_attn_implementation(model_cfg.get("attn_implementation")),
     )
-    if model_cfg.get("enable_gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    param_dtype = fsdp_cfg.get("param_dtype")
-    model.to(device_type())
-    return apply_fsdp2(model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None)
+    return shard_for_training(model, model_cfg, fsdp_cfg)
 
 
 class RefRole:
@@ -75,13 +69,7 @@ class ActorRole:
         self.rollout_n = rollout_n
         self.use_remove_padding = bool(model_cfg.get("use_remove_padding", False))
         self.model = _sharded_model(model_cfg, cfg.get("fsdp_config", {}))
-        optim = cfg["optim"]
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=optim["lr"],
-            betas=tuple(optim.get("betas", (0.9, 0.999))),
-            weight_decay=optim.get("weight_decay", 0.0),
-        )
+        self.optimizer = build_adamw(self.model, cfg["optim"])
         self.policy_loss = get_policy_loss(cfg.get("policy_loss", {}).get("loss_mode", "vanilla"))
         self.stepper = GuardedStepper(self.model, self.optimizer, float(cfg.get("grad_clip", 1.0)))
 

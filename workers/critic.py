@@ -18,10 +18,10 @@ from torch import nn
 from fusedrl.algorithms.value import value_loss
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.fsdp import (
-    apply_fsdp2,
-    build_mesh,
+    build_adamw,
     device_type,
     resolve_attn_implementation,
+    shard_for_training,
     to_dtype,
 )
 from fusedrl.workers.logprob import restore_order, split_micro_batches, token_budget
@@ -89,21 +89,10 @@ class CriticRole:
             fsdp_cfg.get("model_dtype") or "float32",
             resolve_attn_implementation(model_cfg.get("attn_implementation")),
         )
-        if model_cfg.get("enable_gradient_checkpointing", False):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(device_type())
-        _broadcast_head(model)
-        param_dtype = fsdp_cfg.get("param_dtype")
-        self.model = apply_fsdp2(
-            model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None
-        )
-        optim = critic_cfg["optim"]
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=optim["lr"],
-            betas=tuple(optim.get("betas", (0.9, 0.999))),
-            weight_decay=optim.get("weight_decay", 0.0),
-        )
+        _broadcast_head(model)  # every rank starts from rank 0's randomly initialised head
+        self.model = shard_for_training(model, model_cfg, fsdp_cfg)
+        self.optimizer = build_adamw(self.model, critic_cfg["optim"])
         self.stepper = GuardedStepper(self.model, self.optimizer, float(self.cfg["grad_clip"]))
 
     # ------------------------------------------------------------------ forward

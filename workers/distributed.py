@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,3 +59,29 @@ def join_process_group(
         # NCCL binds the group to this worker's device up front instead of guessing it from the rank.
         device_id=torch.device("cuda", local_rank) if backend == "nccl" else None,
     )
+
+
+class DistributedWorker:
+    """What every worker kind shares: who it is, and the two-phase join of its group's process group.
+
+    ``config`` is the run's resolved config as a plain dict (its ``trainer.nnodes`` / ``n_gpus_per_node``
+    decide the rendezvous host and the local device index)."""
+
+    def __init__(self, config: dict[str, Any], *, rank: int, world_size: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+
+    def master_address(self) -> tuple[str, int]:
+        """Rank 0 is asked for the rendezvous address of torch.distributed."""
+        return rendezvous_address(int(self.config["trainer"]["nnodes"]))
+
+    def _join(self, master_addr: str, master_port: int, **extra_env: str) -> None:
+        join_process_group(
+            rank=self.rank,
+            world_size=self.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            slots_per_node=int(self.config["trainer"]["n_gpus_per_node"]),
+            **extra_env,
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,6 +95,28 @@ def apply_fsdp2(
     return model
 
 
+def shard_for_training(model: nn.Module, model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any]) -> nn.Module:
+    """The one wrap of every role's model: non-reentrant gradient checkpointing when
+    ``model_cfg.enable_gradient_checkpointing``, onto the worker's device, then FSDP2 with the role's
+    ``fsdp_cfg.param_dtype`` mixed precision (gradients reduced in float32)."""
+    if model_cfg.get("enable_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+    model.to(device_type())
+    param_dtype = fsdp_cfg.get("param_dtype")
+    return apply_fsdp2(model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None)
+
+
+def build_adamw(model: nn.Module, optim_cfg: dict[str, Any], lr: float | None = None) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters from an ``optim`` config section (``lr`` overrides
+    ``optim_cfg.lr``, for schedules that start elsewhere)."""
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=float(optim_cfg["lr"] if lr is None else lr),
+        betas=tuple(optim_cfg.get("betas", (0.9, 0.999))),
+        weight_decay=float(optim_cfg.get("weight_decay", 0.0)),
+    )
+
+
 @dataclass
 class StreamStats:
     """Bookkeeping of one weight stream: how many full tensors were alive at once, at most.
@@ -147,8 +170,3 @@ def stream_full_tensors(
         # bookkeeping sees exactly when the consumer lets go of it.
         yield name, full
         del full
-
-
-def largest_parameter_bytes(model: nn.Module) -> int:
-    """Full (unsharded) size in bytes of the model's largest parameter."""
-    return max(p.numel() * p.element_size() for p in model.parameters())

@@ -14,6 +14,7 @@ All four combinations give the same numbers up to floating-point summation order
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,11 +25,19 @@ from fusedrl.balance import sequence_lengths, token_budget_bins
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.packing import pack_batch
 
+B = TypeVar("B", RolloutBatch, dict)
 
-def micro_batches(batch: RolloutBatch, size: int) -> Iterator[RolloutBatch]:
-    """Consecutive slices of at most ``size`` rows."""
+
+def micro_batches(batch: B, size: int) -> Iterator[B]:
+    """Consecutive slices of at most ``size`` rows of a `RolloutBatch` or a dict of ``[B, ...]`` tensors
+    (the SFT batch): the one row micro-batcher of every role."""
     if size <= 0:
         raise ValueError(f"micro-batch size must be positive, got {size}")
+    if isinstance(batch, dict):
+        rows = int(next(iter(batch.values())).shape[0])
+        for start in range(0, rows, size):
+            yield {k: v[start : start + size] for k, v in batch.items()}  # type: ignore[misc]
+        return
     for start in range(0, batch.num_samples, size):
         yield batch[start : start + size]
 

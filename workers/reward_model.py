@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fusedrl.batch import RolloutBatch
-from fusedrl.workers.fsdp import apply_fsdp2, build_mesh, device_type, to_dtype
+from fusedrl.workers.fsdp import shard_for_training, to_dtype
 from fusedrl.workers.logprob import micro_batches
 
 
@@ -38,8 +38,7 @@ class RewardModelRole:
         self.cfg = cfg
         fsdp_cfg = cfg.get("fsdp_config", {}) or {}
         model = load_reward_model(cfg["model"]["path"], fsdp_cfg.get("model_dtype", "float32"))
-        model.to(device_type())
-        self.model = apply_fsdp2(model, build_mesh())
+        self.model = shard_for_training(model, {}, {})  # frozen: no checkpointing, no mixed precision
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)

@@ -24,9 +24,10 @@ from torch import nn
 
 from fusedrl.checkpoint import ACTOR_DIR, shard_prefix
 from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
-from fusedrl.workers.distributed import join_process_group, rendezvous_address
+from fusedrl.workers.distributed import DistributedWorker
 from fusedrl.workers.export import export_hf
-from fusedrl.workers.fsdp import apply_fsdp2, build_mesh, device_type, load_causal_lm, to_dtype
+from fusedrl.workers.fsdp import build_adamw, device_type, load_causal_lm, shard_for_training
+from fusedrl.workers.logprob import micro_batches
 
 Batch = dict[str, torch.Tensor]
 LR_SCHEDULERS = ("constant", "cosine")
@@ -72,25 +73,20 @@ def masked_nll(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tens
     return (nll.view_as(mask) * mask).sum(), mask.sum()
 
 
-def micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
-    """Consecutive slices of at most ``size`` rows, each cut to its longest row (right padding)."""
-    if size <= 0:
-        raise ValueError(f"micro-batch size must be positive, got {size}")
-    rows = int(batch["input_ids"].shape[0])
-    for start in range(0, rows, size):
-        mb = {k: v[start : start + size] for k, v in batch.items()}
+def trimmed_micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
+    """Consecutive slices of at most ``size`` rows (`micro_batches`), each cut to its longest row (right
+    padding)."""
+    for mb in micro_batches(batch, size):
         length = max(2, int(mb["attention_mask"].sum(dim=1).max()))
         yield {k: v[:, :length] for k, v in mb.items()}
 
 
-class SFTWorker:
+class SFTWorker(DistributedWorker):
     """One data-parallel rank of supervised fine-tuning. ``config`` is the resolved SFT config (plain dict)
     plus ``_total_steps`` (optimizer steps of the run, for the LR schedule) set by the driver."""
 
     def __init__(self, config: dict[str, Any], *, rank: int, world_size: int) -> None:
-        self.config = config
-        self.rank = rank
-        self.world_size = world_size
+        super().__init__(config, rank=rank, world_size=world_size)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.num_steps = 0  # optimizer steps taken (drives the LR schedule; checkpointed)
@@ -98,20 +94,10 @@ class SFTWorker:
         self.device = torch.device(device_type())
 
     # ------------------------------------------------------------------ setup
-    def master_address(self) -> tuple[str, int]:
-        """Rank 0 is asked for the rendezvous address of torch.distributed."""
-        return rendezvous_address(int(self.config["trainer"]["nnodes"]))
-
     def init(self, master_addr: str, master_port: int) -> dict[str, float]:
         """Join the process group and build the FSDP2 model and AdamW. Collective."""
         t0 = time.perf_counter()
-        join_process_group(
-            rank=self.rank,
-            world_size=self.world_size,
-            master_addr=master_addr,
-            master_port=master_port,
-            slots_per_node=int(self.config["trainer"]["n_gpus_per_node"]),
-        )
+        self._join(master_addr, master_port)
         if device_type() == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.manual_seed(int(self.config["trainer"].get("seed", 0)))
@@ -119,20 +105,8 @@ class SFTWorker:
         model_cfg = self.config["model"]
         fsdp_cfg = model_cfg.get("fsdp_config") or {}
         model = load_causal_lm(model_cfg["path"], fsdp_cfg.get("model_dtype", "float32"))
-        if model_cfg.get("enable_gradient_checkpointing", False):
-            model.gradient_checkpointing_enable()
-        model.to(self.device)
-        param_dtype = fsdp_cfg.get("param_dtype")
-        self.model = apply_fsdp2(
-            model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None
-        )
-        optim = self.config["optim"]
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=self.current_lr(),
-            betas=tuple(optim.get("betas", (0.9, 0.999))),
-            weight_decay=float(optim.get("weight_decay", 0.0)),
-        )
+        self.model = shard_for_training(model, model_cfg, fsdp_cfg)
+        self.optimizer = build_adamw(self.model, self.config["optim"], lr=self.current_lr())
         return {"timing_s/init": time.perf_counter() - t0}
 
     def current_lr(self) -> float:
@@ -178,7 +152,7 @@ class SFTWorker:
         denom = max(global_tokens, 1.0) / self.world_size
         optimizer.zero_grad(set_to_none=True)
         nll_total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb in micro_batches(batch, int(micro_batch_size)):
+        for mb in trimmed_micro_batches(batch, int(micro_batch_size)):
             nll_sum, _ = masked_nll(model, mb)
             (nll_sum / denom).backward()
             nll_total += nll_sum.detach().double()
@@ -216,7 +190,7 @@ class SFTWorker:
         batch = self._to_device(batch_shard)
         nll = 0.0
         tokens = 0.0
-        for mb in micro_batches(batch, size):
+        for mb in trimmed_micro_batches(batch, size):
             s, n = masked_nll(model, mb)
             nll += float(s)
             tokens += float(n)
@@ -247,7 +221,3 @@ class SFTWorker:
         """Write the model as a Hugging Face folder (rank 0 writes; returns its files). Collective."""
         model, _ = self._parts()
         return export_hf(model, out_dir, src_model_dir=self.config["model"]["path"], rank=self.rank)
-
-    # ------------------------------------------------------------------ test / debug hooks
-    def ping(self) -> int:
-        return self.rank

@@ -37,7 +37,7 @@ from fusedrl.checkpoint import shard_prefix
 from fusedrl.workers.actor import ActorRole, RefRole
 from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
 from fusedrl.workers.critic import CriticRole
-from fusedrl.workers.distributed import join_process_group, rendezvous_address
+from fusedrl.workers.distributed import DistributedWorker
 from fusedrl.workers.export import export_hf
 from fusedrl.workers.fsdp import StreamStats, device_type
 from fusedrl.workers.inspection import InspectionHooks
@@ -62,7 +62,7 @@ def _to_device(batch: RolloutBatch) -> RolloutBatch:
     return batch if device_type() == "cpu" else batch.to(device_type())
 
 
-class WorkerDict(InspectionHooks):
+class WorkerDict(DistributedWorker, InspectionHooks):
     """The roles of one device slot. ``config`` is the whole resolved run config as a plain dict;
     ``roles`` the subset of `ROLES` this worker holds (the HF rollout generates with the actor's own
     module, so it needs the actor in the same worker)."""
@@ -73,9 +73,7 @@ class WorkerDict(InspectionHooks):
         unknown = sorted(set(roles) - set(ROLES))
         if unknown:
             raise ValueError(f"unknown roles {unknown}; a worker holds a subset of {list(ROLES)}")
-        self.config = config
-        self.rank = rank
-        self.world_size = world_size
+        super().__init__(config, rank=rank, world_size=world_size)
         self.roles = frozenset(roles)
         self.actor: ActorRole | None = None
         self.ref: RefRole | None = None
@@ -90,21 +88,10 @@ class WorkerDict(InspectionHooks):
         self.rollout_asleep = False  # the engine released its memory (until the next wake-up)
 
     # ------------------------------------------------------------------ setup
-    def master_address(self) -> tuple[str, int]:
-        """Rank 0 is asked for the rendezvous address of torch.distributed."""
-        return rendezvous_address(int(self.config["trainer"]["nnodes"]))
-
     def init_roles(self, master_addr: str, master_port: int) -> dict[str, float]:
         """Join the process group, then build the roles this worker holds. Collective."""
         t0 = time.perf_counter()
-        join_process_group(
-            rank=self.rank,
-            world_size=self.world_size,
-            master_addr=master_addr,
-            master_port=master_port,
-            slots_per_node=int(self.config["trainer"]["n_gpus_per_node"]),
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        )
+        self._join(master_addr, master_port, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         seed = int(self.config["actor_rollout_ref"]["rollout"].get("seed", 0))
         torch.manual_seed(seed)  # identical init on every rank (FSDP2 shards the same weights)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from support import varied_score
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 pytest.importorskip("vllm")
 

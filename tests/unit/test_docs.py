@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-DOC_FILES = ("concepts.md", "algorithms.md", "config.md")
+DOC_FILES = ("concepts.md", "algorithms.md", "config.md", "architecture.md")
 
 # setuptools package-dir mapping of pyproject.toml: import name prefix -> source folder.
 PACKAGE_DIRS = {
@@ -39,6 +39,8 @@ CLASS_FILES = {
     "VLLMEngine": "third_party/vllm/engine.py",
     "ActorRole": "workers/actor.py",
     "StreamStats": "workers/fsdp.py",
+    "GroupCollector": "trainer/dynamic_sampling.py",
+    "InspectionHooks": "workers/inspection.py",
 }
 
 

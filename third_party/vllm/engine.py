@@ -1,7 +1,7 @@
 """In-process vLLM engine for a fused worker: construction, generation, in-place weight reload, sleep.
 
-Every touch of vLLM internals in fusedrl lives in this package. What it relies on (see
-shared/VLLM_CPU_FACTS.md for the measurements):
+Every touch of vLLM internals in fusedrl lives in this package. What it relies on (docs/architecture.md,
+"vLLM's CPU backend", has the measurements):
 
 * The engine runs in the worker's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and joins the
   training process group through ``distributed_executor_backend="external_launcher"``, so it must be
