@@ -17,7 +17,8 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -m "slow" -q
 
-## The slow reliability tests only (SIGKILLed driver resumes and equals an uninterrupted run; ~2 min).
+## The slow reliability tests only (SIGKILLed / SIGTERMed driver and damaged checkpoints: the resumed run equals
+## an uninterrupted one; a full disk; ~5 min).
 ## CI (.ci/run) runs them after `test`.
 test-reliability-slow: $(STAMP)
 	$(PY) -m pytest -m "slow and not gpu" -q tests/reliability

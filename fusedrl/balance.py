@@ -29,8 +29,9 @@ from fusedrl.batch import RolloutBatch
 def sequence_lengths(batch: RolloutBatch) -> list[int]:
     """Real (unpadded) prompt + response tokens of every row: ``[B]`` as a list."""
     lengths = batch.prompt_mask.sum(dim=1)  # [B]
-    if batch.response_mask is not None:
-        lengths = lengths + batch.response_mask.sum(dim=1)  # [B]
+    response = batch.response_mask if batch.response_attention_mask is None else batch.response_attention_mask
+    if response is not None:
+        lengths = lengths + response.sum(dim=1)  # [B], observation tokens included (they are computed on)
     return [int(x) for x in lengths.tolist()]
 
 

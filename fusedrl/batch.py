@@ -35,6 +35,12 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
         responses:      [B, Tr] int64, generated ids, right-padded with the pad id.
         response_mask:  [B, Tr] int64, 1 on generated tokens (EOS included), 0 on padding.
         rollout_log_probs: [B, Tr] float32, the engine's log-probs of its own samples.
+        response_attention_mask: [B, Tr] int64 or None. Multi-turn rollouts only: 1 on every real response
+                        token, sampled (response_mask 1) or observation (tool / user turns, response_mask 0).
+                        The model attends to all of them; losses, KL, entropy and advantages see only
+                        response_mask. None: the same as response_mask (single-turn).
+        agent_stats:    [B, K] float32 or None. Multi-turn rollouts only: per-trajectory numbers named by
+                        fusedrl.agent.STAT_NAMES (environment reward, turns, tool calls, errors, ...).
     Scores (from the reward manager, on the driver):
         token_level_scores:  [B, Tr] float32, the task reward, placed on the last response token.
         token_level_rewards: [B, Tr] float32, the scores after any in-reward penalty (equal otherwise).
@@ -61,6 +67,8 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
     responses: torch.Tensor | None = None
     response_mask: torch.Tensor | None = None
     rollout_log_probs: torch.Tensor | None = None
+    response_attention_mask: torch.Tensor | None = None
+    agent_stats: torch.Tensor | None = None
     token_level_scores: torch.Tensor | None = None
     token_level_rewards: torch.Tensor | None = None
     old_log_probs: torch.Tensor | None = None
@@ -129,7 +137,10 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
         if self.responses is None or self.response_mask is None:
             raise ValueError("RolloutBatch.sequences(): the batch has no responses yet (run generate first)")
         input_ids = torch.cat([self.prompts, self.responses], dim=1)  # [B, Tp+Tr]
-        attention_mask = torch.cat([self.prompt_mask, self.response_mask], dim=1).long()  # [B, Tp+Tr]
+        response_attn = (
+            self.response_mask if self.response_attention_mask is None else self.response_attention_mask
+        )
+        attention_mask = torch.cat([self.prompt_mask, response_attn], dim=1).long()  # [B, Tp+Tr]
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, Tp+Tr]
         return input_ids, attention_mask, position_ids
 
@@ -140,6 +151,11 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
             return self
         index = torch.arange(self.num_samples).repeat_interleave(n)  # [B*n]
         return self[index]
+
+    def model_input_fields(self) -> tuple[str, ...]:
+        """The fields a forward pass over prompt + response needs (and the multi-turn attention mask)."""
+        base = ("prompts", "prompt_mask", "responses", "response_mask")
+        return base + (("response_attention_mask",) if self.response_attention_mask is not None else ())
 
     def select_fields(self, *names: str) -> RolloutBatch:
         """A batch with only the named fields set (the rest None): ship less over Ray."""

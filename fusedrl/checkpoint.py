@@ -10,13 +10,19 @@ Layout under ``trainer.default_local_dir``::
         actor/rank_{r}.json            # sidecar: names, full shapes, placements, optimizer hyperparameters
         critic/rank_{r}.*              # (a critic role, same format, when there is one)
         trainer_state.json             # global step, dataloader position, driver RNG (JSON only)
-        COMPLETE                       # written last: manifest of every file with its size
+        COMPLETE                       # written last: manifest of every file with its size and SHA-256
     latest_checkpointed_iteration.txt  # the step of the newest committed checkpoint
 
 A save goes ``begin_checkpoint`` (fresh ``global_step_{N}.tmp-<pid>``) -> workers and driver write into it ->
 ``commit_checkpoint`` (fsync, write COMPLETE, rename to ``global_step_{N}``, update the tracker file, prune).
 A crash at any point leaves either the previous checkpoints untouched or the new one complete: a directory
-with a ``.tmp-``/``.old-``/``.deleting-`` suffix, or without a valid COMPLETE manifest, is never resumed from.
+with a ``.tmp-``/``.old-``/``.deleting-``/``.corrupt-`` suffix, or without a valid COMPLETE manifest, is never
+resumed from. A save that fails (disk full, permission denied) removes its temp folder and raises
+`CheckpointSaveError` with the path and the free space; the previous checkpoints are not touched.
+
+Resuming verifies the chosen checkpoint's files against the manifest (size and SHA-256). A damaged one is
+renamed ``global_step_{N}.corrupt-<time>`` (kept for inspection, never resumed from) and the next older
+complete one is used; a damaged ``trainer.resume_from_path`` is an error naming the file.
 
 No pickle anywhere: tensors go through safetensors, everything else through JSON.
 """
@@ -24,12 +30,15 @@ No pickle anywhere: tensors go through safetensors, everything else through JSON
 from __future__ import annotations
 
 import base64
+import errno
+import hashlib
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import time
 from typing import Any
 
 import numpy as np
@@ -42,6 +51,7 @@ COMPLETE_FILE = "COMPLETE"
 TRAINER_STATE_FILE = "trainer_state.json"
 ACTOR_DIR = "actor"
 FORMAT_VERSION = 1
+MANIFEST_VERSION = 2  # 1: {file: size}; 2: {file: {"size", "sha256"}}
 RESUME_MODES = ("auto", "disable", "resume_path")
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -51,6 +61,10 @@ _TRANSIENT_DIR = re.compile(r"^global_step_\d+\.(tmp|old|deleting)-\d+$")
 
 class CheckpointError(ValueError):
     """A checkpoint directory is missing, incomplete or inconsistent."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (disk full, no permission...); the previous ones are intact."""
 
 
 # ---------------------------------------------------------------------- layout
@@ -119,15 +133,23 @@ def _fsync_tree(root: str) -> None:
         fsync_dir(dirpath)
 
 
-def _manifest(root: str) -> dict[str, int]:
-    """``{relative path: size}`` of every file under ``root`` (POSIX separators, sorted)."""
-    files: dict[str, int] = {}
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(os.fspath(path), "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _manifest(root: str) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"size", "sha256"}}`` of every file under ``root`` (POSIX separators, sorted)."""
+    files: dict[str, dict[str, Any]] = {}
     for dirpath, _dirnames, filenames in os.walk(root):
         for name in filenames:
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, root).replace(os.sep, "/")
             if rel != COMPLETE_FILE:
-                files[rel] = os.path.getsize(full)
+                files[rel] = {"size": os.path.getsize(full), "sha256": file_sha256(full)}
     return dict(sorted(files.items()))
 
 
@@ -161,7 +183,12 @@ def commit_checkpoint(
         raise CheckpointError(f"commit_checkpoint: {tmp_dir!r} does not exist (call begin_checkpoint first)")
     final_dir = os.path.join(root, step_dir_name(step))
     _fsync_tree(tmp_dir)
-    manifest = {"format_version": FORMAT_VERSION, "global_step": int(step), "files": _manifest(tmp_dir)}
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "manifest_version": MANIFEST_VERSION,
+        "global_step": int(step),
+        "files": _manifest(tmp_dir),
+    }
     complete = os.path.join(tmp_dir, COMPLETE_FILE)
     with open(complete, "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)
@@ -208,8 +235,11 @@ def prune_checkpoints(root: str | os.PathLike, max_to_keep: int | None, keep_ste
 
 
 # ---------------------------------------------------------------------- discovery
-def checkpoint_problem(path: str | os.PathLike) -> str | None:
-    """Why ``path`` is not a complete checkpoint directory, or ``None`` when it is one."""
+def checkpoint_problem(path: str | os.PathLike, verify: bool = False) -> str | None:
+    """Why ``path`` is not a complete checkpoint directory, or ``None`` when it is one.
+
+    Every file listed in the COMPLETE manifest must exist with its recorded size; with ``verify`` its
+    SHA-256 must match too (reads every byte: done for the checkpoint a run resumes from)."""
     path = os.fspath(path)
     name = os.path.basename(os.path.normpath(path))
     if not _STEP_DIR.match(name):
@@ -225,12 +255,15 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
         files = dict(manifest["files"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"its {COMPLETE_FILE} manifest is unreadable ({e})"
-    for rel, size in files.items():
+    for rel, entry in files.items():
         full = os.path.join(path, *rel.split("/"))
+        size, sha = (entry.get("size"), entry.get("sha256")) if isinstance(entry, dict) else (entry, None)
         if not os.path.isfile(full):
             return f"{rel} listed in {COMPLETE_FILE} is missing"
         if os.path.getsize(full) != int(size):
-            return f"{rel} has {os.path.getsize(full)} bytes, {COMPLETE_FILE} says {size}"
+            return f"{rel} has {os.path.getsize(full)} bytes, {COMPLETE_FILE} says {size} (truncated or overwritten)"
+        if verify and sha is not None and file_sha256(full) != sha:
+            return f"{rel} fails its SHA-256 check against {COMPLETE_FILE} (the file's content is corrupt)"
     return None
 
 
@@ -302,16 +335,44 @@ def resolve_resume(
     if resume_mode == "disable":
         return None
     if resume_mode == "auto":
-        return find_latest_checkpoint(root)
+        return _newest_verified_checkpoint(root)
     if not resume_from_path:
         raise CheckpointError("trainer.resume_mode=resume_path needs trainer.resume_from_path (got none)")
     path = os.path.abspath(os.fspath(resume_from_path))
-    problem = checkpoint_problem(path)
+    problem = checkpoint_problem(path, verify=True)
     if problem is not None:
         raise CheckpointError(
-            f"trainer.resume_from_path={os.fspath(resume_from_path)!r} is not a complete checkpoint: {problem}"
+            f"trainer.resume_from_path={os.fspath(resume_from_path)!r} is not a complete checkpoint: {problem}. "
+            "Point it at another global_step_<N> folder, or use trainer.resume_mode=auto to take the newest "
+            "intact one."
         )
     return path
+
+
+def _newest_verified_checkpoint(root: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint under ``root`` whose files pass their checksums. Each newer one that
+    fails is reported (which file, why) and renamed ``.corrupt-<time>`` so no later resume or prune picks
+    it; the search then falls back to the next older one."""
+    root = os.fspath(root)
+    candidates = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            match = _STEP_DIR.match(name)
+            if match and os.path.isfile(os.path.join(root, name, COMPLETE_FILE)):
+                candidates.append((int(match.group(1)), os.path.join(root, name)))
+    for step, path in sorted(candidates, reverse=True):
+        problem = checkpoint_problem(path, verify=True)
+        if problem is None:
+            return path
+        aside = os.path.join(root, f"{step_dir_name(step)}.corrupt-{int(time.time())}")
+        os.replace(path, aside)
+        logger.warning(
+            "checkpoint %s is damaged: %s. Moved it to %s; falling back to the previous complete checkpoint.",
+            path,
+            problem,
+            aside,
+        )
+    return None
 
 
 # ---------------------------------------------------------------------- trainer state
@@ -412,10 +473,86 @@ def save_run_checkpoint(
 ) -> str:
     """One trainer checkpoint: every worker writes its shards (``w.save_checkpoint``) into a temp folder,
     the driver adds ``state`` plus its RNG, then the folder is committed atomically. Returns its path."""
-    tmp = begin_checkpoint(root, step)
-    workers.run_all(lambda w: w.save_checkpoint.remote(tmp))
-    save_trainer_state(tmp, {**state, "rng": capture_rng_state()})
-    return commit_checkpoint(root, step, tmp, max_to_keep=max_to_keep)
+    tmp: str | None = None
+    try:
+        tmp = begin_checkpoint(root, step)
+        workers.run_all(lambda w: w.save_checkpoint.remote(tmp))
+        save_trainer_state(tmp, {**state, "rng": capture_rng_state()})
+        return commit_checkpoint(root, step, tmp, max_to_keep=max_to_keep)
+    except Exception as err:
+        if tmp is not None:  # a half-written folder is never resumed from; remove it now to free the space
+            shutil.rmtree(tmp, ignore_errors=True)
+        disk = disk_error(err)
+        if disk is None:
+            raise
+        raise CheckpointSaveError(
+            f"saving the checkpoint of step {step} into {root} failed: {disk}. {free_space(root)} The half-written "
+            f"folder was removed; the previous checkpoint ({find_latest_checkpoint(root) or 'none'}) is intact. "
+            "Free some space (or fix the permissions), or point trainer.default_local_dir at another disk, then "
+            "rerun the same command: it resumes from that checkpoint."
+        ) from err
+
+
+_DISK_ERRNOS = {errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT, errno.EPERM, errno.EFBIG}
+
+
+def disk_error(err: BaseException) -> str | None:
+    """``"[Errno 28] No space left on device"``-like text when ``err`` (or what caused it: a worker's error
+    through Ray, a safetensors error carrying "os error N") is a full / read-only / forbidden disk."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+            return f"[Errno {e.errno}] {os.strerror(e.errno)}"
+        match = re.search(r"os error (\d+)|\[Errno (\d+)\]", str(e))
+        if match and int(match.group(1) or match.group(2)) in _DISK_ERRNOS:
+            code = int(match.group(1) or match.group(2))
+            return f"[Errno {code}] {os.strerror(code)}"
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+    return None
+
+
+def free_space(path: str | os.PathLike) -> str:
+    """``Free space on <fs of path>: 1.2 MB of 4.0 MB.`` (the nearest existing folder of ``path``)."""
+    path = os.path.abspath(os.fspath(path))
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError as e:
+        return f"(free space of {path} unknown: {e})"
+    return f"Free space on the file system of {path}: {_human(usage.free)} of {_human(usage.total)}."
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def check_writable(root: str | os.PathLike) -> str | None:
+    """Why checkpoints cannot be written under ``root`` (None: they can). Probes the nearest existing
+    folder with a temporary file, since permission bits alone say nothing for root or read-only mounts."""
+    import tempfile
+
+    path = os.path.abspath(os.fspath(root))
+    while not os.path.isdir(path):
+        if os.path.exists(path):
+            return f"{path} exists and is not a folder"
+        path = os.path.dirname(path)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".fusedrl-write-check-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"cannot create files in {path}: {e.strerror or e}"
+    return None
 
 
 def load_run_checkpoint(

@@ -286,6 +286,28 @@ def validate(cfg: DictConfig) -> None:
             f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp} needs rollout.name=vllm (the HF "
             "rollout generates with the actor's FSDP2 module).",
         )
+    mt = rollout.get("multi_turn")
+    if mt is not None and mt.enable:
+        from fusedrl.agent.runner import MultiTurnConfig
+
+        problems.extend(MultiTurnConfig.from_dict(dict(mt)).problems())
+        need(
+            rollout.name == "vllm",
+            "`actor_rollout_ref.rollout.multi_turn.enable`=true needs rollout.name=vllm (agent loops queue "
+            "requests on the in-process vLLM engine).",
+        )
+        need(
+            tp is None or tp == 1,
+            f"`actor_rollout_ref.rollout.multi_turn.enable`=true with tensor_model_parallel_size={tp}: multi-turn "
+            "rollouts run with tensor_model_parallel_size=1 only (every rank of a TP group would have to submit "
+            "the same requests in the same order, tool results included; not implemented). Set "
+            "tensor_model_parallel_size=1 (data-parallel engines, one per worker).",
+        )
+        path = mt.get("tool_config_path")
+        need(
+            not path or os.path.isfile(str(path)),
+            f"`actor_rollout_ref.rollout.multi_turn.tool_config_path`: file `{path}` does not exist.",
+        )
     need(
         rollout.sleep_level in (1, 2),
         f"`actor_rollout_ref.rollout.sleep_level`={rollout.sleep_level!r}: use 1 (keep a host copy of the "
@@ -334,6 +356,22 @@ def validate(cfg: DictConfig) -> None:
             float(tol)
         except (TypeError, ValueError):
             problems.append(f"`trainer.rollout_check_tol`={tol!r}: use auto, null or a number (e.g. 1e-3).")
+    for key in ("trainer.step_timeout_s", "trainer.preemption_save_timeout_s"):
+        if _get(cfg, key) is not None:
+            seconds = number(key, float)
+            need(
+                seconds is None or seconds >= 0, f"`{key}`={seconds}: must be >= 0 seconds (0 or null: off)."
+            )
+    save_freq = _get(cfg, "trainer.save_freq")
+    if isinstance(save_freq, int) and save_freq > 0 and tr.default_local_dir:
+        from fusedrl.checkpoint import check_writable
+
+        problem = check_writable(str(tr.default_local_dir))
+        need(
+            problem is None,
+            f"`trainer.default_local_dir`={tr.default_local_dir!r}: checkpoints cannot be written there ({problem}). "
+            "Point it at a writable folder, or set trainer.save_freq=-1 to run without checkpoints.",
+        )
     if tr.resume_mode == "resume_path":
         need(bool(tr.resume_from_path), "`trainer.resume_from_path`: required with resume_mode=resume_path.")
 
@@ -451,6 +489,8 @@ def cli_main(
     """The body of every entry point: ``key=value`` overrides -> validated config -> ``run(config)``.
 
     Config problems are all printed at once to stderr, before anything starts, and the exit code is 2.
+    A run stopped by SIGTERM / SIGINT (checkpointed; rerunning resumes) exits with 75
+    (``fusedrl.controller.preemption.PREEMPTED_EXIT_CODE``).
     """
     overrides = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -460,7 +500,13 @@ def cli_main(
         return 2
     if show_config:
         print(OmegaConf.to_yaml(config), flush=True)
-    run(config)
+    from fusedrl.controller.preemption import Preempted
+
+    try:
+        run(config)
+    except Preempted as err:  # SIGTERM / SIGINT: checkpointed and stopped cleanly; rerunning resumes
+        print(f"{prog}: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
     return 0
 
 

@@ -23,7 +23,14 @@ def batch_metrics(batch: RolloutBatch, step_time: float, global_step: int) -> Me
     adv = batch.advantages[batch.response_mask.bool()]  # [N valid]
     diff = (batch.rollout_log_probs - batch.old_log_probs).abs()[batch.response_mask.bool()]  # [N valid]
     prompt_tokens = float(batch.prompt_mask.sum())
+    real = batch.response_mask if batch.response_attention_mask is None else batch.response_attention_mask
+    agent: Metrics = {}
+    if batch.agent_stats is not None:
+        from fusedrl.agent.rewards import agent_metrics
+
+        agent = agent_metrics(batch.agent_stats)
     return {
+        **agent,
         "critic/score/mean": float(scores.mean()),
         "critic/score/max": float(scores.max()),
         "critic/score/min": float(scores.min()),
@@ -32,12 +39,12 @@ def batch_metrics(batch: RolloutBatch, step_time: float, global_step: int) -> Me
         "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
-        "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
+        "response_length/clip_ratio": float((real.sum(-1) >= mask.shape[1]).float().mean()),
         "prompt_length/mean": prompt_tokens / batch.num_samples,
         # Rollout vs trainer log-probs of the same tokens: ~0 when the weight sync is right.
         "rollout/log_prob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
         "rollout/log_prob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
-        "perf/total_num_tokens": prompt_tokens + float(lengths.sum()),
-        "perf/throughput": (prompt_tokens + float(lengths.sum())) / max(step_time, 1e-9),
+        "perf/total_num_tokens": prompt_tokens + float(real.sum()),
+        "perf/throughput": (prompt_tokens + float(real.sum())) / max(step_time, 1e-9),
         "training/global_step": float(global_step),
     }

@@ -31,7 +31,9 @@ from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup
+from fusedrl.controller.health import resume_hint
 from fusedrl.controller.placement import check_role_groups
+from fusedrl.controller.preemption import PreemptionGuard
 from fusedrl.data.dataset import PromptLoader, RLDataset
 from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
@@ -44,12 +46,24 @@ from fusedrl.workers.worker_dict import WorkerDict
 class PPOTrainer:
     """GRPO / PPO-family RL over a group of fused workers. See the module docstring for the lifecycle."""
 
-    def __init__(self, config: DictConfig, *, compute_score: Any = None) -> None:
+    def __init__(
+        self, config: DictConfig, *, compute_score: Any = None, tools: list[Any] | None = None
+    ) -> None:
         from transformers import AutoTokenizer
 
         from fusedrl.config import import_plugin
 
         self.config = config
+        # Multi-turn agent rollouts (docs/agentic.md): tools given in Python join the YAML's.
+        self.agent_tools = list(tools or [])
+        multi_turn = config.actor_rollout_ref.rollout.get("multi_turn")
+        self.multi_turn = bool(multi_turn is not None and multi_turn.enable)
+        agent_data: dict[str, Any] = {}
+        if self.multi_turn:
+            from fusedrl.agent import ToolSet
+
+            schemas = ToolSet.from_config(to_plain_dict(multi_turn), extra=self.agent_tools).schemas()
+            agent_data = {"tools": schemas or None, "keep_messages": True}
         for module in config.algorithm.get("custom_modules") or []:
             import_plugin(str(module))  # idempotent with validate(); needed when validation was skipped
         arr = config.actor_rollout_ref
@@ -61,6 +75,7 @@ class PPOTrainer:
             int(data.max_prompt_length),
             prompt_key=data.prompt_key,
             truncation=data.truncation,
+            **agent_data,
         )
         self.train_loader = PromptLoader(
             self.train_dataset, int(data.train_batch_size), shuffle=bool(data.shuffle), seed=int(data.seed)
@@ -73,6 +88,7 @@ class PPOTrainer:
                 int(data.max_prompt_length),
                 prompt_key=data.prompt_key,
                 truncation=data.truncation,
+                **agent_data,
             )
         self.reward_fn = build_reward_manager(config, self.tokenizer, compute_score)
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
@@ -128,6 +144,7 @@ class PPOTrainer:
                 else self.tokenizer.eos_token_id
             ),
         }
+        worker_config["_agent_tools"] = self.agent_tools
         self.groups = {}
         for i, roles in enumerate(groups):
             group = WorkerGroup.start(
@@ -153,8 +170,12 @@ class PPOTrainer:
         """The group holding the actor (and the rollout): the fused workers."""
         return self.group_for("actor")
 
+    def worker_groups(self) -> list[WorkerGroup]:
+        """Each worker group once (several roles may share one)."""
+        return list({id(g): g for g in self.groups.values()}.values())
+
     def close(self) -> None:
-        for group in {id(g): g for g in self.groups.values()}.values():
+        for group in self.worker_groups():
             group.shutdown()
         self.groups = {}
         self.tracker.close()
@@ -164,29 +185,58 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Metrics:
-        """Train until ``total_steps``; returns the last step's metrics."""
+        """Train until ``total_steps``; returns the last step's metrics.
+
+        SIGTERM / SIGINT stop the run after the step in flight, with a checkpoint of that step, within
+        ``trainer.preemption_save_timeout_s``; `Preempted` is raised (``main_ppo`` exits with 75)."""
+        stop = PreemptionGuard(self.config.trainer.preemption_save_timeout_s)
+        groups = self.worker_groups()
+        for group in groups:
+            group.preemption = stop
+
+        def kill_all() -> None:
+            for group in groups:
+                group.kill_local_processes()
+
+        stop.on_exit_now = kill_all
+        with stop:
+            return self._fit(stop)
+
+    def _fit(self, stop: PreemptionGuard) -> Metrics:
         last: Metrics = {}
         seed_rng(int(self.config.data.seed))  # a resumed run then restores the checkpoint's RNG state
         self.load_checkpoint()
         if self.config.trainer.val_before_train and self.val_dataset is not None:
             self.tracker.log(self.validate(), self.global_step)
         while self.global_step < self.total_steps:
+            if stop.requested:  # the signal came before this step started: nothing new to save
+                raise stop.stopped(
+                    self.global_step, None, resume_hint(str(self.config.trainer.default_local_dir))
+                )
             self.global_step += 1
             last = self.train_step()
             self.check_health(last)
             save_freq = int(self.config.trainer.save_freq)
-            if save_freq > 0 and (self.global_step % save_freq == 0 or self.global_step == self.total_steps):
+            saved = None
+            if stop.requested or (
+                save_freq > 0 and (self.global_step % save_freq == 0 or self.global_step == self.total_steps)
+            ):
                 with timer("save_checkpoint", last):
-                    self.save_checkpoint()
+                    saved = self.save_checkpoint()
             test_freq = int(self.config.trainer.test_freq)
             is_last = self.global_step == self.total_steps
             if (
                 self.val_dataset is not None
                 and test_freq > 0
                 and (self.global_step % test_freq == 0 or is_last)
+                and not stop.requested  # preempted: spend the time budget on stopping, not on validation
             ):
                 last.update(self.validate())
             self.tracker.log(last, self.global_step)
+            if stop.requested:
+                raise stop.stopped(
+                    self.global_step, saved, resume_hint(str(self.config.trainer.default_local_dir))
+                )
         return last
 
     def train_step(self) -> Metrics:
@@ -391,26 +441,36 @@ class PPOTrainer:
         # Group ids unique to this generation call, so groups never merge across rounds or epochs.
         batch.uid = [f"{u}@{self.global_step}.{seed_offset}" for u in batch.field_list("uid")]
         sampling = self.sampling(validate)
-        to_send = batch.select_fields("prompts", "prompt_mask", "sample_seeds")
+        fields = ["prompts", "prompt_mask", "sample_seeds"]
+        if self.multi_turn:  # agent loops read the row: agent_name, tools_kwargs, prompt messages
+            fields += ["uid", "data_source", "ground_truth", "extra_info"]
+        to_send = batch.select_fields(*fields)
         tp = int(self.config.actor_rollout_ref.rollout.tensor_model_parallel_size)
         rollout = self.group_for("rollout")
         if self.rollout_stale:
             self.sync_weights()
-        rollout.queue_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
+        rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
         shards = rollout.run_split(
             lambda w, shard: w.rollout_generate.remote(shard, sampling), to_send, replicas=tp
         )
-        rollout.queue_all(lambda w: w.rollout_sleep.remote())
+        rollout.run_all(lambda w: w.rollout_sleep.remote())
         self.rollout_stale = self.rollout_discards_weights
-        self.group_for("actor").queue_all(lambda w: w.load_actor.remote())
+        self.group_for("actor").run_all(lambda w: w.load_actor.remote())
         out = rollout.gather_batches(shards, to_send)
-        return batch.update_from(out, "responses", "response_mask", "rollout_log_probs")
+        names = ["responses", "response_mask", "rollout_log_probs"]
+        if self.multi_turn:
+            names += ["response_attention_mask", "agent_stats"]
+        return batch.update_from(out, *names)
 
     def compute_rewards(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Score responses: the rule / custom reward on the driver, or the fused reward model when enabled."""
         if self.config.reward_model.enable:
             return self.compute_reward_model_scores(batch, metrics)
         scores, reward_metrics = self.reward_fn(batch)  # [B, Tr]
+        if batch.agent_stats is not None:
+            from fusedrl.agent.rewards import add_agent_rewards
+
+            scores = add_agent_rewards(scores, batch.response_mask, batch.agent_stats)
         batch.token_level_scores = scores
         batch.token_level_rewards = scores.clone()
         metrics.update(reward_metrics)
@@ -422,7 +482,9 @@ class PPOTrainer:
         rm = self.group_for("reward_model")
         parts = rm.run_split(lambda w, shard: w.reward_model_compute_scores.remote(shard), inputs)
         seq_scores = rm.gather_tensors(parts, inputs)  # [B]
-        last = (batch.response_mask.sum(-1) - 1).clamp(min=0)  # [B]
+        positions = torch.arange(batch.response_mask.shape[1]).expand_as(batch.response_mask)  # [B, Tr]
+        # The last *sampled* token (multi-turn responses interleave observation tokens).
+        last = torch.where(batch.response_mask.bool(), positions, 0).max(dim=1).values  # [B]
         scores = torch.zeros(batch.response_mask.shape, dtype=torch.float32)  # [B, Tr]
         scores[torch.arange(batch.num_samples), last] = seq_scores * (batch.response_mask.sum(-1) > 0)
         batch.token_level_scores = scores
@@ -460,14 +522,14 @@ class PPOTrainer:
         return batch
 
     def _model_inputs(self, batch: RolloutBatch) -> RolloutBatch:
-        return batch.select_fields("prompts", "prompt_mask", "responses", "response_mask")
+        return batch.select_fields(*batch.model_input_fields())
 
     def compute_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
         """``old_log_probs``: the actor's log-probs of the samples before this step's update."""
         t = self.temperature
         inputs = self._model_inputs(batch)
         actor = self.group_for("actor")
-        actor.queue_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
+        actor.run_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
         parts = actor.run_split(lambda w, shard: w.actor_compute_log_prob.remote(shard, t), inputs)
         batch.old_log_probs = actor.gather_tensors(parts, inputs)
         return batch
@@ -476,9 +538,9 @@ class PPOTrainer:
         t = self.temperature
         inputs = self._model_inputs(batch)
         ref = self.group_for("ref")
-        ref.queue_all(lambda w: w.load_ref.remote())
+        ref.run_all(lambda w: w.load_ref.remote())
         parts = ref.run_split(lambda w, shard: w.ref_compute_log_prob.remote(shard, t), inputs)
-        ref.queue_all(lambda w: w.offload_ref.remote())
+        ref.run_all(lambda w: w.offload_ref.remote())
         batch.ref_log_probs = ref.gather_tensors(parts, inputs)
         return batch
 
@@ -486,20 +548,18 @@ class PPOTrainer:
         """Critic values ``V(s_t)`` of every response position (PPO with GAE)."""
         inputs = self._model_inputs(batch)
         critic = self.group_for("critic")
-        critic.queue_all(lambda w: w.load_critic.remote())
+        critic.run_all(lambda w: w.load_critic.remote())
         parts = critic.run_split(lambda w, shard: w.critic_compute_values.remote(shard), inputs)
         batch.critic_values = critic.gather_tensors(parts, inputs)
         return batch
 
     def update_critic(self, batch: RolloutBatch) -> Metrics:
         """Regress the critic on the GAE returns (clipped value loss)."""
-        inputs = batch.select_fields(
-            "prompts", "prompt_mask", "responses", "response_mask", "critic_values", "returns"
-        )
+        inputs = batch.select_fields(*batch.model_input_fields(), "critic_values", "returns")
         critic = self.group_for("critic")
-        critic.queue_all(lambda w: w.load_critic.remote(optimizer=True))
+        critic.run_all(lambda w: w.load_critic.remote(optimizer=True))
         per_rank = critic.run_split(lambda w, shard: w.critic_update.remote(shard), inputs)
-        critic.queue_all(lambda w: w.offload_critic.remote())
+        critic.run_all(lambda w: w.offload_critic.remote())
         return mean_over_ranks(per_rank)
 
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
@@ -521,16 +581,16 @@ class PPOTrainer:
 
     def update_actor(self, batch: RolloutBatch) -> Metrics:
         """PPO update of the policy on the fused workers (FSDP2; micro-batches; global loss normaliser)."""
-        fields = ["prompts", "prompt_mask", "responses", "response_mask", "old_log_probs", "advantages"]
+        fields = [*batch.model_input_fields(), "old_log_probs", "advantages"]
         if self.config.actor_rollout_ref.actor.use_kl_loss:
             fields.append("ref_log_probs")
         inputs = batch.select_fields(*fields)
         t = self.temperature
         actor = self.group_for("actor")
         # The optimizer state is on the device only for the update.
-        actor.queue_all(lambda w: w.load_actor.remote(optimizer=True))
+        actor.run_all(lambda w: w.load_actor.remote(optimizer=True))
         per_rank = actor.run_split(lambda w, shard: w.actor_update.remote(shard, t), inputs)
-        actor.queue_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
+        actor.run_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
         self.rollout_stale = True
         return mean_over_ranks(per_rank)
 
@@ -541,11 +601,11 @@ class PPOTrainer:
         the engine's weights wake -> one full tensor at a time into the engine -> the shards leave again.
         """
         actor, rollout = self.group_for("actor"), self.group_for("rollout")
-        rollout.queue_all(lambda w: w.prepare_weight_update.remote())
-        actor.queue_all(lambda w: w.load_actor.remote())
-        rollout.queue_all(lambda w: w.rollout_wake_up.remote(["weights"]))
+        rollout.run_all(lambda w: w.prepare_weight_update.remote())
+        actor.run_all(lambda w: w.load_actor.remote())
+        rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights"]))
         per_rank = actor.run_all(lambda w: w.update_weights.remote())
-        actor.queue_all(lambda w: w.offload_actor.remote(params=True, optimizer=False))
+        actor.run_all(lambda w: w.offload_actor.remote(params=True, optimizer=False))
         self.rollout_stale = False
         return mean_over_ranks(per_rank)
 
@@ -562,6 +622,10 @@ class PPOTrainer:
         prompts = next(iter(loader))
         batch = self.generate(prompts, validate=True)
         scores, _ = self.reward_fn(batch)
+        if batch.agent_stats is not None:
+            from fusedrl.agent.rewards import add_agent_rewards
+
+            scores = add_agent_rewards(scores, batch.response_mask, batch.agent_stats)
         per_sample = scores.sum(-1)  # [B]
         out: Metrics = {"val/test_score/mean": float(per_sample.mean())}
         sources = np.array(batch.field_list("data_source"))

@@ -22,9 +22,10 @@ def started_trainer(
     trainer_cls: type | None = None,
     compute_score: Any = None,
     role_groups: Sequence[Sequence[str]] | None = None,
+    tools: list[Any] | None = None,
 ) -> Iterator[PPOTrainer]:
     """Ray up (`init_ray`), the trainer built (``trainer_cls``: a user subclass) and its workers started
-    (``role_groups``: see `PPOTrainer.init_workers`); on exit the workers and trackers are closed, and Ray
+    (``role_groups``: see `PPOTrainer.init_workers`; ``tools``: Python tools for multi-turn rollouts); on exit the workers and trackers are closed, and Ray
     is shut down if this call started it."""
     import ray
 
@@ -32,7 +33,9 @@ def started_trainer(
 
     owns_ray = not ray.is_initialized()
     init_ray(config)
-    kwargs = {} if compute_score is None else {"compute_score": compute_score}
+    kwargs: dict[str, Any] = {} if compute_score is None else {"compute_score": compute_score}
+    if tools:
+        kwargs["tools"] = tools  # multi-turn agent rollouts: tools given in Python
     trainer = (trainer_cls or PPOTrainer)(config, **kwargs)
     try:
         trainer.init_workers(role_groups)

@@ -59,6 +59,7 @@ class RewardModelRole:
                 handle.remove()
             per_token = captured[0].squeeze(-1)  # [b, T]
             # Last real token: the prompt is left-padded to Tp, the response right-padded.
-            last = batch.prompts.shape[1] + mb.response_mask.sum(-1).clamp(min=1) - 1  # [b]
+            real = mb.response_mask if mb.response_attention_mask is None else mb.response_attention_mask
+            last = batch.prompts.shape[1] + real.sum(-1).clamp(min=1) - 1  # [b]
             out.append(per_token[torch.arange(per_token.shape[0]), last].float())  # [b]
         return torch.cat(out)

@@ -40,6 +40,7 @@ from fusedrl.workers.critic import CriticRole
 from fusedrl.workers.distributed import DistributedWorker
 from fusedrl.workers.export import export_hf
 from fusedrl.workers.fsdp import StreamStats, device_type
+from fusedrl.workers.health import HealthReporting
 from fusedrl.workers.inspection import InspectionHooks
 from fusedrl.workers.logprob import token_budget
 from fusedrl.workers.memory import (
@@ -62,7 +63,7 @@ def _to_device(batch: RolloutBatch) -> RolloutBatch:
     return batch if device_type() == "cpu" else batch.to(device_type())
 
 
-class WorkerDict(DistributedWorker, InspectionHooks):
+class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
     """The roles of one device slot. ``config`` is the whole resolved run config as a plain dict;
     ``roles`` the subset of `ROLES` this worker holds (the HF rollout generates with the actor's own
     module, so it needs the actor in the same worker)."""
@@ -196,8 +197,16 @@ class WorkerDict(DistributedWorker, InspectionHooks):
             )
         from fusedrl.workers.rollout.vllm_rollout import VLLMRollout
 
-        return VLLMRollout(
+        rollout_cls: Any = VLLMRollout
+        extra: dict[str, Any] = {}
+        if (rcfg.get("multi_turn") or {}).get("enable"):
+            from fusedrl.workers.rollout.agent_rollout import AgentRollout
+
+            rollout_cls = AgentRollout
+            extra["tools"] = self.config.get("_agent_tools") or []  # tools passed in Python to the trainer
+        return rollout_cls(
             rcfg,
+            **extra,
             model_path=arr["model"]["path"],
             # The ranks of one tensor-parallel engine must sample alike: one seed per rollout (DP) group.
             seed=int(rcfg.get("seed", 0)) + self.rank // int(rcfg.get("tensor_model_parallel_size", 1)),

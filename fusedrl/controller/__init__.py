@@ -1,5 +1,5 @@
 """The single controller's plumbing: resource pools and worker groups."""
 
-from fusedrl.controller.worker_group import ResourcePool, WorkerDiedError, WorkerGroup
+from fusedrl.controller.worker_group import ResourcePool, WorkerDiedError, WorkerGroup, WorkerTimeoutError
 
-__all__ = ["ResourcePool", "WorkerDiedError", "WorkerGroup"]
+__all__ = ["ResourcePool", "WorkerDiedError", "WorkerGroup", "WorkerTimeoutError"]

@@ -6,7 +6,10 @@ a worker can be found with grep; this module only decides *which* workers get *w
     group.run_all(lambda w: w.update_weights.remote())                       # every rank, same args
     group.run_rank0(lambda w: w.master_address.remote())                     # rank 0 only
     group.run_split(lambda w, shard: w.rollout_generate.remote(shard, s), batch)  # DP split, gather
-    group.queue_all(lambda w: w.offload_ref.remote())                        # ordered, not waited for
+
+Every call waits for its answers. That is also what keeps the memory moves between phases in order: the
+workers run their health methods on a thread of their own (a Ray concurrency group), and Ray does not
+promise submission order to such actors, so a move is never left in flight behind a later call.
 
 Several groups may share one pool (one worker of each per slot, e.g. the reference apart from the fused
 actor/rollout worker); each group is its own torch.distributed world.
@@ -15,6 +18,8 @@ actor/rollout worker); each group is its own torch.distributed world.
 from __future__ import annotations
 
 import contextlib
+import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,10 +30,33 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fusedrl.batch import RolloutBatch, gather_from_ranks, split_for_ranks
+from fusedrl.controller.health import kill_pids, memory_diagnosis, resume_hint, wait_pids_gone
+from fusedrl.controller.preemption import Preempted, PreemptionGuard
+
+HEALTH_GROUP = "health"  # the workers' concurrency group for health_report / dump_stacks (workers/health.py)
+POLL_S = 1.0  # how often a remote wait wakes up to check the watchdog and the preemption deadline
+REPORT_EVERY_S = 2.0  # how often busy workers are asked for their memory figures
+STACK_TIMEOUT_S = 15.0  # how long a hung worker gets to hand over its stacks
 
 
 class WorkerDiedError(RuntimeError):
     """A fused worker's process died or raised; the group has been stopped."""
+
+
+class WorkerTimeoutError(WorkerDiedError):
+    """A fused worker did not answer a call within ``trainer.step_timeout_s``; the group has been stopped."""
+
+
+class _CallRecorder:
+    """Stands in for a worker handle in a call-site lambda and remembers which method it called."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.method = "?"
+
+    def __getattr__(self, name: str) -> Any:
+        self.method = name
+        return getattr(self._handle, name)
 
 
 @dataclass
@@ -88,9 +116,24 @@ class WorkerGroup:
         self.roles = tuple(roles) if roles is not None else (worker_cls.__name__,)
         self.role_names = ", ".join(self.roles)
         role_kw = {} if roles is None else {"roles": self.roles}
-        pg = pool.pg if pool.pg is not None else pool.create()
-        remote_cls: Any = ray.remote(worker_cls)
         share = 0.0 if share_slots else 1.0
+        trainer = config.get("trainer", {})
+        timeout = trainer.get("step_timeout_s")
+        # Watchdog per remote call (off when null / 0); set-up calls (init_roles) are exempt, see `start`.
+        self.step_timeout_s: float | None = float(timeout) if timeout else None
+        self.ckpt_root: str | None = trainer.get("default_local_dir")
+        self.preemption: PreemptionGuard | None = None
+        self.monitored = hasattr(worker_cls, "health_report")
+        self.reports: dict[int, dict[str, Any]] = {}  # rank -> its last `health_report`
+        self._report_refs: dict[int, ray.ObjectRef] = {}
+        self._last_poll = 0.0
+        pg = pool.pg if pool.pg is not None else pool.create()
+        # The health methods run on a thread of their own, so a busy or hung worker still answers them.
+        remote_cls: Any = (
+            ray.remote(concurrency_groups={HEALTH_GROUP: 1})(worker_cls)  # type: ignore[call-overload]
+            if self.monitored
+            else ray.remote(worker_cls)
+        )
         self.workers: list[Any] = [
             remote_cls.options(
                 num_cpus=pool.cpus_per_slot * share,
@@ -102,7 +145,6 @@ class WorkerGroup:
             ).remote(config, rank=rank, world_size=pool.world_size, **role_kw)
             for rank in range(pool.world_size)
         ]
-        self._queued: list[ray.ObjectRef] = []
 
     @classmethod
     def start(
@@ -118,8 +160,11 @@ class WorkerGroup:
         """Spawn the workers, get the torch.distributed rendezvous from rank 0, then run ``init`` (the
         worker's collective set-up, e.g. ``lambda w, addr, port: w.init_roles.remote(addr, port)``) on all."""
         group = cls(worker_cls, pool, config, roles=roles, share_slots=share_slots)
+        timeout, group.step_timeout_s = group.step_timeout_s, None  # loading models is not a step phase
         addr, port = group.run_rank0(lambda w: w.master_address.remote())
         group.run_all(lambda w: init(w, addr, port))
+        group.step_timeout_s = timeout
+        group.poll_health(wait_s=30.0)  # pids and a first memory figure for every rank
         return group
 
     @property
@@ -129,48 +174,121 @@ class WorkerGroup:
     # ------------------------------------------------------------------ calls
     def run_all(self, call: Callable[[Any], ray.ObjectRef]) -> list[Any]:
         """Call every rank with the same arguments; results in rank order."""
-        return self._get([call(w) for w in self.workers])
+        recorders = [_CallRecorder(w) for w in self.workers]
+        refs = [call(r) for r in recorders]
+        return self._get(refs, list(range(len(refs))), recorders[0].method if recorders else "?")
 
     def run_rank0(self, call: Callable[[Any], ray.ObjectRef]) -> Any:
         """Call rank 0 only; its result."""
-        return self._get([call(self.workers[0])])[0]
+        recorder = _CallRecorder(self.workers[0])
+        return self._get([call(recorder)], [0], recorder.method)[0]
 
-    def queue_all(self, call: Callable[[Any], ray.ObjectRef]) -> None:
-        """Call every rank without waiting for the answer (memory moves between phases).
-
-        Ray runs one caller's calls to an actor in submission order, so a queued call has happened before
-        any later call to the same worker starts; its errors surface, failing fast, at the next call that
-        waits (`run_all`, `run_split`, ...). Costs no round trip.
-        """
-        self._queued.extend(call(w) for w in self.workers)
-
-    def _get(self, refs: list[ray.ObjectRef]) -> list[Any]:
-        """Results of one call per rank, failing fast.
+    def _get(self, refs: list[ray.ObjectRef], ranks: list[int], phase: str) -> list[Any]:
+        """Results of one call per rank (``ranks[i]`` answers ``refs[i]``; ``phase``: the method), failing fast.
 
         Ranks run collectives together, so when one dies the others block in an all-gather until the
         process-group timeout. Instead of ``ray.get`` on all (which would wait for them), results are
-        taken as they complete; the first failure stops every worker and raises `WorkerDiedError`.
+        taken as they complete; the first failure stops every worker and raises `WorkerDiedError` (with
+        whether it was killed for memory, and its last reported RSS). While waiting, the workers' memory
+        figures are polled, the preemption deadline is checked and, after ``trainer.step_timeout_s``
+        without every answer, the silent ranks are named with their stacks (`WorkerTimeoutError`).
         """
-        queued, self._queued = self._queued, []
-        if queued:
-            self._get(queued)
+        start = time.monotonic()
         pending = list(refs)
+        self._check_preemption(phase)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(done[0])
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-                rank = refs.index(done[0]) % len(self.workers) if len(refs) % len(self.workers) == 0 else 0
-                died = isinstance(err, ray.exceptions.RayActorError)
-                what = "died" if died else "raised an error"
-                self.shutdown()
-                raise WorkerDiedError(
-                    f"fused worker rank {rank} (roles: {self.role_names}) {what}; all workers were stopped.\n"
-                    f"Cause: {str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}\n"
-                    "To continue, rerun the same command: with trainer.resume_mode=auto the run resumes from the "
-                    "last complete checkpoint in trainer.default_local_dir (set trainer.save_freq to have one)."
-                ) from err
+            done, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            if done:
+                try:
+                    ray.get(done[0])
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+                    self._died(ranks[refs.index(done[0])], phase, err)
+                continue
+            self.poll_health()
+            self._check_preemption(phase)
+            waited = time.monotonic() - start
+            if self.step_timeout_s is not None and waited > self.step_timeout_s:
+                self._timed_out([ranks[refs.index(r)] for r in pending], phase, waited)
         return ray.get(list(refs))
+
+    def _check_preemption(self, phase: str) -> None:
+        """After a SIGTERM whose time budget ran out: stop the workers and raise `Preempted`."""
+        if self.preemption is not None:
+            try:
+                self.preemption.check_deadline(f"`{phase}`")
+            except Preempted:
+                self.shutdown()
+                raise
+
+    def _died(self, rank: int, phase: str, err: Exception) -> None:
+        died = isinstance(err, ray.exceptions.RayActorError)
+        what = "died" if died else "raised an error"
+        memory = f"\n{memory_diagnosis(err, self.reports.get(rank))}" if died else ""
+        self.shutdown()
+        cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise WorkerDiedError(
+            f"fused worker rank {rank} (roles: {self.role_names}) {what} in `{phase}`; all workers were "
+            f"stopped.\nCause: {cause}{memory}\n{resume_hint(self.ckpt_root)}"
+        ) from err
+
+    def _timed_out(self, silent: list[int], phase: str, waited: float) -> None:
+        stacks = self._stacks(silent)
+        answered = sorted(set(range(self.world_size)) - set(silent))
+        lines = [
+            f"fused worker rank(s) {', '.join(map(str, silent))} (roles: {self.role_names}) did not answer "
+            f"`{phase}` within trainer.step_timeout_s={self.step_timeout_s:g} (waited {waited:.0f} s; ranks that "
+            f"answered: {answered or 'none'}). All workers were stopped.",
+        ]
+        for rank in silent:
+            lines.append(f"--- rank {rank} ({phase}) stack:\n{stacks[rank]}")
+        lines.append(resume_hint(self.ckpt_root))
+        self.shutdown()
+        raise WorkerTimeoutError("\n".join(lines))
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Each rank's own Python stacks, asked for through Ray (the health thread answers while it hangs)."""
+        if not self.monitored:
+            return {r: "(this worker class reports no stacks)" for r in ranks}
+        refs = {r: self.workers[r].dump_stacks.remote() for r in ranks}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=STACK_TIMEOUT_S)
+        out = {}
+        for rank, ref in refs.items():
+            try:
+                out[rank] = ray.get(ref) if ref in ready else None
+            except ray.exceptions.RayError as err:
+                out[rank] = f"(unavailable: {type(err).__name__})"
+            if out[rank] is None:
+                report = self.reports.get(rank, {})
+                out[rank] = (
+                    f"(no answer within {STACK_TIMEOUT_S:g} s: it may hold the GIL in native code; "
+                    f"`py-spy dump --pid {report.get('pid', '?')}` on {report.get('node', 'its node')} shows it)"
+                )
+        return out
+
+    def poll_health(self, wait_s: float = 0.0) -> None:
+        """Ask every rank for its `health_report` (at most every `REPORT_EVERY_S`) and keep the answers that
+        arrived; ``wait_s`` > 0 waits that long for all of them."""
+        if not self.monitored:
+            return
+        now = time.monotonic()
+        if wait_s <= 0 and now - self._last_poll < REPORT_EVERY_S:
+            return
+        self._last_poll = now
+        for rank, w in enumerate(self.workers):
+            if rank not in self._report_refs:
+                self._report_refs[rank] = w.health_report.remote()
+        by_ref = {ref: rank for rank, ref in self._report_refs.items()}
+        ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=wait_s)
+        for ref in ready:
+            rank = by_ref[ref]
+            del self._report_refs[rank]
+            with contextlib.suppress(ray.exceptions.RayError):  # a dead worker answers nothing new
+                self.reports[rank] = ray.get(ref)
+
+    def kill_local_processes(self) -> None:
+        """SIGKILL this node's worker processes by pid (no Ray round trip: the second-signal path)."""
+        here = socket.gethostname()
+        kill_pids([int(r["pid"]) for r in self.reports.values() if r.get("node") == here])
 
     def run_split(
         self, call: Callable[[Any, RolloutBatch], ray.ObjectRef], batch: RolloutBatch, *, replicas: int = 1
@@ -193,7 +311,9 @@ class WorkerGroup:
         """Call rank ``r`` with ``shards[r]`` (one per rank, already split); results in rank order."""
         if len(shards) != self.world_size:
             raise ValueError(f"{len(shards)} shards for {self.world_size} workers")
-        return self._get([call(w, shard) for w, shard in zip(self.workers, shards)])
+        recorders = [_CallRecorder(w) for w in self.workers]
+        refs = [call(w, shard) for w, shard in zip(recorders, shards)]
+        return self._get(refs, list(range(len(refs))), recorders[0].method if recorders else "?")
 
     @staticmethod
     def split_pad(batch: RolloutBatch, num_shards: int) -> int:
@@ -210,9 +330,15 @@ class WorkerGroup:
         return full if pad == 0 else full[: full.shape[0] - pad]
 
     def shutdown(self) -> None:
+        """Kill every worker and wait (briefly) until this node's worker processes are gone, so none is
+        still writing (e.g. into a checkpoint folder the caller is about to remove)."""
         for w in self.workers:
             with contextlib.suppress(Exception):  # already dead
                 ray.kill(w)
+        here = socket.gethostname()
+        wait_pids_gone(
+            [int(r["pid"]) for r in self.reports.values() if r.get("node") == here], timeout_s=10.0
+        )
         self.workers.clear()
-        self._queued.clear()
+        self._report_refs.clear()
         self.pool.release()

@@ -108,6 +108,10 @@ class RLDataset:
             last / first ``max_prompt_length`` tokens.
         filter_overlong_prompts: dropping with ``truncation="filter"`` happens only when this is True; when
             False an over-long prompt raises instead, so no row is ever dropped silently.
+        tools: tool schemas passed to the chat template as ``tools=`` (multi-turn tool rollouts).
+        keep_messages: keep each row's prompt messages in ``extra_info["raw_prompt"]`` (multi-turn).
+
+    An optional ``agent_name`` column picks each row's agent loop (kept as ``extra_info["agent_name"]``).
 
     Each item (``dataset[i]``) is a dict with ``prompt_ids`` (list[int], chat template applied, no further
     special tokens), ``data_source``, ``ground_truth`` (str), ``extra_info`` (dict) and ``uid``: the file
@@ -123,6 +127,8 @@ class RLDataset:
         prompt_key: str = "prompt",
         truncation: str = "filter",
         filter_overlong_prompts: bool = True,
+        tools: Sequence[dict] | None = None,
+        keep_messages: bool = False,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
@@ -139,6 +145,8 @@ class RLDataset:
         self.prompt_key = prompt_key
         self.truncation = truncation
         self.filter_overlong_prompts = filter_overlong_prompts
+        self.tools = list(tools) if tools else None
+        self.keep_messages = keep_messages
         self.num_filtered = 0
         self.num_truncated = 0
 
@@ -192,6 +200,7 @@ class RLDataset:
 
         columns = {name: table.column(name).to_pylist() for name in required}
         extra = table.column("extra_info").to_pylist() if "extra_info" in table.column_names else None
+        agent = table.column("agent_name").to_pylist() if "agent_name" in table.column_names else None
 
         problems: list[str] = []
         texts: list[str] = []
@@ -202,9 +211,10 @@ class RLDataset:
                 problems.append(f"row {row}: {problem}")
                 continue
             messages = _clean_messages(columns[self.prompt_key][row])
+            template_kwargs = {"tools": self.tools} if self.tools else {}
             try:
                 text = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False
+                    messages, add_generation_prompt=True, tokenize=False, **template_kwargs
                 )
             except Exception as exc:
                 problems.append(
@@ -244,7 +254,14 @@ class RLDataset:
             self._prompt_ids.append(ids)
             self._data_source.append(columns["data_source"][row])
             self._ground_truth.append(str(reward_model["ground_truth"]))
-            self._extra_info.append(dict(info) if isinstance(info, Mapping) else {})
+            info = dict(info) if isinstance(info, Mapping) else {}
+            # Multi-turn rollouts: the row's agent loop (verl's agent_name column) and, for the strict
+            # tokenization check and environments, the prompt messages; both ride in extra_info.
+            if agent is not None and agent[row]:
+                info["agent_name"] = str(agent[row])
+            if self.keep_messages:
+                info["raw_prompt"] = _clean_messages(columns[self.prompt_key][row])
+            self._extra_info.append(info)
             self._uid.append(f"{tag}-{row}")
 
     def _check_row(self, columns: dict[str, list], extra: list | None, row: int) -> str | None:

@@ -18,6 +18,13 @@ is tokenised on its own and the pieces are concatenated, so mask boundaries are 
 template that rewrites earlier turns when a later one is appended (e.g. one that strips reasoning from past
 assistant turns) breaks the prefix property; such a row is reported as a `DataError` instead of being
 trained on a mask that is silently wrong.
+
+Tool conversations (agentic warm starts): assistant messages may carry OpenAI-style ``tool_calls``
+(``[{type: function, function: {name, arguments}}]``, content empty or null) and ``tool`` role messages hold
+the tool responses; an optional ``tools`` column (a list of tool schemas, or a JSON string of one) is passed
+to the chat template as ``tools=``. The template renders the calls (e.g. Qwen's ``<tool_call>`` blocks); the
+loss stays on assistant tokens only, tool responses and the tool list are context. Calls written inline in
+the assistant's text need nothing special.
 """
 
 from __future__ import annotations
@@ -68,9 +75,16 @@ def _check_conversation(messages: Any, column: str) -> str | None:
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             return f"message {k} has no role (got {role!r}); use system, user or assistant"
+        calls = message.get("tool_calls")
+        if calls is not None:
+            problem = _check_tool_calls(calls, role)
+            if problem is not None:
+                return f"message {k}: {problem}"
+            if content is None:  # an assistant turn that only calls tools (OpenAI format)
+                continue
         if not isinstance(content, str):
             return f"message {k} (role {role!r}) has content {content!r}, expected a string"
-        if role == TRAINED_ROLE and not content.strip():
+        if role == TRAINED_ROLE and not content.strip() and not calls:
             return f"message {k} is an assistant turn with empty content; there is nothing to learn from it"
     if not any(m["role"] == TRAINED_ROLE for m in messages):
         return "the conversation has no assistant turn, so no token would be trained; remove the row"
@@ -82,21 +96,49 @@ def _check_conversation(messages: Any, column: str) -> str | None:
     return None
 
 
+def _check_tool_calls(calls: Any, role: str) -> str | None:
+    """None if ``calls`` is a usable OpenAI-style ``tool_calls`` list of an assistant message."""
+    if role != TRAINED_ROLE:
+        return f"only assistant messages carry tool_calls (this one is {role!r})"
+    if not isinstance(calls, (list, tuple)) or not calls:
+        return "tool_calls must be a non-empty list of {type: function, function: {name, arguments}}"
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn.get("name"):
+            return f"tool_calls[{j}] needs function.name (OpenAI format {{type: function, function: {{name, arguments}}}})"
+    return None
+
+
 def _clean(messages: Sequence[Mapping]) -> list[dict]:
     # Parquet structs give every message every key seen in the column (None where absent); drop those.
-    return [{key: value for key, value in m.items() if value is not None} for m in messages]
+    # An assistant turn that only calls tools keeps an empty content, as chat templates expect the key.
+    out = [_drop_none(m) for m in messages]
+    for m in out:
+        m.setdefault("content", "")
+    return out
 
 
-def render_pieces(tokenizer: Any, messages: Sequence[Mapping], eos_token: str | None) -> list[Piece]:
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def render_pieces(
+    tokenizer: Any, messages: Sequence[Mapping], eos_token: str | None, tools: Sequence[Mapping] | None = None
+) -> list[Piece]:
     """The conversation rendered by the chat template, cut into ``(text, trained)`` pieces.
 
-    Concatenated, the pieces are exactly ``apply_chat_template(messages, tokenize=False)``. Raises
-    `_TemplateError` when the template does not have the prefix property on this conversation.
+    Concatenated, the pieces are exactly ``apply_chat_template(messages, tokenize=False, tools=tools)``.
+    Raises `_TemplateError` when the template does not have the prefix property on this conversation.
     """
+    extra = {"tools": list(tools)} if tools else {}
 
     def render(upto: int, generation_prompt: bool = False) -> str:
         text = tokenizer.apply_chat_template(
-            list(messages[:upto]), tokenize=False, add_generation_prompt=generation_prompt
+            list(messages[:upto]), tokenize=False, add_generation_prompt=generation_prompt, **extra
         )
         if not isinstance(text, str):
             raise _TemplateError(f"the chat template returned a {type(text).__name__}, expected text")
@@ -129,6 +171,18 @@ def render_pieces(tokenizer: Any, messages: Sequence[Mapping], eos_token: str | 
         pieces.append((body[end:], False))
         prev = full
     return [(text, trained) for text, trained in pieces if text]
+
+
+def _tools_column(table: Any) -> list[Any]:
+    """Per row: the tool schemas of an optional ``tools`` column (a list, or a JSON string of one)."""
+    import json
+
+    if "tools" not in table.column_names:
+        return [None] * table.num_rows
+    out = []
+    for value in table.column("tools").to_pylist():
+        out.append(_drop_none(json.loads(value) if isinstance(value, str) else value) or None)
+    return out
 
 
 def _messages_from_pair(prompt: Any, response: Any, prompt_key: str, response_key: str) -> list[dict] | str:
@@ -243,12 +297,13 @@ class SFTDataset:
         problems: list[str] = []
         rows: list[int] = []
         row_pieces: list[list[Piece]] = []
+        tools = _tools_column(table)
         for row, conv in enumerate(self._conversations(path, table)):
             if isinstance(conv, str):
                 problems.append(f"row {row}: {conv}")
                 continue
             try:
-                pieces = render_pieces(self.tokenizer, conv, self.eos_token)
+                pieces = render_pieces(self.tokenizer, conv, self.eos_token, tools[row])
             except _TemplateError as exc:
                 problems.append(f"row {row}: {exc}")
                 continue

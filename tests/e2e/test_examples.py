@@ -141,3 +141,22 @@ def test_tiny_cpu_script_runs_two_steps(example, tmp_path):
     assert proc.returncode == 0, f"{script} exited {proc.returncode}; output tail:\n{tail}"
     assert re.search(r"\bstep 2 \|", proc.stdout), f"no 'step 2' log line; output tail:\n{tail}"
     assert not re.search(r"\bstep 3 \|", proc.stdout), "STEPS=2 was not honoured"
+
+
+def test_agentic_gpu_recipe_composes_and_its_tool_loads():
+    """examples/agentic: the calculator recipe's overrides compose with the YAML (multi-turn keys included),
+    the tool YAML loads once the plugin module is imported, and the tool computes exactly."""
+    from fusedrl.agent import ToolSet
+    from fusedrl.config import import_plugin, load_config
+
+    overrides = _overrides("agentic")
+    cfg = load_config(overrides, validate_config=False)
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    assert mt.enable and mt.default_agent_name == "tool" and cfg.actor_rollout_ref.rollout.dtype == "bfloat16"
+    import_plugin(str(cfg.algorithm.custom_modules[0]))
+    tools = ToolSet.from_config({"tool_config_path": str(mt.tool_config_path)})
+    calc = tools["calculator"]
+    assert calc.schema["function"]["parameters"]["required"] == ["expression"]
+    assert calc.execute("t", {"expression": "(48 + 24) * 3 - 7 / 2"}) == "212.5"
+    with pytest.raises(ValueError, match="only numbers"):
+        calc.execute("t", {"expression": "__import__('os')"})

@@ -20,8 +20,11 @@ from fusedrl.checkpoint import (
     actor_shard_prefix,
     begin_checkpoint,
     capture_rng_state,
+    checkpoint_problem,
     checkpoint_step,
     commit_checkpoint,
+    disk_error,
+    file_sha256,
     find_latest_checkpoint,
     list_complete_checkpoints,
     load_trainer_state,
@@ -77,6 +80,60 @@ def test_incomplete_and_tmp_dirs_are_ignored(tmp_path):
     (tmp_path / TRACKER_FILE).write_text("42\n")
     assert find_latest_checkpoint(tmp_path) == good
     assert find_latest_checkpoint(tmp_path / "nowhere") is None
+
+
+def test_manifest_records_size_and_checksum_and_resume_falls_back_past_damage(tmp_path, caplog):
+    good, _, newest = (_fake_checkpoint(tmp_path, step) for step in (1, 2, 3))
+    manifest = json.loads(Path(newest, COMPLETE_FILE).read_text())
+    shard = Path(newest, "actor", "rank_0.safetensors")
+    assert manifest["files"]["actor/rank_0.safetensors"] == {"size": 3, "sha256": file_sha256(shard)}
+    assert checkpoint_problem(newest, verify=True) is None
+    # Step 3: one flipped byte (same size: only the checksum sees it). Step 2: a truncated file.
+    shard.write_bytes(b"xyx")
+    Path(tmp_path, "global_step_2", "trainer_state.json").write_text("{}")
+    assert checkpoint_problem(newest) is None  # the cheap size check alone cannot tell
+    assert "actor/rank_0.safetensors fails its SHA-256" in checkpoint_problem(newest, verify=True)
+    # An explicit resume_from_path is an error naming the file ...
+    with pytest.raises(CheckpointError, match=r"global_step_3.*actor/rank_0.safetensors fails its SHA-256"):
+        resolve_resume(tmp_path, "resume_path", newest)
+    # ... auto names each damaged one, moves it aside and takes the newest intact one.
+    with caplog.at_level("WARNING"):
+        assert resolve_resume(tmp_path, "auto") == good
+    log = caplog.text
+    assert "global_step_3 is damaged: actor/rank_0.safetensors fails its SHA-256" in log, log
+    assert "global_step_2 is damaged: trainer_state.json has 2 bytes" in log, log
+    names = sorted(os.listdir(tmp_path))
+    assert [n for n in names if n.startswith("global_step_")][0] == "global_step_1"
+    assert sum(n.startswith(("global_step_2.corrupt-", "global_step_3.corrupt-")) for n in names) == 2, names
+    # The moved-aside folders are kept (evidence), never resumed from, never pruned.
+    _fake_checkpoint(tmp_path, 4, max_to_keep=1)
+    assert sum(".corrupt-" in n for n in os.listdir(tmp_path)) == 2
+    assert resolve_resume(tmp_path, "auto") == str(tmp_path / "global_step_4")
+
+
+def test_manifest_without_checksums_still_resumes(tmp_path):
+    """Checkpoints written before checksums (manifest: file -> size) stay resumable."""
+    final = _fake_checkpoint(tmp_path, 1)
+    manifest = json.loads(Path(final, COMPLETE_FILE).read_text())
+    manifest["files"] = {rel: entry["size"] for rel, entry in manifest["files"].items()}
+    Path(final, COMPLETE_FILE).write_text(json.dumps(manifest))
+    assert resolve_resume(tmp_path, "auto") == final
+
+
+def test_disk_errors_are_recognised_through_wrappers():
+    full = OSError(28, "No space left on device")
+    assert disk_error(full) == "[Errno 28] No space left on device"
+    # safetensors reports the OS error in its text; a worker's error arrives wrapped (cause chain).
+    try:
+        try:
+            raise RuntimeError("Error while serializing: I/O error: Read-only file system (os error 30)")
+        except RuntimeError as inner:
+            raise RuntimeError("fused worker rank 1 raised an error") from inner
+    except RuntimeError as outer:
+        assert disk_error(outer) == "[Errno 30] Read-only file system"
+    assert disk_error(PermissionError(13, "Permission denied")) == "[Errno 13] Permission denied"
+    assert disk_error(ValueError("bad shape")) is None
+    assert disk_error(OSError(5, "Input/output error")) is None
 
 
 def test_max_to_keep_and_stale_tmp_cleanup(tmp_path):

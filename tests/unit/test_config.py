@@ -256,6 +256,8 @@ def test_rollout_name_unknown_fails(base):
         ("critic.model.attn_implementation=xformers", "critic.model.attn_implementation"),
         ("actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.rollout.temperature"),
         ("trainer.logger=[console,mlflow]", "trainer.logger"),
+        ("trainer.step_timeout_s=-1", "trainer.step_timeout_s"),
+        ("trainer.preemption_save_timeout_s=soon", "trainer.preemption_save_timeout_s"),
     ],
 )
 def test_single_bad_value_names_its_key(base, override, key):
@@ -351,3 +353,38 @@ def test_bare_string_logger_is_one_logger(base):
 
     cfg = load_config([*base, "trainer.logger=console"])
     assert logger_names(cfg) == ["console"]
+
+
+def test_unwritable_checkpoint_dir_is_a_config_error(base, tmp_path):
+    """Checked at start-up, not at the first save hours later (a file where a folder should be: unwritable
+    whoever runs it; a read-only mount is covered by tests/reliability/test_full_disk.py)."""
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("x")
+    bad = f"trainer.default_local_dir={blocker}/ckpt"
+    problem = problem_naming(problems_of([*base, "trainer.save_freq=1", bad]), "trainer.default_local_dir")
+    assert str(blocker) in problem and "not a folder" in problem and "save_freq=-1" in problem
+    load_config([*base, "trainer.save_freq=-1", bad])  # no checkpoints: nothing to write there
+    load_config(
+        [*base, "trainer.save_freq=1", f"trainer.default_local_dir={tmp_path}/new/ckpt"]
+    )  # created later
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == [blocker]  # the probe left nothing
+
+
+def test_multi_turn_problems_reported_together(base):
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    problems = problems_of(
+        [
+            *base,  # rollout.name=hf: agent loops need the vLLM engine
+            f"{mt}.enable=true",
+            f"{mt}.tool_response_truncate_side=top",
+            f"{mt}.tool_config_path=/nonexistent/tools.yaml",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "trainer.n_gpus_per_node=2",
+        ]
+    )
+    assert "tensor_model_parallel_size=1 only" in " ".join(problems)
+    enable = [p for p in problems if p.startswith(f"`{mt}.enable`")]
+    assert len(enable) == 2 and "needs rollout.name=vllm" in enable[0]
+    assert "left, right or middle" in problem_naming(problems, f"{mt}.tool_response_truncate_side")
+    assert not any("tokenization_check" in p for p in problems)  # the default "off" is not a boolean
+    assert "does not exist" in problem_naming(problems, f"{mt}.tool_config_path")

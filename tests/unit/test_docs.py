@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-DOC_FILES = ("concepts.md", "algorithms.md", "config.md", "architecture.md")
+DOC_FILES = ("concepts.md", "algorithms.md", "config.md", "architecture.md", "agentic.md")
 
 # setuptools package-dir mapping of pyproject.toml: import name prefix -> source folder.
 PACKAGE_DIRS = {
@@ -41,6 +41,7 @@ CLASS_FILES = {
     "StreamStats": "workers/fsdp.py",
     "GroupCollector": "trainer/dynamic_sampling.py",
     "InspectionHooks": "workers/inspection.py",
+    "DistributedWorker": "workers/distributed.py",
 }
 
 

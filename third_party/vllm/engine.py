@@ -33,6 +33,7 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -160,6 +161,36 @@ def _unlink_own_cpu_shm() -> None:
             os.unlink(path)
 
 
+def _sampling_params(params: SampleParams):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=1,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop_token_ids=list(params.stop_token_ids),
+        seed=params.seed,
+        ignore_eos=params.ignore_eos,
+        logprobs=0,  # the sampled token's log-prob only
+        detokenize=False,
+    )
+
+
+def _completion(out) -> tuple[list[int], list[float], str]:
+    """``(token_ids, log_probs, finish_reason)`` of a finished single-sample request output."""
+    completion = out.outputs[0]
+    token_ids = list(completion.token_ids)
+    logprobs = [float(step[tok].logprob) for tok, step in zip(token_ids, completion.logprobs or []) if step]
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(
+            f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens; "
+            "logprobs=0 should give one per sampled token"
+        )
+    return token_ids, logprobs, "length" if completion.finish_reason == "length" else "stop"
+
+
 class VLLMEngine:
     """One vLLM ``LLM`` per process, driven with token ids (the engine never sees text)."""
 
@@ -214,6 +245,7 @@ class VLLMEngine:
             torch.distributed.barrier()  # every rank has mapped every segment of its group
             _unlink_own_cpu_shm()
         self.cfg = cfg
+        self._pending: dict[str, str] = {}  # vLLM's internal request id -> the caller's id
         self.awake: set[str] = {"weights", "kv_cache"}  # what is allocated now
         # The weights were thrown away (level-2 sleep) and hold no values until the next reload.
         self.weights_discarded = False
@@ -231,23 +263,11 @@ class VLLMEngine:
         ``seeds`` gives each request its own sampling seed: the tokens then depend only on the weights, the
         prompt and the seed, not on what the engine sampled before (exact resume, reproducible runs).
         """
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        sampling = SamplingParams(
-            n=1,
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            stop_token_ids=list(params.stop_token_ids),
-            seed=params.seed,
-            ignore_eos=params.ignore_eos,
-            logprobs=0,  # the sampled token's log-prob only
-            detokenize=False,
-        )
+        sampling = _sampling_params(params)
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
-        per_request: SamplingParams | list[SamplingParams] = sampling
+        per_request: Any = sampling
         if seeds is not None:
             per_request = []
             for seed in seeds:
@@ -255,20 +275,39 @@ class VLLMEngine:
                 sp.seed = int(seed)
                 per_request.append(sp)
         outputs = self.llm.generate(prompts, per_request, use_tqdm=False)
-        results: list[tuple[list[int], list[float]]] = []
-        for out in outputs:
-            completion = out.outputs[0]
-            token_ids = list(completion.token_ids)
-            logprobs = [
-                float(step[tok].logprob) for tok, step in zip(token_ids, completion.logprobs or []) if step
-            ]
-            if len(logprobs) != len(token_ids):
-                raise RuntimeError(
-                    f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens; "
-                    "logprobs=0 should give one per sampled token"
-                )
-            results.append((token_ids, logprobs))
-        return results
+        return [_completion(out)[:2] for out in outputs]
+
+    # ------------------------------------------------------------------ request queue (agent loops)
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SampleParams) -> None:
+        """Queue one request without running the engine; `step` advances every queued request together.
+
+        This is vLLM's continuous batching used directly: requests can be added while others are half
+        generated (multi-turn agent loops add the next turn of one trajectory while the rest keep going).
+        """
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        internal = engine.add_request(
+            request_id, TokensPrompt(prompt_token_ids=list(prompt_token_ids)), _sampling_params(params)
+        )
+        self._pending[str(internal)] = request_id
+
+    def step(self) -> list[tuple[str, list[int], list[float], str]]:
+        """Run one engine iteration. Returns the requests that finished in it as
+        ``(request_id, token_ids, log_probs, finish_reason)``; ``finish_reason`` is ``"stop"`` (a stop
+        token was sampled, and is included) or ``"length"`` (``max_tokens`` reached)."""
+        finished = []
+        for out in self.llm.llm_engine.step():
+            if not out.finished:
+                continue
+            request_id = self._pending.pop(str(out.request_id), str(out.request_id))
+            ids, lps, reason = _completion(out)
+            finished.append((request_id, ids, lps, reason))
+        return finished
+
+    def num_unfinished(self) -> int:
+        """Requests queued by `submit` that have not finished yet."""
+        return int(self.llm.llm_engine.get_num_unfinished_requests())
 
     # ------------------------------------------------------------------ weights
     def update_weights(

@@ -1,0 +1,188 @@
+"""Multi-turn rollout throughput: continuous scheduling vs turn-synchronous batching.
+
+N trajectories, each with its own number of turns (1..K) and its own turn length; between turns a tool
+call that sleeps t ms. ``continuous`` (fusedrl's default) queues each trajectory's next turn on the engine
+as soon as its tool answers; ``turn_sync`` runs a turn only once every live trajectory has queued it and
+hands results out when the whole batch is done, as a loop that batches each turn across trajectories does.
+Both run in one process on one in-process vLLM engine and the real tool path (thread pool, timeouts)::
+
+    python -m benchmarks.agent_rollout                      # tiny model, N=32, K=4, t=200 ms; RESULTS.md
+    python -m benchmarks.agent_rollout --sleep-ms 50,200    # several tool latencies
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from fusedrl.agent import (
+    AgentLoop,
+    ToolCall,
+    ToolSet,
+    append_observation,
+    assistant_turn,
+    register_agent_loop,
+)
+
+
+def bench_sleep(ms: int) -> str:
+    """Waits like a slow tool.
+
+    Args:
+        ms: milliseconds to wait.
+    """
+    time.sleep(ms / 1000.0)
+    return "done"
+
+
+@register_agent_loop("bench_turns")
+class BenchLoop(AgentLoop):
+    """``extra_info``: ``turns`` (assistant turns), ``turn_tokens`` (tokens of each turn), ``sleep_ms``."""
+
+    async def run(self, row, traj, ctx):
+        info = row["extra_info"]
+        for turn in range(info["turns"]):
+            _, stopped = await assistant_turn(traj, ctx, max_tokens=info["turn_tokens"][turn])
+            if turn + 1 == info["turns"]:
+                return
+            call = ToolCall(name="bench_sleep", arguments={"ms": info["sleep_ms"]})
+            results = await ctx.call_tools(traj, [call], row)
+            if not append_observation(
+                traj, ctx, [{"role": "tool", "content": results[0]}], after_stop=stopped
+            ):
+                return
+
+
+def measure(preset: str, n: int, k: int, sleep_ms: list[int], reps: int, turn_range: tuple[int, int]) -> dict:
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from benchmarks.common import model_dir
+    from fusedrl.agent import AgentRunner, ChatRenderer, MultiTurnConfig, TurnSampling
+    from fusedrl.third_party.vllm import EngineConfig, VLLMEngine
+
+    path = model_dir(preset)
+    tok = AutoTokenizer.from_pretrained(path)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29613")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    engine = VLLMEngine(
+        EngineConfig(model_path=path, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=1 << 30)
+    )
+    renderer = ChatRenderer(tok)
+    prompt = tok.encode(
+        renderer.render(
+            [{"role": "user", "content": "Use the tool, then answer."}], add_generation_prompt=True
+        ),
+        add_special_tokens=False,
+    )
+    sampling = TurnSampling(temperature=1.0, stop_token_id=tok.eos_token_id)
+    out: dict = {"n": n, "k": k, "runs": []}
+    for ms in sleep_ms:
+        rows = [
+            dict(
+                prompt_ids=prompt,
+                seed=i,
+                extra_info={
+                    "turns": 1 + (i * 7) % k,
+                    # Lengths vary per turn, as responses do: a turn-synchronous batch waits for the longest.
+                    "turn_tokens": [
+                        turn_range[0] + (i * 13 + turn * 29) % (turn_range[1] - turn_range[0] + 1)
+                        for turn in range(k)
+                    ],
+                    "sleep_ms": ms,
+                },
+            )
+            for i in range(n)
+        ]
+        runners = {}
+        for schedule in ("turn_sync", "continuous"):
+            cfg = MultiTurnConfig(
+                default_agent_name="bench_turns", schedule=schedule, tool_workers=n, tool_timeout_s=60.0
+            )
+            runners[schedule] = AgentRunner(engine, renderer, ToolSet([bench_sleep]), cfg)
+            runners[schedule].run(rows[:2], sampling, max_response_length=900)  # warm-up
+        times: dict[str, list[float]] = {"turn_sync": [], "continuous": []}
+        tokens = 0
+        for rep in range(reps):
+            # Alternate the order, so load from other processes on a shared machine hits both alike.
+            for schedule in ("turn_sync", "continuous") if rep % 2 == 0 else ("continuous", "turn_sync"):
+                t0 = time.perf_counter()
+                trajs = runners[schedule].run(rows, sampling, max_response_length=900)
+                times[schedule].append(time.perf_counter() - t0)
+                tokens = sum(sum(t.mask) for t in trajs)
+        for schedule, wall in times.items():
+            out["runs"].append(
+                {"sleep_ms": ms, "schedule": schedule, "wall_s": wall, "sampled_tokens": tokens}
+            )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--one", action="store_true")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--n", type=int, default=32)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--sleep-ms", default="200")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--turn-tokens", default="8,48", help="min,max sampled tokens of one turn")
+    args = ap.parse_args()
+    sleeps = [int(x) for x in args.sleep_ms.split(",")]
+    lo, hi = (int(x) for x in args.turn_tokens.split(","))
+    if args.one:
+        print(
+            "RESULT " + json.dumps(measure(args.preset, args.n, args.k, sleeps, args.reps, (lo, hi))),
+            flush=True,
+        )
+        return
+
+    from benchmarks.common import fmt, record, run_in_subprocess, summary
+
+    argv = [
+        "--one",
+        "--preset",
+        args.preset,
+        "--n",
+        str(args.n),
+        "--k",
+        str(args.k),
+        "--turn-tokens",
+        args.turn_tokens,
+    ]
+    res = run_in_subprocess(
+        "benchmarks.agent_rollout",
+        [*argv, "--sleep-ms", args.sleep_ms, "--reps", str(args.reps)],
+        env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)},
+    )
+    rows = []
+    for ms in sleeps:
+        by = {r["schedule"]: r for r in res["runs"] if r["sleep_ms"] == ms}
+        s, c = summary(by["turn_sync"]["wall_s"]), summary(by["continuous"]["wall_s"])
+        tokens = by["continuous"]["sampled_tokens"]
+        rows.append(
+            f"| {ms} | {fmt(s, ' s', 2)} | {fmt(c, ' s', 2)} | {tokens / s['median']:.0f} | "
+            f"{tokens / c['median']:.0f} | {s['median'] / c['median']:.2f}x |"
+        )
+    table = "\n".join(
+        [
+            f"{args.n} trajectories, 1-{args.k} assistant turns each (varied), {lo}-{hi} sampled tokens per turn "
+            f"(varied per trajectory and turn), a tool call sleeping t ms between turns; model `{args.preset}`, float32, one in-process "
+            "engine, same seeds and tokens for both schedules",
+            "",
+            "| tool t (ms) | turn-synchronous wall | continuous wall | turn-sync sampled tok/s | "
+            "continuous sampled tok/s | speed-up |",
+            "|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+    cmd = (
+        f"python -m benchmarks.agent_rollout --n {args.n} --k {args.k} --sleep-ms {args.sleep_ms} "
+        f"--turn-tokens {args.turn_tokens} --reps {args.reps}"
+    )
+    record("Multi-turn rollout: continuous vs turn-synchronous", cmd, table, res)
+
+
+if __name__ == "__main__":
+    main()

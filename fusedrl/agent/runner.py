@@ -1,0 +1,311 @@
+"""Runs every trajectory of a step at once through one in-process engine, with tools on a thread pool.
+
+Each trajectory is an asyncio task running its agent loop. A generate call queues a request on the
+engine (``submit``) and waits; one pump coroutine steps the engine (vLLM's continuous batching) and hands
+finished requests back. While a trajectory waits for a tool, the others keep generating. Everything runs in
+the fused worker's own process and thread, so the in-place weight stream is untouched.
+
+``schedule="turn_sync"`` exists for comparison (benchmarks): the engine only runs once every live
+trajectory has queued its next turn, and results are handed out only when the whole batch has finished, as
+a loop that batches each turn across trajectories would.
+
+Tools run on a thread pool: a call that raises becomes an error observation; one that runs past
+``tool_timeout_s`` is abandoned (its thread cannot be killed and finishes in the background) and becomes a
+timeout observation. Engine interface (see fusedrl.third_party.vllm.VLLMEngine): ``submit(request_id,
+prompt_ids, params)``, ``step() -> [(request_id, ids, log_probs, finish_reason)]``, ``num_unfinished()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fusedrl.agent.loops import get_agent_loop
+from fusedrl.agent.parser import ToolCall
+from fusedrl.agent.render import ChatRenderer, tokenization_mismatch
+from fusedrl.agent.tools import ToolResult, ToolSet
+from fusedrl.agent.trajectory import Trajectory
+
+TRUNCATE_SIDES = ("left", "right", "middle")
+SCHEDULES = ("continuous", "turn_sync")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultiTurnConfig:
+    """``actor_rollout_ref.rollout.multi_turn`` (see docs/agentic.md)."""
+
+    default_agent_name: str = "single_turn"
+    max_assistant_turns: int | None = None
+    max_user_turns: int | None = None
+    max_tokens_per_turn: int | None = None
+    max_parallel_calls: int = 1
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: str = "middle"
+    tool_timeout_s: float = 30.0
+    tool_workers: int = 16
+    tokenization_check: str = "off"
+    schedule: str = "continuous"
+    env_config: dict[str, Any] | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> MultiTurnConfig:
+        d = dict(d or {})
+        keys = {f for f in cls.__dataclass_fields__}
+        kwargs = {k: v for k, v in d.items() if k in keys}
+        if isinstance(kwargs.get("tokenization_check"), bool):  # YAML reads a bare off / on as a boolean
+            kwargs["tokenization_check"] = "strict" if kwargs["tokenization_check"] else "off"
+        for k in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
+            if kwargs.get(k) is not None:
+                kwargs[k] = int(kwargs[k])
+        return cls(**kwargs)
+
+    def problems(self, prefix: str = "actor_rollout_ref.rollout.multi_turn") -> list[str]:
+        """Every invalid value, as config-error lines (key=value: what to use)."""
+        checks = [
+            (
+                "tool_response_truncate_side",
+                self.tool_response_truncate_side in TRUNCATE_SIDES,
+                "use left, right or middle",
+            ),
+            ("tokenization_check", self.tokenization_check in ("strict", "off"), "use strict or off"),
+            ("schedule", self.schedule in SCHEDULES, "use continuous or turn_sync"),
+            ("max_parallel_calls", int(self.max_parallel_calls) >= 1, "must be >= 1"),
+            ("tool_timeout_s", float(self.tool_timeout_s) > 0, "must be > 0"),
+            ("max_tool_response_length", int(self.max_tool_response_length) >= 1, "must be >= 1"),
+            ("tool_workers", int(self.tool_workers) >= 1, "must be >= 1"),
+        ]
+        for k in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
+            v = getattr(self, k)
+            checks.append((k, v is None or v >= 1, "must be >= 1 or null"))
+        return [f"`{prefix}.{k}`={getattr(self, k)!r}: {msg}." for k, ok, msg in checks if not ok]
+
+
+def truncate(text: str, limit: int, side: str) -> tuple[str, bool]:
+    """``text`` cut to ``limit`` characters keeping its ``side`` (``left``: the beginning, ``right``: the end,
+    ``middle``: both ends), with a marker where text was dropped; and whether it was cut."""
+    if len(text) <= limit:
+        return text, False
+    marker = "...(truncated)..."
+    keep = max(limit - len(marker), 0)
+    # verl's convention: the side named is the side kept.
+    if side == "left":
+        return text[:keep] + marker, True
+    if side == "right":
+        return marker + text[len(text) - keep :], True
+    head = keep // 2
+    return text[:head] + marker + text[len(text) - (keep - head) :], True
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnSampling:
+    """Sampling of every turn; ``max_tokens`` is capped by what is left of the response budget."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_id: int = 0
+
+
+class AgentRunner:
+    """Builds trajectories for a list of rows on ``engine`` (see the module docstring)."""
+
+    def __init__(self, engine: Any, renderer: ChatRenderer, tools: ToolSet, cfg: MultiTurnConfig) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.tools = tools
+        self.cfg = cfg
+        self.max_assistant_turns = cfg.max_assistant_turns
+        self.max_user_turns = cfg.max_user_turns
+        self.env_config = dict(cfg.env_config or {})
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ public
+    def run(
+        self, rows: list[dict[str, Any]], sampling: TurnSampling, *, max_response_length: int
+    ) -> list[Trajectory]:
+        """One trajectory per row (``row["seed"]`` seeds its turns). Blocks until all are done."""
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.cfg.tool_workers)
+        try:
+            return asyncio.run(self._run_all(rows, sampling, max_response_length))
+        finally:
+            # Abandoned (timed-out) calls finish in the background; nobody waits for them.
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    # ------------------------------------------------------------------ scheduling
+    async def _run_all(
+        self, rows: list[dict[str, Any]], sampling: TurnSampling, budget: int
+    ) -> list[Trajectory]:
+        self._sampling = sampling
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._held: list[tuple[str, list[int], list[float], str]] = []
+        self._wake = asyncio.Event()
+        self._live = len(rows)
+        trajs = [
+            Trajectory(prompt_ids=list(r["prompt_ids"]), budget=budget, index=i, seed=int(r.get("seed", i)))
+            for i, r in enumerate(rows)
+        ]
+        pump = asyncio.create_task(self._pump())
+        tasks = [asyncio.create_task(self._one(r, t)) for r, t in zip(rows, trajs)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # one trajectory failed (e.g. the strict check): stop the others
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            self._live = 0
+            self._wake.set()
+            await pump
+        return trajs
+
+    async def _one(self, row: dict[str, Any], traj: Trajectory) -> None:
+        name = str(row.get("agent_name") or self.cfg.default_agent_name)
+        loop = get_agent_loop(name)()
+        try:
+            await loop.run(row, traj, self)
+        finally:
+            self._release_tools(traj)
+            self._live -= 1
+            self._wake.set()
+        if self.cfg.tokenization_check == "strict" and row.get("messages") is not None:
+            self._check(row, traj)
+
+    def _ready(self) -> bool:
+        if self.cfg.schedule == "continuous":
+            return self.engine.num_unfinished() > 0
+        # turn_sync: run only once every live trajectory has queued its turn.
+        if self._live <= 0:
+            return self.engine.num_unfinished() > 0
+        return len(self._waiting) > 0 and len(self._waiting) + len(self._held) >= self._live
+
+    async def _pump(self) -> None:
+        # Runs until every trajectory is done and the engine holds no request of this run (after a failure
+        # the requests of cancelled trajectories are finished and dropped, so the next run starts clean).
+        while self._live > 0 or self.engine.num_unfinished() > 0:
+            if not self._ready():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            for request_id, ids, lps, reason in self.engine.step():
+                if self.cfg.schedule == "turn_sync":
+                    self._held.append((request_id, ids, lps, reason))
+                else:
+                    self._deliver(request_id, (ids, lps, reason))
+            if self.cfg.schedule == "turn_sync" and self.engine.num_unfinished() == 0:
+                held, self._held = self._held, []
+                for request_id, ids, lps, reason in held:
+                    self._deliver(request_id, (ids, lps, reason))
+            await asyncio.sleep(0)  # let finished trajectories parse, call tools, queue their next turn
+
+    def _deliver(self, request_id: str, result: tuple[list[int], list[float], str]) -> None:
+        future = self._waiting.pop(request_id, None)
+        if future is not None and not future.done():  # None / done: its trajectory was cancelled
+            future.set_result(result)
+
+    # ------------------------------------------------------------------ AgentContext
+    async def generate(
+        self, traj: Trajectory, max_tokens: int | None = None
+    ) -> tuple[list[int], list[float], str]:
+        """One assistant turn continuing ``traj``: ``(sampled ids, their log-probs, "stop" | "length")``.
+        At most ``max_tokens`` (and ``max_tokens_per_turn``, and what is left of the response budget)."""
+        from fusedrl.third_party.vllm.engine import SampleParams
+
+        index, turn = traj.index, traj.turns_requested
+        traj.turns_requested += 1
+        s = self._sampling
+        params = SampleParams(
+            max_tokens=min(
+                traj.remaining, self.cfg.max_tokens_per_turn or traj.remaining, max_tokens or traj.remaining
+            ),
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            stop_token_ids=(s.stop_token_id,),
+            # Each turn its own seed, a function of (row seed, turn): resumed runs resample the same tokens.
+            seed=(traj.seed * 1_000_003 + turn * 7919) % (2**31 - 1),
+        )
+        request_id = f"{index}.{turn}"
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        self.engine.submit(request_id, traj.context_ids(), params)
+        self._wake.set()
+        return await future
+
+    async def call_tools(self, traj: Trajectory, calls: list[ToolCall], row: dict[str, Any]) -> list[str]:
+        limit = self.cfg.max_parallel_calls
+        jobs = [self._call(traj, c, row) for c in calls[:limit]]
+        results = list(await asyncio.gather(*jobs))
+        for _ in calls[limit:]:
+            traj.stats["tool_errors"] += 1
+            results.append(f"Error: skipped; at most {limit} tool calls are run per turn")
+        out = []
+        for text in results:
+            cut, was_cut = truncate(
+                text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side
+            )
+            traj.stats["truncated_responses"] += float(was_cut)
+            out.append(cut)
+        return out
+
+    async def _call(self, traj: Trajectory, call: ToolCall, row: dict[str, Any]) -> str:
+        traj.stats["tool_calls"] += 1
+        if call.error is not None:
+            traj.stats["tool_errors"] += 1
+            return f"Error: malformed tool call: {call.error}"
+        if call.name not in self.tools:
+            traj.stats["tool_errors"] += 1
+            return f"Error: unknown tool {call.name!r}; available tools: {sorted(self.tools.tools)}"
+        tool = self.tools[call.name]
+        kwargs = ((row.get("extra_info") or {}).get("tools_kwargs") or {}).get(call.name) or {}
+        instance_id = f"{traj.index}:{call.name}"
+        created = traj.created_tools
+
+        def work() -> ToolResult | str:
+            if call.name not in created:
+                tool.create(instance_id, **dict(kwargs.get("create_kwargs") or {}))
+                created.add(call.name)
+            return tool.execute(instance_id, dict(call.arguments), **dict(kwargs.get("execute_kwargs") or {}))
+
+        assert self._pool is not None
+        t0 = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._pool, work), self.cfg.tool_timeout_s
+            )
+        except asyncio.TimeoutError:
+            traj.stats["tool_timeouts"] += 1
+            return f"Error: tool {call.name!r} timed out after {self.cfg.tool_timeout_s:g} s"
+        except Exception as exc:  # a tool's own failure is the model's observation, never the step's crash
+            traj.stats["tool_errors"] += 1
+            return f"Error: {call.name} raised {type(exc).__name__}: {exc}"
+        finally:
+            traj.stats["tool_wall_s"] += time.perf_counter() - t0
+        if isinstance(result, ToolResult):
+            traj.stats["reward"] += float(result.reward)
+            return result.text
+        return str(result)
+
+    def _release_tools(self, traj: Trajectory) -> None:
+        for name in sorted(traj.created_tools):
+            try:
+                self.tools[name].release(f"{traj.index}:{name}")
+            except Exception:  # noqa: BLE001 - a failing release must not lose the trajectory
+                traj.stats["tool_errors"] += 1
+
+    def _check(self, row: dict[str, Any], traj: Trajectory) -> None:
+        """``tokenization_check: strict``: the trajectory must equal a full re-render of its conversation."""
+        messages = [*row["messages"], *traj.messages]
+        ids = traj.prompt_ids + traj.response_ids
+        ends_open = bool(traj.mask) and traj.mask[-1] == 0
+        problem = tokenization_mismatch(self.renderer, messages, ids, ends_with_generation_prompt=ends_open)
+        if problem is not None:
+            raise RuntimeError(
+                f"multi_turn.tokenization_check=strict: row {traj.index} (uid {row.get('uid')!r}) differs from "
+                f"the chat template's rendering of its conversation at {problem}. The template is not "
+                "prefix-preserving (or the prompt was truncated); fix the template or set tokenization_check=off"
+            )

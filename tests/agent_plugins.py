@@ -1,0 +1,75 @@
+"""Agent loop, environment and tools for the multi-turn trainer tests, loaded by the fused workers through
+``algorithm.custom_modules`` (as ``fusedrl_plugin_agent_plugins``; the tool YAML names them so)."""
+
+from __future__ import annotations
+
+import time
+
+from fusedrl.agent import AgentLoop, Environment, parse_hermes, register_agent_loop, register_environment
+from fusedrl.agent.loops import append_observation, assistant_turn
+
+HANG_S = 20.0
+
+BROKEN_CALLS = (
+    '<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>'
+    '<tool_call>{"name": "sleepy", "arguments": {"x": 1}}</tool_call>'
+    "<tool_call>{broken json</tool_call>"
+    '<tool_call>{"name": "big", "arguments": {"n": 5000}}</tool_call>'
+)
+
+
+def boom(x: int) -> str:
+    """Always fails.
+
+    Args:
+        x: ignored.
+    """
+    raise ValueError(f"boom {x}")
+
+
+def sleepy(x: int) -> str:
+    """Hangs far past the timeout.
+
+    Args:
+        x: ignored.
+    """
+    time.sleep(HANG_S)
+    return "late"
+
+
+def big(n: int) -> str:
+    """Answers far too much.
+
+    Args:
+        n: characters.
+    """
+    return "y" * n
+
+
+@register_environment("plugin_count_env")
+class CountEnv(Environment):
+    """Two user observations, then done; reward 0.5 per step."""
+
+    def reset(self, row):
+        self.steps = 0
+
+    def step(self, text):
+        self.steps += 1
+        return [{"role": "user", "content": f"go on {self.steps}"}], 0.5, self.steps >= 3
+
+
+@register_agent_loop("plugin_broken_tools")
+class BrokenToolsLoop(AgentLoop):
+    """Turn 1; the four broken calls (a random tiny model writes none itself); their responses; turn 2; a
+    user message; turn 3."""
+
+    async def run(self, row, traj, ctx):
+        _, stopped = await assistant_turn(traj, ctx)
+        results = await ctx.call_tools(traj, parse_hermes(BROKEN_CALLS), row)
+        if not append_observation(
+            traj, ctx, [{"role": "tool", "content": r} for r in results], after_stop=stopped
+        ):
+            return
+        _, stopped = await assistant_turn(traj, ctx)
+        if append_observation(traj, ctx, [{"role": "user", "content": "and now?"}], after_stop=stopped):
+            await assistant_turn(traj, ctx)

@@ -1,0 +1,88 @@
+"""Multi-turn agent rollouts on the fused worker's own in-process vLLM engine.
+
+`AgentRollout` is a `VLLMRollout` (same engine, same in-place weight stream, same sleep / wake) whose
+``generate`` runs one agent loop per row through `fusedrl.agent.AgentRunner` instead of one batch
+``generate`` call. Each row's trajectory comes back as:
+
+    responses               sampled ids and observation ids, in order, right-padded to Tr
+    response_mask           1 exactly on sampled ids
+    response_attention_mask 1 on every real response token (sampled or observation)
+    rollout_log_probs       the engine's log-probs on sampled ids, 0 elsewhere
+    agent_stats             [B, K] per-trajectory numbers (fusedrl.agent.STAT_NAMES)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fusedrl.agent import STAT_NAMES, AgentRunner, ChatRenderer, MultiTurnConfig, ToolSet, TurnSampling
+from fusedrl.batch import RolloutBatch
+from fusedrl.workers.rollout.base import SamplingConfig, unpadded_prompts
+from fusedrl.workers.rollout.vllm_rollout import VLLMRollout
+
+
+class AgentRollout(VLLMRollout):
+    """``cfg`` is ``actor_rollout_ref.rollout`` (with ``multi_turn``); ``tools`` are extra Python tools."""
+
+    def __init__(self, cfg: dict[str, Any], *, tools: list[Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(cfg, **kwargs)
+        from transformers import AutoTokenizer
+
+        mt = dict(cfg.get("multi_turn") or {})
+        self.multi_turn = MultiTurnConfig.from_dict(mt)
+        self.tools = ToolSet.from_config(mt, extra=tools or [])
+        tokenizer = AutoTokenizer.from_pretrained(kwargs["model_path"])
+        self.renderer = ChatRenderer(tokenizer, self.tools.schemas() or None)
+        self.runner = AgentRunner(self.engine, self.renderer, self.tools, self.multi_turn)
+
+    def generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
+        extra = batch.field_list("extra_info") or [{} for _ in range(batch.num_samples)]
+        uids = batch.field_list("uid") or [str(i) for i in range(batch.num_samples)]
+        ground_truth = batch.field_list("ground_truth") or [None] * batch.num_samples
+        data_source = batch.field_list("data_source") or [None] * batch.num_samples
+        seeds = batch.sample_seeds.tolist() if batch.sample_seeds is not None else range(batch.num_samples)
+        rows = []
+        for i, ids in enumerate(unpadded_prompts(batch)):
+            info = dict(extra[i] or {})
+            rows.append(
+                dict(
+                    prompt_ids=ids,
+                    extra_info=info,
+                    agent_name=info.get("agent_name"),
+                    messages=info.get("raw_prompt"),
+                    uid=uids[i],
+                    ground_truth=ground_truth[i],
+                    data_source=data_source[i],
+                    seed=int(seeds[i]),
+                )
+            )
+        turn = TurnSampling(
+            temperature=sampling.temperature if sampling.do_sample else 0.0,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            stop_token_id=self.eos_token_id,
+        )
+        trajs = self.runner.run(
+            rows, turn, max_response_length=min(sampling.max_tokens, self.max_response_length)
+        )
+        b, tr = batch.num_samples, self.max_response_length
+        responses = torch.full((b, tr), self.pad_token_id, dtype=torch.long)  # [B, Tr]
+        mask = torch.zeros((b, tr), dtype=torch.long)  # [B, Tr]
+        attn = torch.zeros((b, tr), dtype=torch.long)  # [B, Tr]
+        log_probs = torch.zeros((b, tr), dtype=torch.float32)  # [B, Tr]
+        for i, t in enumerate(trajs):
+            n = len(t.response_ids)  # <= Tr: the runner keeps every trajectory within the budget
+            responses[i, :n] = torch.as_tensor(t.response_ids, dtype=torch.long)
+            mask[i, :n] = torch.as_tensor(t.mask, dtype=torch.long)
+            attn[i, :n] = 1
+            log_probs[i, :n] = torch.as_tensor(t.log_probs, dtype=torch.float32)
+        batch.responses = responses
+        batch.response_mask = mask
+        batch.response_attention_mask = attn
+        batch.rollout_log_probs = log_probs
+        batch.agent_stats = torch.tensor([t.stat_row() for t in trajs], dtype=torch.float32).view(
+            b, len(STAT_NAMES)
+        )  # [B, K]
+        return batch
