@@ -58,6 +58,17 @@ class _Blocker(importlib.abc.MetaPathFinder):
         return None
 
 
+def _stand_in_for_ray() -> None:
+    """WorkerDict's health hooks mark two methods with ``@ray.method(concurrency_group=...)``, which only
+    matters to a Ray actor; without Ray (this check calls WorkerDict directly) the decorator does nothing."""
+    import types
+
+    ray = types.ModuleType("ray")
+    ray.method = lambda **_: lambda fn: fn  # type: ignore[attr-defined]
+    ray.__fusedrl_gpu_check_stand_in__ = True  # type: ignore[attr-defined]
+    sys.modules["ray"] = ray
+
+
 def prepare_imports(*, block_missing: bool) -> dict[str, str]:
     """Vendored wheels first on ``sys.path``; ``fusedrl.workers`` importable without an install."""
     if block_missing and not any(isinstance(f, _Blocker) for f in sys.meta_path):
@@ -74,6 +85,8 @@ def prepare_imports(*, block_missing: bool) -> dict[str, str]:
             sys.path.insert(0, str(target))
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
+    if block_missing or importlib.util.find_spec("ray") is None:
+        _stand_in_for_ray()
     import fusedrl
 
     if importlib.util.find_spec("fusedrl.workers") is None:
