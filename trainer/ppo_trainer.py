@@ -46,7 +46,7 @@ from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
 from fusedrl.tracking import Tracker, timer
 from fusedrl.trainer.dynamic_sampling import GroupCollector, group_metric, informative_groups
-from fusedrl.workers.rollout.base import SamplingConfig
+from fusedrl.workers.rollout.base import SamplingConfig, rollout_dtype
 from fusedrl.workers.worker_dict import WorkerDict
 
 
@@ -176,6 +176,8 @@ class PPOTrainer:
                 share_slots=i > 0,
             )
             self.groups.update(dict.fromkeys(roles, group))
+        # The engines went to sleep right after they were built; at level 2 their weights are gone.
+        self.rollout_stale = self.rollout_discards_weights
 
     def group_for(self, role: str) -> WorkerGroup:
         """The worker group holding ``role``."""
@@ -339,6 +341,7 @@ class PPOTrainer:
         # verl's actor.checkpoint.save_contents=[..., hf_model]: also a Hugging Face folder of the policy.
         if "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
             self.export_hf(os.path.join(path, "huggingface"))
+        self.rollout_stale |= self.rollout_discards_weights  # the engines slept while the state was resident
         return path
 
     def load_checkpoint(self) -> str | None:
@@ -364,6 +367,7 @@ class PPOTrainer:
     def export_hf(self, out_dir: str) -> None:
         """Write the current policy as a Hugging Face folder that transformers and vLLM load."""
         self.workers.run_all(lambda w: w.export_hf.remote(out_dir))
+        self.rollout_stale |= self.rollout_discards_weights  # the engines slept while the state was resident
 
     def next_prompts(self) -> RolloutBatch:
         """The next batch of prompts; epochs roll over (the loader's position is checkpointed)."""
@@ -742,7 +746,8 @@ def auto_rollout_check_tol(config: DictConfig) -> float | None:
     for other dtypes (fp16)."""
     arr = config.actor_rollout_ref
     fsdp = arr.actor.fsdp_config
-    names = {str(arr.rollout.dtype), str(fsdp.param_dtype or fsdp.model_dtype)}
+    engine = rollout_dtype(str(arr.rollout.dtype), cuda=torch.cuda.is_available())
+    names = {engine, str(fsdp.param_dtype or fsdp.model_dtype)}
     names = {{"fp32": "float32", "bf16": "bfloat16"}.get(n, n) for n in names}
     if names == {"float32"}:
         return 1e-3

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fusedrl.workers.device import local_device_index
 from fusedrl.workers.fsdp import device_type
 
 
@@ -30,10 +31,14 @@ def rendezvous_address(nnodes: int) -> tuple[str, int]:
 
 
 def join_process_group(
-    *, rank: int, world_size: int, master_addr: str, master_port: int, local_rank: int, **extra_env: str
+    *, rank: int, world_size: int, master_addr: str, master_port: int, slots_per_node: int, **extra_env: str
 ) -> None:
     """Set the torch.distributed environment (plus ``extra_env``), pick this rank's device and join the
-    default process group: NCCL on CUDA, gloo on CPU. Collective."""
+    default process group: NCCL on CUDA, gloo on CPU. Collective.
+
+    The device is the worker's slot on its node among the devices it can see (`local_device_index`: under
+    Ray, one visible device, index 0); ``LOCAL_RANK`` is set to it, as vLLM's external launcher expects."""
+    local_rank = local_device_index(rank, slots_per_node, device_count=torch.cuda.device_count())
     os.environ.update(
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
@@ -46,7 +51,14 @@ def join_process_group(
     if device_type() == "cuda":
         torch.cuda.set_device(local_rank)
     backend = "nccl" if device_type() == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=30),
+        # NCCL binds the group to this worker's device up front instead of guessing it from the rank.
+        device_id=torch.device("cuda", local_rank) if backend == "nccl" else None,
+    )
 
 
 class DistributedWorker:
@@ -65,12 +77,11 @@ class DistributedWorker:
         return rendezvous_address(int(self.config["trainer"]["nnodes"]))
 
     def _join(self, master_addr: str, master_port: int, **extra_env: str) -> None:
-        slots = max(1, int(self.config["trainer"]["n_gpus_per_node"]))
         join_process_group(
             rank=self.rank,
             world_size=self.world_size,
             master_addr=master_addr,
             master_port=master_port,
-            local_rank=self.rank % slots,
+            slots_per_node=int(self.config["trainer"]["n_gpus_per_node"]),
             **extra_env,
         )

@@ -7,10 +7,11 @@ parameter shards and its optimizer state to host memory and back:
 
 * parameters go through ``nn.Module._apply``, which FSDP2 overrides to re-register its sharded
   parameters after the move (the DTensor placements are kept; only the local shard changes device);
-* on CUDA, device-to-host copies use ``non_blocking=True``: PyTorch then allocates the host tensor in
-  pinned (page-locked) memory, so the host-to-device copy back is asynchronous and at full bandwidth.
-  Each device-to-host copy is waited for before the host copy is used (FSDP2 reads it to re-pad uneven
-  shards); host-to-device copies are stream-ordered and need no wait;
+* on CUDA, each offload copies into one exactly-sized page-locked `HostBuffer` per role and kind
+  (parameters, optimizer state), not into the caching host allocator's power-of-two blocks, which it would
+  keep for the rest of the process; the buffer is freed once the state is back on the device. Copies are
+  issued non-blocking and waited for once per move (FSDP2 reads the host copy to re-pad uneven shards;
+  the buffer must not be freed under a copy in flight);
 * gradients are freed (``set_to_none``) before parameters leave the device: they are not needed until
   the next backward and would otherwise stay resident through the rollout.
 
@@ -19,6 +20,11 @@ the CPU to the CPU returns the tensor itself: nothing is copied.
 
 Every move is idempotent and recorded in ``events`` (``"actor.offload_params"`` ...) only when it
 happened, so a test can read the choreography of a step back in order.
+
+PyTorch's allocator settings (``PYTORCH_CUDA_ALLOC_CONF``) are never written here. vLLM's sleep-mode pool
+(``CuMemAllocator.use_memory_pool`` in vLLM 0.32) already switches ``expandable_segments`` off around its
+own allocations and writes the user's whole settings string back afterwards, so a toggle of ours would be
+redundant (and a bare ``expandable_segments:X`` write resets every other option the user set).
 """
 
 from __future__ import annotations
@@ -32,12 +38,13 @@ import torch
 from torch import nn
 
 from fusedrl.workers.fsdp import device_type
+from fusedrl.workers.host_buffer import HostBuffer
 
 _GB = 1e9
 
 
-def _move(t: torch.Tensor, device: str) -> torch.Tensor:
-    out = t.to(device, non_blocking=True)
+def _move(t: torch.Tensor, device: str, host: HostBuffer | None = None) -> torch.Tensor:
+    out = host.copy_in(t) if host is not None and t in host else t.to(device, non_blocking=True)
     if device == "cpu" and t.device.type == "cuda":
         # The host copy is read right away by FSDP2 when it re-pads an uneven shard: wait for it.
         torch.cuda.current_stream().synchronize()
@@ -51,19 +58,34 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[tuple[dict[str,
                 yield state, key
 
 
-def move_params(model: nn.Module, device: str) -> None:
-    """Move every parameter and buffer (FSDP2 shards included) to ``device``."""
-    model._apply(lambda t: _move(t, device))
+def move_params(model: nn.Module, device: str, host: HostBuffer | None = None) -> None:
+    """Move every parameter and buffer (FSDP2 shards included) to ``device``; with ``host``, into its
+    slots (an offload to exactly-sized host memory)."""
+    model._apply(lambda t: _move(t, device, host))
+    _wait(device, host)
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str) -> None:
+def move_optimizer_state(
+    optimizer: torch.optim.Optimizer, device: str, host: HostBuffer | None = None
+) -> None:
     """Move every tensor of the optimizer's state (AdamW moments; its ``step`` counters stay on the CPU
-    unless the optimizer keeps them on the device) to ``device``."""
+    unless the optimizer keeps them on the device) to ``device`` (with ``host``: into its slots)."""
     for state, key in _state_tensors(optimizer):
         value = state[key]
-        if key == "step" and value.device.type == "cpu" and value.dim() == 0:
-            continue  # AdamW's default: a CPU scalar, never on the device
-        state[key] = _move(value, device)
+        if _is_host_step(key, value):
+            continue
+        state[key] = _move(value, device, host)
+    _wait(device, host)
+
+
+def _is_host_step(key: str, value: torch.Tensor) -> bool:
+    return key == "step" and value.device.type == "cpu" and value.dim() == 0  # AdamW's default
+
+
+def _wait(device: str, host: HostBuffer | None) -> None:
+    # Host-to-device copies out of a HostBuffer may still be in flight: wait before the buffer is freed.
+    if device == "cuda":
+        torch.cuda.current_stream().synchronize()
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -105,6 +127,14 @@ class Offloader:
         self.device = device_type()
         self.params_on_device = True
         self.optimizer_on_device = True
+        # Exactly-sized page-locked host memory while the state is offloaded (CUDA; None on CPU, where a
+        # move to the host copies nothing). `use_host_buffers` lets a CPU test exercise the packing.
+        self.use_host_buffers = self.device == "cuda"
+        self._param_host: HostBuffer | None = None
+        self._optim_host: HostBuffer | None = None
+        self._state_bytes = {"params": 0, "optimizer": 0}  # offloaded now, per kind
+        self.offloaded_bytes = 0  # most state bytes offloaded at once
+        self.peak_host_bytes = 0  # most host-buffer bytes held at once
 
     @classmethod
     def from_fsdp_config(
@@ -130,7 +160,10 @@ class Offloader:
         if not self.param_offload or not self.params_on_device:
             return
         self.model.zero_grad(set_to_none=True)
-        move_params(self.model, "cpu")
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        self._param_host = self._host_buffer(tensors)
+        move_params(self.model, "cpu", self._param_host)
+        self._record_offload("params", tensors)
         self.params_on_device = False
         self.events.append(f"{self.name}.offload_params")
 
@@ -138,6 +171,9 @@ class Offloader:
         if self.params_on_device:
             return
         move_params(self.model, self.device)
+        self._release(self._param_host)
+        self._param_host = None
+        self._state_bytes["params"] = 0
         self.params_on_device = True
         self.events.append(f"{self.name}.load_params")
 
@@ -145,7 +181,12 @@ class Offloader:
         if not self.optimizer_offload or not self.optimizer_on_device:
             return
         assert self.optimizer is not None
-        move_optimizer_state(self.optimizer, "cpu")
+        tensors = [
+            state[key] for state, key in _state_tensors(self.optimizer) if not _is_host_step(key, state[key])
+        ]
+        self._optim_host = self._host_buffer(tensors)
+        move_optimizer_state(self.optimizer, "cpu", self._optim_host)
+        self._record_offload("optimizer", tensors)
         self.optimizer_on_device = False
         self.events.append(f"{self.name}.offload_optimizer")
 
@@ -154,8 +195,42 @@ class Offloader:
             return
         assert self.optimizer is not None
         move_optimizer_state(self.optimizer, self.device)
+        self._release(self._optim_host)
+        self._optim_host = None
+        self._state_bytes["optimizer"] = 0
         self.optimizer_on_device = True
         self.events.append(f"{self.name}.load_optimizer")
+
+    # ------------------------------------------------------------------ host memory
+    def _host_buffer(self, tensors: list[torch.Tensor]) -> HostBuffer | None:
+        if not self.use_host_buffers:
+            return None
+        return HostBuffer(tensors, pin=self.device == "cuda")
+
+    def _release(self, host: HostBuffer | None) -> None:
+        """The state is back on the device: nothing refers to the host copy any more; free it. (On CPU the
+        state stays in the buffer's memory: dropping our reference is all there is to do.)"""
+        if host is not None and self.device != "cpu":
+            host.release()
+
+    def _record_offload(self, kind: str, tensors: list[torch.Tensor]) -> None:
+        self._state_bytes[kind] = local_bytes({id(t): t for t in tensors}.values())
+        self.offloaded_bytes = max(self.offloaded_bytes, sum(self._state_bytes.values()))
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes())
+
+    def host_bytes(self) -> int:
+        """Bytes of host buffers this role holds now."""
+        return sum(h.nbytes for h in (self._param_host, self._optim_host) if h is not None)
+
+    def host_metrics(self) -> dict[str, float]:
+        """``memory/<role>_host_bytes_per_offloaded_byte``: host memory taken per byte of offloaded state
+        (1.0 plus alignment slack; absent on CPU, where offloading copies nothing)."""
+        if self.offloaded_bytes == 0 or self.peak_host_bytes == 0:
+            return {}
+        return {
+            f"memory/{self.name}_offloaded_gb": self.offloaded_bytes / _GB,
+            f"memory/{self.name}_host_bytes_per_offloaded_byte": self.peak_host_bytes / self.offloaded_bytes,
+        }
 
     def offload_all(self) -> None:
         self.offload_optimizer()
@@ -194,16 +269,14 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def set_expandable_segments(enabled: bool) -> None:
-    """Turn PyTorch's expandable segments on (training: less fragmentation) or off (rollout).
-
-    vLLM's sleep mode releases memory through its own allocator pool, which cannot unmap memory that
-    PyTorch's allocator mapped as expandable segments; with them on during rollout, ``sleep`` frees
-    nothing (and vLLM refuses to build its sleep-mode pool). Only segments created after the switch
-    change kind, which is why the switch happens right after ``empty_cache``. No-op on CPU.
-    """
-    if torch.cuda.is_available():
-        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enabled}")
+def allocator_settings() -> str:
+    """The CUDA caching allocator's settings string now in effect ("" on CPU or when unreadable)."""
+    if not torch.cuda.is_available():
+        return ""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        return str(getter())
+    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
 
 
 # ---------------------------------------------------------------------- telemetry
@@ -219,10 +292,27 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GB  # KiB on Linux
 
 
+def device_free_total() -> tuple[int, int] | None:
+    """``(free, total)`` bytes of the current CUDA device as the driver sees it; None without CUDA.
+
+    Unlike ``memory_allocated`` / ``memory_reserved`` (PyTorch's own bookkeeping, which keeps counting
+    vLLM's pool after ``sleep`` because its tensors stay allocated while their memory is unmapped), this
+    shows what sleep and offload really gave back to the device.
+    """
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return int(free), int(total)
+
+
 def memory_metrics(phase: str) -> dict[str, float]:
-    """``memory/*_after_<phase>``: host RSS always; device allocated / reserved when there is a GPU."""
+    """``memory/*_after_<phase>``: host RSS always; on a GPU also PyTorch's allocated / reserved and the
+    device's free / total memory (``mem_get_info``)."""
     out = {f"memory/cpu_rss_gb_after_{phase}": rss_gb()}
-    if torch.cuda.is_available():
+    free_total = device_free_total()
+    if free_total is not None:
         out[f"memory/allocated_gb_after_{phase}"] = torch.cuda.memory_allocated() / _GB
         out[f"memory/reserved_gb_after_{phase}"] = torch.cuda.memory_reserved() / _GB
+        out[f"memory/device_free_gb_after_{phase}"] = free_total[0] / _GB
+        out[f"memory/device_total_gb_after_{phase}"] = free_total[1] / _GB
     return out

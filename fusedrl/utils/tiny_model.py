@@ -84,6 +84,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=12,
         num_key_value_heads=4,
     ),
+    # ~0.36B parameters, head_dim 64: the decoder of Qwen2.5-0.5B (its 151k-token vocabulary would add
+    # 0.14B). For the GPU check (scripts/gpu_check.sh); too big for CPU tests.
+    "half_b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    ),
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")

@@ -1,7 +1,7 @@
 """The CUDA path of a fused worker: offload / reload, FSDP2 on NCCL, HF rollout on CUDA.
 
 Marked ``gpu``: skipped where there is no CUDA device (see tests/conftest.py); run on a GPU machine with
-``make test-gpu``. Each test runs in a fresh spawned process with its own NCCL process group (world size 1,
+``make test-gpu``. The last test runs the prepared check, ``scripts/gpu_check.sh`` (docs/gpu.md). Each test runs in a fresh spawned process with its own NCCL process group (world size 1,
 GPU 0), so a CUDA context or a process group never leaks between tests. The model is the ``small`` preset
 (~18M parameters): large enough that its training state dwarfs allocator noise.
 """
@@ -99,10 +99,15 @@ def offload_roundtrip(model_dir: str) -> dict:
     ]
     torch.cuda.synchronize()
     allocated_before = torch.cuda.memory_allocated()
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
 
     mem.offload_all()
     torch.cuda.synchronize()
     allocated_offloaded = torch.cuda.memory_allocated()
+    torch.cuda.empty_cache()
+    free_offloaded = torch.cuda.mem_get_info()[0]
+    host_bytes, offloaded_bytes = mem.host_bytes(), mem.offloaded_bytes
     locals_ = [p.to_local() for p in model.parameters()]
     on_cpu = all(t.device.type == "cpu" for t in locals_)
     pinned = all(t.is_pinned() for t in locals_)
@@ -127,6 +132,9 @@ def offload_roundtrip(model_dir: str) -> dict:
         "state_bytes": state_bytes,
         "allocated_before": allocated_before,
         "allocated_offloaded": allocated_offloaded,
+        "device_free_gained": free_offloaded - free_before,
+        "host_bytes": host_bytes,
+        "offloaded_bytes": offloaded_bytes,
         "params_on_cpu": on_cpu,
         "params_pinned": pinned,
         "moments_on_cpu": moments_on_cpu,
@@ -197,6 +205,8 @@ def test_offload_roundtrip_is_bit_identical_and_frees_the_device(small_model_dir
     assert r["params_equal"] and r["optim_equal"]
     freed = r["allocated_before"] - r["allocated_offloaded"]
     assert freed >= 0.9 * r["state_bytes"], r
+    assert r["device_free_gained"] >= 0.9 * r["offloaded_bytes"], r  # the driver's view (mem_get_info)
+    assert r["offloaded_bytes"] <= r["host_bytes"] <= 1.1 * r["offloaded_bytes"], r  # exactly-sized pinned
     assert r["changed_after_step"] and r["loss_after"] == r["loss_after"]  # finite, and training went on
 
 
@@ -213,3 +223,22 @@ def test_hf_rollout_on_cuda(small_model_dir, tmp_path):
     assert r["responses_shape"] == [3, 12]
     assert r["num_tokens"] > 0
     assert r["log_probs_finite"] and r["log_probs_nonpositive"]
+
+
+def test_prepared_gpu_check_passes(tmp_path):
+    """scripts/gpu_check.sh end to end (small, mid, half_b): see docs/gpu.md."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_check.sh"), "--out", str(out)],
+        cwd=root,
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    summary = json.loads(out.read_text())
+    assert proc.returncode == 0 and summary["passed"] and not summary["dry_run"], proc.stdout[-4000:]

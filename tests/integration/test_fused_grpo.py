@@ -32,6 +32,8 @@ def trainer(tiny_model_dir, arithmetic_data, tmp_path_factory):
             "trainer.val_before_train=false",
             "actor_rollout_ref.rollout.temperature=0.8",
             "actor_rollout_ref.rollout.dtype=float32",
+            "actor_rollout_ref.rollout.free_cache_engine=true",
+            "actor_rollout_ref.rollout.sleep_level=1",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
             "actor_rollout_ref.actor.optim.lr=2e-3",
@@ -179,6 +181,7 @@ def test_prefix_cache_is_reset_after_sync(trainer):
     assert _sync_gap(trainer, long_prompts) < SYNC_TOL  # warms the prefix cache with the current weights
 
     _update_without_sync(trainer, train_prompts)
+    trainer.workers.run_all(lambda w: w.rollout_wake_up.remote(["weights"]))  # never stream into a sleeper
     trainer.workers.run_all(lambda w: w.update_weights.remote(reset_prefix_cache=False))
     stale_gap = _sync_gap(trainer, long_prompts)
     assert stale_gap > 100 * SYNC_TOL, f"stale prefix KV went unnoticed (gap {stale_gap:.2e})"
@@ -221,16 +224,13 @@ def test_sync_holds_no_second_copy(trainer, tiny_model_dir):
 def test_memory_choreography_order(trainer):
     events = trainer.workers.run_all(lambda w: w.get_events.remote())
     for ev in events:
-        assert ev[:5] == [
+        assert ev[:6] == [
+            "rollout.build",
+            "rollout.sleep(level=1)",  # right after building: the engine gives its memory back
             "rollout.wake_up(weights)",
             "rollout.wake_up(kv_cache)",
             "rollout.generate",
             "rollout.sleep(level=1)",
-            "allocator.expandable_segments(on)",
         ]
         i = ev.index("rollout.update_weights")
-        assert ev[i - 3 : i] == [
-            "empty_cache",
-            "allocator.expandable_segments(off)",
-            "rollout.wake_up(weights)",
-        ]
+        assert ev[i - 2 : i] == ["empty_cache", "rollout.wake_up(weights)"]

@@ -45,6 +45,11 @@ def trainer(tiny_model_dir, arithmetic_data, tmp_path_factory):
             "trainer.n_gpus_per_node=1",
             "trainer.total_training_steps=2",
             "trainer.test_freq=1",
+            "trainer.val_before_train=false",
+            "trainer.save_freq=-1",
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.rollout.free_cache_engine=true",
             "trainer.rollout_check_tol=1e-3",
             f"trainer.default_local_dir={tmp_path_factory.mktemp('run')}",
         ]
@@ -52,18 +57,26 @@ def trainer(tiny_model_dir, arithmetic_data, tmp_path_factory):
         yield t
 
 
-# One training step after start-up, as the worker records it (validation generates once more after it).
+# Start-up and one training step, as the worker records them (validation generates once more after it).
 STEP_ONE = [
-    # start-up: nothing the rollout does not use stays on the device
+    # start-up: nothing the rollout does not use stays on the device when the engine is built (vLLM checks
+    # free memory against gpu_memory_utilization there), and the engine sleeps right after
     "actor.offload_optimizer",
     "actor.offload_params",
     "ref.offload_params",
+    "rollout.build",
+    "rollout.sleep(level=2)",
+    # the level-2 sleep discarded the engine's weights: the first rollout re-streams them
+    "empty_cache",
+    "actor.load_params",
+    "rollout.wake_up(weights)",
+    "rollout.update_weights",
+    "actor.offload_params",
     # generate
     "rollout.wake_up(weights)",
     "rollout.wake_up(kv_cache)",
     "rollout.generate",
     "rollout.sleep(level=2)",
-    "allocator.expandable_segments(on)",
     "actor.load_params",
     # old log-probs run on the actor's (reloaded) params; the reference comes and goes
     "ref.load_params",
@@ -73,7 +86,6 @@ STEP_ONE = [
     "actor.offload_optimizer",
     # sync: the engine's discarded weights are re-streamed, then the actor's shards leave
     "empty_cache",
-    "allocator.expandable_segments(off)",
     "rollout.wake_up(weights)",
     "rollout.update_weights",
     "actor.offload_params",
@@ -96,13 +108,42 @@ def test_choreography_runs_in_order_and_every_rollout_sees_fresh_weights(trainer
     # Every generate after a level-2 sleep is preceded by a re-stream (validation's rollout included).
     generates = [i for i, e in enumerate(events) if e == "rollout.generate"]
     assert len(generates) == 4  # 2 steps + 2 validations
-    for prev, cur in zip(generates, generates[1:]):
+    for prev, cur in zip([events.index("rollout.build"), *generates], generates):
         between = events[prev:cur]
         assert "rollout.sleep(level=2)" in between
         assert between.index("rollout.update_weights") > between.index("rollout.sleep(level=2)"), between
     # Offloads and reloads pair up: at rest the actor's params are back for the next phase.
     assert events.count("actor.load_optimizer") == events.count("actor.offload_optimizer") - 1 == 2
     assert events.count("ref.load_params") == events.count("ref.offload_params") - 1 == 2
+
+
+def test_checkpoints_put_an_awake_engine_to_sleep_before_state_comes_back(trainer):
+    """Saving or loading brings every offloaded model and optimizer back to the device; an engine that
+    holds its memory sleeps first (as at start-up), and at level 2 the driver then re-streams."""
+    trainer.sync_weights()  # the engine's weights are awake now
+    assert not trainer.rollout_stale
+    mark = len(trainer.workers.run_all(lambda w: w.get_events.remote())[0])
+    path = trainer.save_checkpoint()
+    assert trainer.rollout_stale, "the engine slept at level 2 while the state was resident"
+    (events,) = trainer.workers.run_all(lambda w: w.get_events.remote())
+    assert events[mark:] == [
+        "rollout.sleep(level=2)",
+        "actor.load_params",
+        "actor.load_optimizer",
+        "ref.load_params",
+        "ref.offload_params",
+        "actor.offload_optimizer",
+        "actor.offload_params",
+    ]
+    trainer.sync_weights()
+    mark = len(trainer.workers.run_all(lambda w: w.get_events.remote())[0])
+    trainer.workers.run_all(lambda w: w.load_checkpoint.remote(path))
+    (events,) = trainer.workers.run_all(lambda w: w.get_events.remote())
+    assert events[mark : mark + 2] == ["rollout.sleep(level=2)", "actor.load_params"]
+    # The next rollout re-streams and sees the restored weights (the log-prob check is on, 1e-3).
+    prompts = next(iter(trainer.train_loader))
+    trainer.rollout_stale = True  # what PPOTrainer.load_checkpoint's own sync would do
+    assert _rollout_metrics(trainer, prompts)["rollout/log_prob_abs_diff_mean"] < 1e-3
 
 
 def _rollout_metrics(trainer, prompts):
@@ -120,7 +161,8 @@ def test_forgetting_the_restream_after_a_level2_sleep_is_caught(trainer):
 
     # That rollout ended with sleep(level=2): the fake engine's weights are now NaN.
     (events,) = trainer.workers.run_all(lambda w: w.get_events.remote())
-    assert events[-4:-2] == ["rollout.generate", "rollout.sleep(level=2)"]
+    last = len(events) - 1 - events[::-1].index("rollout.generate")
+    assert events[last + 1] == "rollout.sleep(level=2)"
     trainer.rollout_stale = False  # a choreography that forgets the re-stream
     with pytest.raises(RuntimeError, match="stale or corrupt weights"):
         trainer.check_health(_rollout_metrics(trainer, prompts))

@@ -184,7 +184,13 @@ def test_preset_sizes(preset):
     """Parameter counts from the config alone (meta device: nothing is allocated)."""
     from transformers import Qwen2ForCausalLM
 
-    sizes = {"tiny": (0.2e6, 0.8e6), "quick": (0.8e6, 1.1e6), "small": (15e6, 21e6), "mid": (80e6, 100e6)}
+    sizes = {
+        "tiny": (0.2e6, 0.8e6),
+        "quick": (0.8e6, 1.1e6),
+        "small": (15e6, 21e6),
+        "mid": (80e6, 100e6),
+        "half_b": (3.4e8, 3.8e8),
+    }
     expected = sizes[preset]
     cfg = make_config(preset, vocab_size=512, pad_id=0, eos_id=2)
     with torch.device("meta"):

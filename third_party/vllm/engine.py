@@ -16,6 +16,10 @@ Every touch of vLLM internals in fusedrl lives in this package. What it relies o
   weight update is followed by ``reset_prefix_cache``.
 * Creating the CPU worker replaces ``torch.set_num_threads`` by a no-op for the whole process; we put
   the original back so the trainer keeps control of its threads.
+* After every reload the engine checks it got every weight (`_check_reload`): the stream must name every
+  tensor of the checkpoint the engine was built from, and after a level-2 sleep (whose woken weights are
+  garbage) every parameter is first filled with NaN and must hold none afterwards. vLLM itself only logs
+  "Failed to load weights" for a layer that received nothing, and keeps the layer's old (garbage) values.
 * With tensor parallelism on CPU, vLLM's communicator shares memory through ``/dev/shm`` segments named
   after the launch method, which is the constant ``env://`` under external_launcher; since the engine is
   never shut down, the segments outlive the run and the next run on the machine fails with
@@ -79,6 +83,40 @@ def _drop_chat_template_warmup(record: logging.LogRecord) -> bool:
 def _drop_rotary_reload_warning(record: logging.LogRecord) -> bool:
     # Every in-place reload "fails" to load the rotary embedding, which has no weights: expected.
     return not ("Failed to load weights" in str(record.msg) and "RotaryEmbedding" in str(record.args))
+
+
+class IncompleteReloadError(RuntimeError):
+    """An in-place reload left some engine weights unwritten."""
+
+
+def checkpoint_tensor_names(model_path: str) -> frozenset[str]:
+    """Names of the tensors in a local Hugging Face folder's safetensors files (empty if not a folder)."""
+    if not os.path.isdir(model_path):
+        return frozenset()
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for fname in sorted(os.listdir(model_path)):
+        if fname.endswith(".safetensors"):
+            with safe_open(os.path.join(model_path, fname), framework="pt") as f:
+                names.update(f.keys())
+    return frozenset(names)
+
+
+class _NameRecorder:
+    """Passes a weight stream through, remembering the names it yielded."""
+
+    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.names: set[str] = set()
+        self._it = iter(named_tensors)
+
+    def __iter__(self) -> _NameRecorder:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        name, tensor = next(self._it)
+        self.names.add(name)
+        return name, tensor
 
 
 def vllm_available() -> bool:
@@ -221,6 +259,9 @@ class VLLMEngine:
         self.cfg = cfg
         self._pending: dict[str, str] = {}  # vLLM's internal request id -> the caller's id
         self.awake: set[str] = {"weights", "kv_cache"}  # what is allocated now
+        # The weights were thrown away (level-2 sleep) and hold no values until the next reload.
+        self.weights_discarded = False
+        self.expected_names = checkpoint_tensor_names(cfg.model_path)
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -291,16 +332,56 @@ class VLLMEngine:
         about one tensor alive. The in-process ``collective_rpc`` calls the worker directly: nothing is
         pickled. ``reset_prefix_cache=False`` exists only so tests can show what goes wrong without it.
         """
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        if "weights" not in self.awake:
+            raise RuntimeError("update_weights: the engine's weights are asleep; wake_up(['weights']) first")
+        sentinel = self.weights_discarded
+        if sentinel:
+            self._fill_weights(float("nan"))  # anything the reload misses stays NaN and is found below
+        stream = _NameRecorder(named_tensors)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        self._check_reload(stream.names, sentinel)
+        self.weights_discarded = False
         # KV blocks computed under the old weights must not be reused (GRPO repeats prompts).
         if reset_prefix_cache:
             self.reset_prefix_cache()
+
+    def _check_reload(self, streamed: set[str], sentinel: bool) -> None:
+        """Raise, naming them, when checkpoint tensors were not streamed or parameters not written."""
+        problems = []
+        missing = sorted(self.expected_names - streamed)
+        if missing:
+            problems.append(f"not in the weight stream: {', '.join(missing)}")
+        if sentinel:
+            with torch.no_grad():
+                unwritten = [
+                    n
+                    for n, p in self._model().named_parameters()
+                    if p.is_floating_point() and p.numel() and bool(p.sum(dtype=torch.float32).isnan())
+                ]
+            if unwritten:
+                problems.append(f"engine parameters not written (still NaN): {', '.join(unwritten)}")
+        if problems:
+            raise IncompleteReloadError(
+                "in-place weight reload left engine weights unwritten; "
+                + "; ".join(problems)
+                + ". The engine would generate with garbage there: check the actor's parameter names "
+                "against the checkpoint's (a renamed or frozen-and-skipped tensor)."
+            )
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        """The engine's own parameters (kernel layout), for tests that check a sync really landed."""
+        """The engine's own parameters (kernel layout), for tests that check a sync really landed.
+
+        Refused while the engine's weights are asleep: their memory is unmapped (CUDA) or, after a
+        level-2 sleep, holds no values until the next reload."""
+        if "weights" not in self.awake or self.weights_discarded:
+            state = "asleep" if "weights" not in self.awake else "discarded by a level-2 sleep"
+            raise RuntimeError(
+                f"model_state(): the engine's weights are {state}; wake them and stream weights "
+                "(sync_weights) before reading them"
+            )
         model = self._model()
         return {name: p.detach() for name, p in model.named_parameters()}
 
@@ -323,8 +404,10 @@ class VLLMEngine:
             return
         if _is_cuda() and self.cfg.enable_sleep_mode:
             self.llm.sleep(level=level)
+            self.weights_discarded = self.weights_discarded or level == 2
         elif level == 2 and self.cfg.emulate_sleep:
-            self._destroy_weights()
+            self._fill_weights(float("nan"))
+            self.weights_discarded = True
         self.awake = set()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -337,8 +420,7 @@ class VLLMEngine:
         self.awake |= wanted
 
     @torch.no_grad()
-    def _destroy_weights(self) -> None:
-        model = self._model()
-        for p in model.parameters():
+    def _fill_weights(self, value: float) -> None:
+        for p in self._model().parameters():
             if p.is_floating_point():
-                p.fill_(float("nan"))
+                p.fill_(value)

@@ -22,6 +22,15 @@ class SamplingConfig:
     do_sample: bool = True
 
 
+def rollout_dtype(name: str, *, cuda: bool) -> str:
+    """The engine dtype for ``rollout.dtype``: ``auto`` is bfloat16 on CUDA (its attention kernels need
+    16-bit floats) and float32 on CPU (exact rollout-vs-actor agreement, and CPUs without native bf16
+    emulate it slowly); anything else is used as given."""
+    if name in ("auto", "None", "null", ""):
+        return "bfloat16" if cuda else "float32"
+    return name
+
+
 class Rollout(Protocol):
     """What the fused worker needs of a rollout engine."""
 

