@@ -101,26 +101,34 @@ def prepare_imports(*, block_missing: bool) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------- config without omegaconf
-_REF = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
-_EMBEDDED = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
+_REF = re.compile(r"^\$\{(\.*[A-Za-z0-9_.]+)\}$")
+_EMBEDDED = re.compile(r"\$\{(\.*[A-Za-z0-9_.]+)\}")
 
 
-def _lookup(cfg: dict[str, Any], dotted: str) -> Any:
+def _lookup(cfg: dict[str, Any], dotted: str, where: tuple[str, ...]) -> tuple[Any, tuple[str, ...]]:
+    """The node ``dotted`` names and its path: absolute, or relative to the folder of the key at ``where``
+    when it starts with dots (OmegaConf's ``${.sibling}``, ``${..uncle}``)."""
+    if dotted.startswith("."):
+        ups = len(dotted) - len(dotted.lstrip("."))
+        parts = (*where[: len(where) - ups], *dotted[ups:].split("."))
+    else:
+        parts = tuple(dotted.split("."))
     node: Any = cfg
-    for part in dotted.split("."):
+    for part in parts:
         node = node[part]
-    return node
+    return node, parts
 
 
-def _resolve(node: Any, root: dict[str, Any]) -> Any:
+def _resolve(node: Any, root: dict[str, Any], where: tuple[str, ...] = ()) -> Any:
     if isinstance(node, dict):
-        return {k: _resolve(v, root) for k, v in node.items()}
+        return {k: _resolve(v, root, (*where, k)) for k, v in node.items()}
     if isinstance(node, list):
-        return [_resolve(v, root) for v in node]
+        return [_resolve(v, root, where) for v in node]
     if isinstance(node, str) and (m := _REF.match(node)):
-        return _resolve(_lookup(root, m.group(1)), root)  # a whole-value reference keeps its type
+        target, path = _lookup(root, m.group(1), where)
+        return _resolve(target, root, path)  # a whole-value reference keeps its type
     if isinstance(node, str) and "${" in node:
-        return _EMBEDDED.sub(lambda m: str(_resolve(_lookup(root, m.group(1)), root)), node)
+        return _EMBEDDED.sub(lambda m: str(_resolve(_lookup(root, m.group(1), where)[0], root)), node)
     return node
 
 

@@ -748,7 +748,7 @@ def auto_rollout_check_tol(config: DictConfig) -> float | None:
     fsdp = arr.actor.fsdp_config
     engine = rollout_dtype(str(arr.rollout.dtype), cuda=torch.cuda.is_available())
     names = {engine, str(fsdp.param_dtype or fsdp.model_dtype)}
-    names = {{"fp32": "float32", "bf16": "bfloat16"}.get(n, n) for n in names}
+    names = {{"fp32": "float32", "bf16": "bfloat16"}.get(n) or n for n in names}
     if names == {"float32"}:
         return 1e-3
     if names <= {"float32", "bfloat16"}:

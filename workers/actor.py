@@ -159,8 +159,6 @@ class ActorRole:
         would compute before the step), and `forward_log_probs` holds them afterwards (``[B, Tr]``).
         """
         cfg = self.cfg
-        set_lr(self.optimizer, lr)
-        self.model.train()
         mini_rows = cfg["ppo_mini_batch_size"] * self.rollout_n // self.world_size
         epochs = int(cfg["ppo_epochs"])
         from_forward = batch.old_log_probs is None
@@ -169,6 +167,8 @@ class ActorRole:
                 f"actor update without old_log_probs: needs ppo_epochs=1 and one mini-batch, got ppo_epochs="
                 f"{epochs} and {batch.num_samples} rows > {mini_rows} per mini-batch; compute them first"
             )
+        set_lr(self.optimizer, lr)
+        self.model.train()
         self._forward_log_probs = []
         orders: list[torch.Tensor] = []
         metrics = minibatch_updates(

@@ -54,12 +54,15 @@ def test_engine_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu():
     assert rollout_dtype("bfloat16", cuda=False) == "bfloat16"
 
 
-def test_yaml_default_engine_dtype_is_auto():
+def test_yaml_default_engine_dtype_is_verls_bfloat16():
+    """The default is verl's (bfloat16: flash attention on CUDA needs fp16/bf16); ``auto`` is accepted and
+    resolves to bfloat16 on CUDA, float32 on CPU. (CPUs without native bf16 switch to float32 at config
+    time: tests/integration/test_cpu_dtypes.py.)"""
     import yaml
 
     path = Path(__file__).resolve().parents[2] / "trainer" / "config" / "ppo_trainer.yaml"
     cfg = yaml.safe_load(path.read_text())
-    assert cfg["actor_rollout_ref"]["rollout"]["dtype"] == "auto"
+    assert cfg["actor_rollout_ref"]["rollout"]["dtype"] == "bfloat16"
 
 
 # ---------------------------------------------------------------------- 4. allocator settings

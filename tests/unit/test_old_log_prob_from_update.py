@@ -28,24 +28,38 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _actor_cfg(dynamic: bool) -> dict:
-    return {
-        "ppo_mini_batch_size": 3,  # prompts: 3 x n=2 = the whole 6-row batch, one optimizer step
-        "ppo_micro_batch_size_per_gpu": 2,
-        "use_dynamic_bsz": dynamic,
-        "ppo_max_token_len_per_gpu": 16,  # 2-3 rows of up to 11 tokens: rows regrouped by length
-        "ppo_epochs": 1,
-        "clip_ratio": 0.2,
-        "loss_agg_mode": "token-mean",
-        "entropy_coeff": 0.01,
-        "use_kl_loss": True,
-        "kl_loss_coef": 0.1,
-        "kl_loss_type": "low_var_kl",
-        "grad_clip": 1.0,
-        "policy_loss": {"loss_mode": "vanilla"},
-        "optim": {"lr": LR, "betas": [0.9, 0.999], "weight_decay": 0.0},
-        "fsdp_config": {"model_dtype": "float32", "param_dtype": None},
-    }
+def _configs(model_dir: str, dynamic: bool) -> tuple[dict, dict]:
+    """The YAML's model and actor sections with this test's sizes (every key the role reads is there)."""
+    from fusedrl.config import load_config, to_plain_dict
+
+    actor = "actor_rollout_ref.actor"
+    cfg = load_config(
+        [
+            "data.train_files=unused",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.rollout.n=2",
+            f"{actor}.ppo_mini_batch_size=3",  # prompts: 3 x n=2 = the whole 6-row batch, one optimizer step
+            f"{actor}.ppo_micro_batch_size_per_gpu=2",
+            f"{actor}.use_dynamic_bsz={dynamic}",
+            f"{actor}.ppo_max_token_len_per_gpu=16",  # 2-3 rows of up to 11 tokens: rows regrouped by length
+            f"{actor}.ppo_epochs=1",
+            f"{actor}.clip_ratio=0.2",
+            f"{actor}.loss_agg_mode=token-mean",
+            f"{actor}.entropy_coeff=0.01",
+            f"{actor}.use_kl_loss=true",
+            f"{actor}.kl_loss_coef=0.1",
+            f"{actor}.kl_loss_type=low_var_kl",
+            f"{actor}.grad_clip=1.0",
+            f"{actor}.policy_loss.loss_mode=vanilla",
+            f"{actor}.optim.lr={LR}",
+            f"{actor}.optim.weight_decay=0.0",
+            f"{actor}.fsdp_config.model_dtype=float32",
+            f"{actor}.fsdp_config.param_dtype=null",
+        ],
+        validate_config=False,
+    )
+    arr = to_plain_dict(cfg)["actor_rollout_ref"]
+    return arr["model"], arr["actor"]
 
 
 def _batch():
@@ -69,13 +83,13 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     try:
         from fusedrl.workers.actor import ActorRole
 
-        model_cfg = {"path": model_dir}
         result = {}
         for dynamic in (False, True):
+            model_cfg, actor_cfg = _configs(model_dir, dynamic)
             torch.manual_seed(0)
-            recomputed = ActorRole(model_cfg, _actor_cfg(dynamic), rollout_n=2)
+            recomputed = ActorRole(model_cfg, actor_cfg, rollout_n=2)
             torch.manual_seed(0)
-            reused = ActorRole(model_cfg, _actor_cfg(dynamic), rollout_n=2)
+            reused = ActorRole(model_cfg, actor_cfg, rollout_n=2)
             before = _params(recomputed)
 
             batch = _batch()
@@ -125,7 +139,7 @@ def test_update_without_old_log_probs_refuses_several_steps(tiny_model_dir):
     """Several mini-batches (or epochs) need the old policy's log-probs from before the first step."""
     import pytest
 
-    cfg = _actor_cfg(False)
+    cfg = _configs(tiny_model_dir, False)[1]
     cfg["ppo_mini_batch_size"] = 1  # 2 rows per mini-batch: three optimizer steps
     with pytest.raises(ValueError, match="one mini-batch"):
         _refusal(tiny_model_dir, cfg)
