@@ -286,7 +286,7 @@ class PPOTrainer:
                     metrics.update(self.update_critic(batch))
             # trainer.critic_warmup: the first N steps train only the critic (the policy, and so the
             # engine's weights, stay as they were).
-            if self.global_step > int(self.config.trainer.critic_warmup):
+            if self.actor_trains_this_step:
                 with timer("update_actor", metrics):
                     metrics.update(self.update_actor(batch))
                 with timer("sync_weights", metrics):
@@ -431,6 +431,13 @@ class PPOTrainer:
         return informative_groups(batch, metric)
 
     # ------------------------------------------------------------------ steps
+    @property
+    def actor_trains_this_step(self) -> bool:
+        """False during ``trainer.critic_warmup``: the first N steps (1-based ``global_step``) train only
+        the critic."""
+        warmup = int(self.config.trainer.critic_warmup)
+        return warmup == 0 or self.global_step > warmup
+
     @property
     def temperature(self) -> float:
         return float(self.config.actor_rollout_ref.rollout.temperature)
@@ -596,7 +603,7 @@ class PPOTrainer:
         rc = alg.rollout_correction
         if rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None:
             return False  # bypass takes the rollout's log-probs; the correction weights read them first
-        if self.global_step <= int(self.config.trainer.critic_warmup):
+        if not self.actor_trains_this_step:
             return False  # no actor update this step: nothing would provide them
         world = self.workers.world_size
         mini_rows = int(actor.ppo_mini_batch_size) * int(self.config.actor_rollout_ref.rollout.n) // world

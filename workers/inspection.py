@@ -77,8 +77,7 @@ class InspectionHooks:
         from fusedrl.workers.rollout.hf_rollout import HFRollout
 
         if self.rollout is not None and not isinstance(self.rollout, HFRollout):
-            engine_params = self.rollout.engine.model_state()
-            out["rollout"] = str(next(iter(engine_params.values())).dtype).removeprefix("torch.")
+            out["rollout"] = str(self.rollout.engine.param_dtype()).removeprefix("torch.")
         return out
 
     def torch_threads(self) -> int:

@@ -84,7 +84,7 @@ def test_no_native_bf16_runs_float32_with_one_line(
     from omegaconf import OmegaConf
 
     from fusedrl.config import ConfigError, load_config
-    from fusedrl.trainer import ppo_trainer
+    from fusedrl.trainer import runtime
     from fusedrl.utils import hardware
 
     monkeypatch.setattr(hardware, "native_bf16", lambda: (False, "CPU Fake AVX2-only (no avx512_bf16)"))
@@ -108,7 +108,7 @@ def test_no_native_bf16_runs_float32_with_one_line(
         assert f"`{key}`" in lines[0]
         assert str(OmegaConf.select(cfg, key)) == "float32"
 
-    with ppo_trainer.started_trainer(cfg, compute_score=varied_score) as trainer:
+    with runtime.started_trainer(cfg, compute_score=varied_score) as trainer:
         assert trainer.rollout_check_tol == 1e-3  # float32 on both sides: the tight bound
         (dtypes,) = trainer.workers.run_all(lambda w: w.compute_dtypes.remote())
         assert dtypes == {"actor": "float32", "rollout": "float32"}

@@ -385,6 +385,10 @@ class VLLMEngine:
         model = self._model()
         return {name: p.detach() for name, p in model.named_parameters()}
 
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of the engine's parameters (metadata only, so it may be read while they sleep)."""
+        return next(self._model().parameters()).dtype
+
     def _model(self) -> torch.nn.Module:
         executor = self.llm.llm_engine.model_executor
         return executor.driver_worker.worker.model_runner.get_model()
