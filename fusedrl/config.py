@@ -16,6 +16,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from fusedrl.config_sections import (
+    FILTER_METRICS,
+    checkpoint_contents_problems,
+    rollout_correction_problems,
+    schedule_problems,
+    token_budget_problems,
+)
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
 
 
@@ -306,8 +314,8 @@ def validate(cfg: DictConfig) -> None:
         "(score / seq_reward: the sequence's task score; seq_final_reward: after the in-reward KL; acc: the "
         "scorer's `acc` entry, else the score).",
     )
-    _rollout_correction_problems(cfg, problems)
-    _checkpoint_contents_problems(cfg, problems)
+    rollout_correction_problems(cfg, problems)
+    checkpoint_contents_problems(cfg, problems)
     gen = positive("data.gen_batch_size") if alg.filter_groups.enable else None  # read by DAPO only
     if gen is not None and bsz is not None:
         need(
@@ -317,7 +325,7 @@ def validate(cfg: DictConfig) -> None:
             "train_batch_size.",
         )
     for role in ("actor_rollout_ref.actor", "critic"):
-        _schedule_problems(cfg, f"{role}.optim", problems)
+        schedule_problems(cfg, f"{role}.optim", problems)
     for key in ("trainer.critic_warmup", "trainer.log_val_generations"):
         value = number(key)
         need(value is None or value >= 0, f"`{key}`={value}: must be >= 0.")
@@ -462,7 +470,7 @@ def validate(cfg: DictConfig) -> None:
     cpath = cfg.custom_reward_function.path
     if cpath:
         need(os.path.isfile(str(cpath)), f"`custom_reward_function.path`: file `{cpath}` does not exist.")
-    problems.extend(_token_budget_problems(cfg))
+    problems.extend(token_budget_problems(cfg))
     from fusedrl.cpu_dtype import POLICIES
 
     policy = _get(cfg, "trainer.emulated_bf16")
@@ -473,124 +481,6 @@ def validate(cfg: DictConfig) -> None:
 
     if problems:
         raise ConfigError(problems)
-
-
-def _rollout_correction_problems(cfg: DictConfig, problems: list[str]) -> None:
-    from fusedrl.algorithms.rollout_correction import IS_LEVELS, RS_LEVELS, parse_rs_threshold
-
-    rc = cfg.algorithm.rollout_correction
-    key = "algorithm.rollout_correction"
-    if rc.rollout_is is not None and rc.rollout_is not in IS_LEVELS:
-        problems.append(f"`{key}.rollout_is`={rc.rollout_is!r}: use token, sequence or null.")
-    if rc.rollout_is is not None:
-        threshold = rc.rollout_is_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold <= 0:
-            problems.append(f"`{key}.rollout_is_threshold`={threshold!r}: must be a number > 0.")
-    if rc.rollout_rs is not None:
-        if rc.rollout_rs not in RS_LEVELS:
-            problems.append(
-                f"`{key}.rollout_rs`={rc.rollout_rs!r}: fusedrl has token, sequence and geometric rejection "
-                "(verl's k1/k2/k3 variants are not implemented)."
-            )
-        try:
-            parse_rs_threshold(rc.rollout_rs_threshold)
-        except (TypeError, ValueError):
-            problems.append(
-                f"`{key}.rollout_rs_threshold`={rc.rollout_rs_threshold!r}: with rollout_rs, give an upper "
-                'bound U > 1 (lower 1/U) or "lower_upper".'
-            )
-    if rc.loss_type != "ppo_clip":
-        problems.append(
-            f"`{key}.loss_type`={rc.loss_type!r}: fusedrl has ppo_clip only (the configured policy loss)."
-        )
-
-
-CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-
-
-def _checkpoint_contents_problems(cfg: DictConfig, problems: list[str]) -> None:
-    """``actor.checkpoint.{save,load}_contents``: fusedrl's checkpoints always hold model, optimizer and
-    driver state (a partial one could not resume exactly); ``hf_model`` adds a Hugging Face folder."""
-    for leaf in ("save_contents", "load_contents"):
-        key = f"actor_rollout_ref.actor.checkpoint.{leaf}"
-        value = OmegaConf.select(cfg, key)
-        items = [str(value)] if isinstance(value, str) else [str(v) for v in value]
-        unknown = [v for v in items if v not in CHECKPOINT_CONTENTS]
-        missing = [v for v in ("model", "optimizer", "extra") if v not in items]
-        if unknown:
-            problems.append(f"`{key}`={items}: unknown {unknown}; use {', '.join(CHECKPOINT_CONTENTS)}.")
-        elif missing:
-            problems.append(
-                f"`{key}`={items}: fusedrl always {'saves' if leaf == 'save_contents' else 'loads'} model, "
-                f"optimizer and extra (a resume restores them all); add {missing}."
-            )
-
-
-FILTER_METRICS = ("score", "seq_reward", "seq_final_reward", "acc")
-SCHEDULERS = ("constant", "cosine")
-
-
-def _schedule_problems(cfg: DictConfig, prefix: str, problems: list[str]) -> None:
-    """The learning-rate schedule keys of one optimizer (``actor_rollout_ref.actor.optim`` / ``critic.optim``)."""
-    optim = OmegaConf.select(cfg, prefix)
-    style = optim.warmup_style if optim.warmup_style is not None else optim.lr_scheduler_type
-    key = "warmup_style" if optim.warmup_style is not None else "lr_scheduler_type"
-    if style not in SCHEDULERS:
-        problems.append(f"`{prefix}.{key}`={style!r}: use constant or cosine.")
-    for leaf, low, high in (("lr_warmup_steps_ratio", 0.0, 1.0), ("min_lr_ratio", 0.0, 1.0)):
-        value = optim[leaf]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            problems.append(f"`{prefix}.{leaf}`={value!r}: must be a number in [{low}, {high}].")
-    steps = optim.lr_warmup_steps
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        problems.append(f"`{prefix}.lr_warmup_steps`={steps!r}: must be an integer (-1: use the ratio).")
-
-
-# (switch, token budget) pairs of dynamic batch size; the budgets are checked only where the switch is on.
-_TOKEN_BUDGETS = (
-    ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
-    (
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-    ),
-    (
-        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
-        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-    ),
-    ("critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu"),
-    ("critic.use_dynamic_bsz", "critic.forward_max_token_len_per_gpu"),
-)
-
-
-def _token_budget_problems(cfg: DictConfig) -> list[str]:
-    """Dynamic batch size: every token budget in use must hold one whole sequence (prompt + response)."""
-    roles = needed_roles(cfg)
-    try:
-        longest = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
-    except (TypeError, ValueError):
-        return []  # reported by the data.* checks
-    problems = []
-    for switch, key in _TOKEN_BUDGETS:
-        if not _get(cfg, switch) or (key.startswith("critic.") and not roles["critic"]):
-            continue
-        if key.startswith("actor_rollout_ref.ref.") and not roles["ref"]:
-            continue
-        node = OmegaConf.select(cfg, key, throw_on_missing=False)
-        parent, leaf = key.rsplit(".", 1)
-        source = OmegaConf.select(cfg, parent)._get_node(leaf)  # the raw node: inherited from another key?
-        inherited = f" (it follows `{source._value()[2:-1]}`)" if source._is_interpolation() else ""
-        try:
-            budget = int(node)
-        except (TypeError, ValueError):
-            problems.append(f"`{key}`={node!r}: must be an integer number of tokens.")
-            continue
-        if budget < longest:
-            problems.append(
-                f"`{key}`={budget}{inherited}: a micro-batch must hold one whole sequence, and "
-                f"data.max_prompt_length + data.max_response_length = {longest}. Set it to at least {longest} "
-                f"(or `{switch}=false`)."
-            )
-    return problems
 
 
 def import_plugin(spec: str) -> None:
