@@ -34,19 +34,21 @@ from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controlle
 from fusedrl.algorithms.rollout_correction import correct_advantages
 from fusedrl.balance import apply_order, balanced_rank_order, rank_token_loads, sequence_lengths
 from fusedrl.batch import RolloutBatch
-from fusedrl.checkpoint import find_latest_checkpoint, load_run_checkpoint, save_run_checkpoint, seed_rng
+from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import ResourcePool, WorkerGroup, cpus_for_cpu_slots
 from fusedrl.controller.health import resume_hint
 from fusedrl.controller.placement import check_role_groups
 from fusedrl.controller.preemption import PreemptionGuard
-from fusedrl.data.dataset import PromptLoader, RLDataset
+from fusedrl.data.dataset import PromptLoader
 from fusedrl.lr_schedule import scheduled_lr
 from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
 from fusedrl.tracking import Tracker, timer
+from fusedrl.trainer.data_setup import prompt_data
 from fusedrl.trainer.dynamic_sampling import GroupCollector, group_metric, informative_groups
-from fusedrl.workers.rollout.base import SamplingConfig, rollout_dtype
+from fusedrl.trainer.health_checks import check_step, rollout_check_bound
+from fusedrl.workers.rollout.base import SamplingConfig
 from fusedrl.workers.worker_dict import WorkerDict
 
 
@@ -65,44 +67,12 @@ class PPOTrainer:
         self.agent_tools = list(tools or [])
         multi_turn = config.actor_rollout_ref.rollout.get("multi_turn")
         self.multi_turn = bool(multi_turn is not None and multi_turn.enable)
-        agent_data: dict[str, Any] = {}
-        if self.multi_turn:
-            from fusedrl.agent import ToolSet
-
-            schemas = ToolSet.from_config(to_plain_dict(multi_turn), extra=self.agent_tools).schemas()
-            agent_data = {"tools": schemas or None, "keep_messages": True}
         for module in config.algorithm.custom_modules:
             import_plugin(str(module))  # idempotent with validate(); needed when validation was skipped
-        arr = config.actor_rollout_ref
-        self.tokenizer = AutoTokenizer.from_pretrained(arr.model.path)
-        data = config.data
-        self.train_dataset = RLDataset(
-            list(data.train_files) if not isinstance(data.train_files, str) else data.train_files,
-            self.tokenizer,
-            int(data.max_prompt_length),
-            prompt_key=data.prompt_key,
-            truncation=data.truncation,
-            **agent_data,
-            filter_overlong_prompts=bool(data.filter_overlong_prompts),
+        self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+        self.train_dataset, self.train_loader, self.val_dataset = prompt_data(
+            config, self.tokenizer, self.agent_tools if self.multi_turn else None
         )
-        # DAPO's dynamic sampling draws data.gen_batch_size prompts a round; plain steps train_batch_size.
-        prompts_per_round = (
-            int(data.gen_batch_size) if config.algorithm.filter_groups.enable else int(data.train_batch_size)
-        )
-        self.train_loader = PromptLoader(
-            self.train_dataset, prompts_per_round, shuffle=bool(data.shuffle), seed=int(data.seed)
-        )
-        self.val_dataset = None
-        if data.val_files:
-            self.val_dataset = RLDataset(
-                data.val_files if isinstance(data.val_files, str) else list(data.val_files),
-                self.tokenizer,
-                int(data.max_prompt_length),
-                prompt_key=data.prompt_key,
-                truncation=data.truncation,
-                **agent_data,
-                filter_overlong_prompts=bool(data.filter_overlong_prompts),
-            )
         self.reward_fn = build_reward_manager(config, self.tokenizer, compute_score)
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
         self.adv_traits = get_adv_traits(config.algorithm.adv_estimator)
@@ -295,32 +265,14 @@ class PPOTrainer:
         return metrics
 
     def check_health(self, metrics: Metrics) -> None:
-        """Stop the run, with a report, on non-finite updates or a rollout that diverges from the actor."""
-        cfg = self.config.trainer
-        limit = int(cfg.max_consecutive_skipped_steps)
-        skipped = int(metrics.get("actor/consecutive_skipped_steps", 0))
-        if limit > 0 and skipped >= limit:
-            last_good = find_latest_checkpoint(str(cfg.default_local_dir))
-            raise RuntimeError(
-                f"step {self.global_step}: the last {skipped} optimizer steps were skipped because the loss or "
-                f"grad norm was not finite (trainer.max_consecutive_skipped_steps={limit}). Last good checkpoint: "
-                f"{last_good or 'none'}. Lower the learning rate or check the rewards/advantages for NaN."
-            )
-        tol = self.rollout_check_tol
-        gap = metrics.get("rollout/log_prob_abs_diff_mean")
-        if tol is not None and gap is not None and not gap <= tol:  # NaN (garbage weights) fails too
-            raise RuntimeError(
-                f"step {self.global_step}: the rollout engine's log-probs differ from the actor's by {gap:.2e} on "
-                f"average (trainer.rollout_check_tol={tol:g}). The engine is running stale or corrupt weights: "
-                "the weight sync did not land. Set trainer.rollout_check_tol=null to disable this check."
-            )
+        """Stop the run, with a report, on non-finite updates or a rollout that diverges from the actor
+        (`fusedrl.trainer.health_checks.check_step`)."""
+        check_step(self.config, self.global_step, metrics, self.rollout_check_tol)
 
     @property
     def rollout_check_tol(self) -> float | None:
-        tol = self.config.trainer.rollout_check_tol
-        if tol == "auto":
-            return auto_rollout_check_tol(self.config)
-        return None if tol is None else float(tol)
+        """``trainer.rollout_check_tol`` as a number (``auto``: `rollout_check_bound`); None when off."""
+        return rollout_check_bound(self.config)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> str:
@@ -743,21 +695,3 @@ class PPOTrainer:
     def batch_metrics(self, batch: RolloutBatch, step_time: float) -> Metrics:
         """Per-step metrics of the finished batch (`fusedrl.metrics.batch_metrics`); a hook to extend."""
         return batch_metrics(batch, step_time, self.global_step)
-
-
-def auto_rollout_check_tol(config: DictConfig) -> float | None:
-    """``trainer.rollout_check_tol=auto``: the bound on mean |rollout - actor| log-prob that float error
-    alone stays far below. float32 on both sides agrees to ~1e-5 (bound 1e-3); bf16 on either side
-    (engine dtype, or the actor's FSDP2 compute dtype) rounds logits to 8 mantissa bits, measured ~1e-3 to
-    2e-2 on the tiny/small presets (bound 0.1). A sync that did not land gives NaN or gaps of order 1. Off
-    for other dtypes (fp16)."""
-    arr = config.actor_rollout_ref
-    fsdp = arr.actor.fsdp_config
-    engine = rollout_dtype(str(arr.rollout.dtype), cuda=torch.cuda.is_available())
-    names = {engine, str(fsdp.param_dtype or fsdp.model_dtype)}
-    names = {{"fp32": "float32", "bf16": "bfloat16"}.get(n) or n for n in names}
-    if names == {"float32"}:
-        return 1e-3
-    if names <= {"float32", "bfloat16"}:
-        return 0.1
-    return None
