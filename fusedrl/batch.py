@@ -219,3 +219,20 @@ def split_for_ranks(batch: RolloutBatch, world_size: int) -> tuple[list[RolloutB
 def gather_from_ranks(shards: Sequence[RolloutBatch], pad: int) -> RolloutBatch:
     """Inverse of `split_for_ranks`: concatenate rank outputs in rank order and drop the padding."""
     return unpad(concat(shards), pad)
+
+
+def last_sampled_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` position of each row's last sampled token (0 for a row with none). Multi-turn responses
+    interleave observation tokens, so this is the last 1 of the mask, not the response length."""
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device).expand_as(response_mask)
+    return torch.where(response_mask.bool(), positions, 0).max(dim=1).values  # [B]
+
+
+def on_last_sampled_token(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, Tr]`` float32 zeros with each row's ``values[b]`` on its last sampled token (rows without a
+    sampled token stay zero): how a sequence-level reward becomes a token-level one."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    has_tokens = response_mask.sum(-1) > 0  # [B]
+    rows = torch.arange(response_mask.shape[0], device=response_mask.device)
+    out[rows, last_sampled_index(response_mask)] = torch.where(has_tokens, values.float(), 0.0)
+    return out

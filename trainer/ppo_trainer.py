@@ -6,16 +6,8 @@
 `fit` is a short loop over those named steps. To change an algorithm, override one step (or register an
 advantage estimator / policy loss) in a subclass; never copy `fit`.
 
-Quickstart (CPU, two fused workers, a tiny model built locally)::
-
-    python -m fusedrl.utils.tiny_model --out /tmp/tiny
-    python examples/data_preprocess/arithmetic.py --local_dir /tmp/arith
-    python -m fusedrl.trainer.main_ppo data.train_files=/tmp/arith/train.parquet \\
-        actor_rollout_ref.model.path=/tmp/tiny trainer.total_training_steps=5 \\
-        algorithm.adv_estimator=grpo actor_rollout_ref.rollout.n=4 actor_rollout_ref.rollout.dtype=float32
-
-(The defaults are verl's: PPO with a critic, one sample per prompt, a bfloat16 rollout; the last line
-asks for GRPO with 4 samples and a float32 rollout, which is faster on most CPUs.)
+Command lines (``python -m fusedrl.trainer.main_ppo key=value ...``, verl's keys and defaults) are in README.md
+and docs/quickstart.md; the phases' memory moves are described in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -25,7 +17,6 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig
 
@@ -33,21 +24,24 @@ from fusedrl.algorithms import get_adv_estimator, get_adv_traits
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
 from fusedrl.algorithms.rollout_correction import correct_advantages
 from fusedrl.balance import apply_order, balanced_rank_order, rank_token_loads, sequence_lengths
-from fusedrl.batch import RolloutBatch
+from fusedrl.batch import RolloutBatch, on_last_sampled_token
 from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
-from fusedrl.controller import ResourcePool, WorkerGroup, cpus_for_cpu_slots
+from fusedrl.controller import WorkerGroup
 from fusedrl.controller.health import resume_hint
-from fusedrl.controller.placement import check_role_groups
+from fusedrl.controller.placement import RoleGroups, check_role_groups, slot_pool
 from fusedrl.controller.preemption import PreemptionGuard
-from fusedrl.data.dataset import PromptLoader
+from fusedrl.data.dataset import PromptLoader, tokenizer_pad_id
 from fusedrl.lr_schedule import scheduled_lr
 from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
 from fusedrl.tracking import Tracker, timer
+from fusedrl.trainer import step_plan
 from fusedrl.trainer.data_setup import prompt_data
 from fusedrl.trainer.dynamic_sampling import GroupCollector, group_metric, informative_groups
 from fusedrl.trainer.health_checks import check_step, rollout_check_bound
+from fusedrl.trainer.step_plan import due, sample_seeds
+from fusedrl.trainer.validation import print_generations, validation_metrics
 from fusedrl.workers.rollout.base import SamplingConfig
 from fusedrl.workers.worker_dict import WorkerDict
 
@@ -93,7 +87,8 @@ class PPOTrainer:
             kl_ctrl.type, float(kl_ctrl.kl_coef), kl_ctrl.target_kl, kl_ctrl.horizon
         )
         self.global_step = 0
-        self.groups: dict[str, WorkerGroup] = {}
+        self.ckpt_root = str(config.trainer.default_local_dir)
+        self.groups = RoleGroups()
         # The engines' weights differ from the actor's (after an update, or after a level-2 sleep threw
         # them away) until the next `sync_weights`; `generate` re-syncs first when they do.
         self.rollout_stale = False
@@ -114,46 +109,19 @@ class PPOTrainer:
         in-place weight stream and the checkpoint need them together).
         """
         groups = check_role_groups(self.run_roles(), role_groups)
-        cfg = self.config.trainer
-        use_gpu = torch.cuda.is_available()
-        pool = ResourcePool(
-            slots_per_node=int(cfg.n_gpus_per_node),
-            nnodes=int(cfg.nnodes),
-            use_gpu=use_gpu,
-            # CPU slots share the free cores (Ray gives each worker OMP_NUM_THREADS = its CPUs).
-            cpus_per_slot=1.0
-            if use_gpu
-            else float(cpus_for_cpu_slots(int(cfg.n_gpus_per_node) * int(cfg.nnodes))),
-        )
         worker_config = to_plain_dict(self.config)
         worker_config["_tokens"] = {
             "eos_token_id": int(self.tokenizer.eos_token_id),
-            "pad_token_id": int(
-                self.tokenizer.pad_token_id
-                if self.tokenizer.pad_token_id is not None
-                else self.tokenizer.eos_token_id
-            ),
+            "pad_token_id": tokenizer_pad_id(self.tokenizer),
         }
         worker_config["_agent_tools"] = self.agent_tools
-        self.groups = {}
-        for i, roles in enumerate(groups):
-            group = WorkerGroup.start(
-                WorkerDict,
-                pool,
-                worker_config,
-                init=lambda w, addr, port: w.init_roles.remote(addr, port),
-                roles=roles,
-                share_slots=i > 0,
-            )
-            self.groups.update(dict.fromkeys(roles, group))
+        self.groups = RoleGroups.start(WorkerDict, slot_pool(self.config.trainer), worker_config, groups)
         # The engines went to sleep right after they were built; at level 2 their weights are gone.
         self.rollout_stale = self.rollout_discards_weights
 
     def group_for(self, role: str) -> WorkerGroup:
         """The worker group holding ``role``."""
-        if role not in self.groups:
-            raise RuntimeError(f"no worker group holds {role!r} (call init_workers() first)")
-        return self.groups[role]
+        return self.groups.group_for(role)
 
     @property
     def workers(self) -> WorkerGroup:
@@ -162,12 +130,10 @@ class PPOTrainer:
 
     def worker_groups(self) -> list[WorkerGroup]:
         """Each worker group once (several roles may share one)."""
-        return list({id(g): g for g in self.groups.values()}.values())
+        return self.groups.unique()
 
     def close(self) -> None:
-        for group in self.worker_groups():
-            group.shutdown()
-        self.groups = {}
+        self.groups.shutdown()
         self.tracker.close()
         close = getattr(self.reward_fn, "close", None)
         if close is not None:
@@ -200,33 +166,21 @@ class PPOTrainer:
             self.tracker.log(self.validate(), self.global_step)
         while self.global_step < self.total_steps:
             if stop.requested:  # the signal came before this step started: nothing new to save
-                raise stop.stopped(
-                    self.global_step, None, resume_hint(str(self.config.trainer.default_local_dir))
-                )
+                raise stop.stopped(self.global_step, None, resume_hint(self.ckpt_root))
             self.global_step += 1
             last = self.train_step()
             self.check_health(last)
-            save_freq = int(self.config.trainer.save_freq)
-            saved = None
-            if stop.requested or (
-                save_freq > 0 and (self.global_step % save_freq == 0 or self.global_step == self.total_steps)
-            ):
+            tr, saved = self.config.trainer, None
+            if stop.requested or due(int(tr.save_freq), self.global_step, self.total_steps):
                 with timer("save_checkpoint", last):
                     saved = self.save_checkpoint()
-            test_freq = int(self.config.trainer.test_freq)
-            is_last = self.global_step == self.total_steps
-            if (
-                self.val_dataset is not None
-                and test_freq > 0
-                and (self.global_step % test_freq == 0 or is_last)
-                and not stop.requested  # preempted: spend the time budget on stopping, not on validation
-            ):
+            # Preempted: spend the time budget on stopping, not on validation.
+            validate = self.val_dataset is not None and not stop.requested
+            if validate and due(int(tr.test_freq), self.global_step, self.total_steps):
                 last.update(self.validate())
             self.tracker.log(last, self.global_step)
             if stop.requested:
-                raise stop.stopped(
-                    self.global_step, saved, resume_hint(str(self.config.trainer.default_local_dir))
-                )
+                raise stop.stopped(self.global_step, saved, resume_hint(self.ckpt_root))
         return last
 
     def train_step(self) -> Metrics:
@@ -284,11 +238,7 @@ class PPOTrainer:
             "kl_coef": self.kl_ctrl.value,
         }
         path = save_run_checkpoint(
-            str(tr.default_local_dir),
-            self.global_step,
-            self.workers,
-            state,
-            max_to_keep=tr.max_actor_ckpt_to_keep,
+            self.ckpt_root, self.global_step, self.workers, state, max_to_keep=tr.max_actor_ckpt_to_keep
         )
         # verl's actor.checkpoint.save_contents=[..., hf_model]: also a Hugging Face folder of the policy.
         if "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
@@ -300,11 +250,7 @@ class PPOTrainer:
         """Resume per ``trainer.resume_mode``; then re-sync the engine to the restored actor."""
         tr = self.config.trainer
         resumed = load_run_checkpoint(
-            str(tr.default_local_dir),
-            str(tr.resume_mode),
-            tr.resume_from_path,
-            self.workers,
-            self.train_loader,
+            self.ckpt_root, str(tr.resume_mode), tr.resume_from_path, self.workers, self.train_loader
         )
         if resumed is None:
             return None
@@ -385,10 +331,8 @@ class PPOTrainer:
     # ------------------------------------------------------------------ steps
     @property
     def actor_trains_this_step(self) -> bool:
-        """False during ``trainer.critic_warmup``: the first N steps (1-based ``global_step``) train only
-        the critic."""
-        warmup = int(self.config.trainer.critic_warmup)
-        return warmup == 0 or self.global_step > warmup
+        """False during ``trainer.critic_warmup`` (`step_plan.actor_trains`)."""
+        return step_plan.actor_trains(self.config, self.global_step)
 
     @property
     def temperature(self) -> float:
@@ -403,15 +347,7 @@ class PPOTrainer:
         return needed_roles(self.config)["critic"]
 
     def sampling(self, validate: bool = False) -> SamplingConfig:
-        r = self.config.actor_rollout_ref.rollout
-        src = r.val_kwargs if validate else r
-        return SamplingConfig(
-            max_tokens=int(self.config.data.max_response_length),
-            temperature=float(src.temperature),
-            top_p=float(src.top_p),
-            top_k=int(src.top_k),
-            do_sample=bool(r.val_kwargs.do_sample) if validate else True,  # training rollouts sample
-        )
+        return step_plan.sampling(self.config, validate)
 
     def generate(
         self, prompts: RolloutBatch, *, validate: bool = False, seed_offset: int = 0
@@ -420,30 +356,25 @@ class PPOTrainer:
 
         The rollout phase's memory moves, in order: re-stream the weights if the engine's are stale (an
         update since the last stream, or a level-2 sleep threw them away) -> wake the engine -> generate ->
-        the engine sleeps -> the actor's parameters come back for the log-prob passes.
-
-        Each row gets its own sampling seed, a function of (``rollout.seed``, step, round, row): a resumed
-        run regenerates exactly the samples the uninterrupted run would have.
+        the engine sleeps -> the actor's parameters come back for the log-prob passes. Each row gets its
+        own sampling seed (`step_plan.sample_seeds`), so a resumed run regenerates the same samples.
         """
         r = self.config.actor_rollout_ref.rollout
         n = int(r.val_kwargs.n) if validate else int(r.n)
         batch = prompts.repeat_samples(n)
-        base = int(r.seed) * 1_000_003 + self.global_step * 10_007 + seed_offset * 101
-        batch.sample_seeds = (base + torch.arange(batch.num_samples, dtype=torch.long) * 7919) % (2**31 - 1)
+        batch.sample_seeds = sample_seeds(int(r.seed), self.global_step, seed_offset, batch.num_samples)
         # Group ids unique to this generation call, so groups never merge across rounds or epochs.
         batch.uid = [f"{u}@{self.global_step}.{seed_offset}" for u in batch.field_list("uid")]
-        sampling = self.sampling(validate)
         fields = ["prompts", "prompt_mask", "sample_seeds"]
         if self.multi_turn:  # agent loops read the row: agent_name, tools_kwargs, prompt messages
             fields += ["uid", "data_source", "ground_truth", "extra_info"]
         to_send = batch.select_fields(*fields)
-        tp = int(self.config.actor_rollout_ref.rollout.tensor_model_parallel_size)
-        rollout = self.group_for("rollout")
+        tp, rollout = int(r.tensor_model_parallel_size), self.group_for("rollout")
         if self.rollout_stale:
             self.sync_weights()
         rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
         shards = rollout.run_split(
-            lambda w, shard: w.rollout_generate.remote(shard, sampling), to_send, replicas=tp
+            lambda w, shard: w.rollout_generate.remote(shard, self.sampling(validate)), to_send, replicas=tp
         )
         rollout.run_all(lambda w: w.rollout_sleep.remote())
         self.rollout_stale = self.rollout_discards_weights
@@ -458,29 +389,30 @@ class PPOTrainer:
         """Score responses: the rule / custom reward on the driver, or the fused reward model when enabled."""
         if self.config.reward_model.enable:
             return self.compute_reward_model_scores(batch, metrics)
-        scores, reward_metrics = self.reward_fn(batch)  # [B, Tr]
-        if batch.agent_stats is not None:
-            from fusedrl.agent.rewards import add_agent_rewards
-
-            scores = add_agent_rewards(scores, batch.response_mask, batch.agent_stats)
+        scores, reward_metrics = self.score(batch)  # [B, Tr]
         batch.token_level_scores = scores
         batch.token_level_rewards = scores.clone()
         metrics.update(reward_metrics)
         return batch
 
+    def score(self, batch: RolloutBatch) -> tuple[torch.Tensor, Metrics]:
+        """``[B, Tr]`` token-level scores of the reward function, plus the environments' and tools' rewards
+        of agent loops on each trajectory's last sampled token; and the reward function's metrics."""
+        scores, metrics = self.reward_fn(batch)
+        if batch.agent_stats is not None:
+            from fusedrl.agent.rewards import add_agent_rewards
+
+            scores = add_agent_rewards(scores, batch.response_mask, batch.agent_stats)
+        return scores, metrics
+
     def compute_reward_model_scores(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
-        """Sequence scores from the reward-model role, placed on each response's last token."""
+        """Sequence scores from the reward-model role, placed on each response's last sampled token."""
         inputs = self._model_inputs(batch)
         rm = self.group_for("reward_model")
         parts = rm.run_split(lambda w, shard: w.reward_model_compute_scores.remote(shard), inputs)
         seq_scores = rm.gather_tensors(parts, inputs)  # [B]
-        positions = torch.arange(batch.response_mask.shape[1]).expand_as(batch.response_mask)  # [B, Tr]
-        # The last *sampled* token (multi-turn responses interleave observation tokens).
-        last = torch.where(batch.response_mask.bool(), positions, 0).max(dim=1).values  # [B]
-        scores = torch.zeros(batch.response_mask.shape, dtype=torch.float32)  # [B, Tr]
-        scores[torch.arange(batch.num_samples), last] = seq_scores * (batch.response_mask.sum(-1) > 0)
-        batch.token_level_scores = scores
-        batch.token_level_rewards = scores.clone()
+        batch.token_level_scores = on_last_sampled_token(seq_scores, batch.response_mask)  # [B, Tr]
+        batch.token_level_rewards = batch.token_level_scores.clone()
         metrics["reward/rm_score/mean"] = float(seq_scores.mean())
         return batch
 
@@ -543,23 +475,13 @@ class PPOTrainer:
         return batch
 
     def old_log_probs_from_update(self, batch: RolloutBatch) -> bool:
-        """Whether this batch is used once, in one optimizer step (``ppo_epochs=1``, every rank's shard fits
-        one mini-batch) and nothing needs ``old_log_probs`` before the update: then the update's own
-        forward provides them and the separate pass is skipped (``actor.old_log_prob_from_update``)."""
-        actor = self.config.actor_rollout_ref.actor
-        if not actor.old_log_prob_from_update or int(actor.ppo_epochs) != 1:
-            return False
-        alg = self.config.algorithm
-        if alg.use_kl_in_reward:
-            return False  # the in-reward KL penalty reads them before the advantages
-        rc = alg.rollout_correction
-        if rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None:
-            return False  # bypass takes the rollout's log-probs; the correction weights read them first
-        if not self.actor_trains_this_step:
-            return False  # no actor update this step: nothing would provide them
-        world = self.workers.world_size
-        mini_rows = int(actor.ppo_mini_batch_size) * int(self.config.actor_rollout_ref.rollout.n) // world
-        return -(-batch.num_samples // world) <= mini_rows
+        """Whether the update's own forward gives ``old_log_probs`` (`step_plan.old_log_probs_reusable`)."""
+        return step_plan.old_log_probs_reusable(
+            self.config,
+            world=self.workers.world_size,
+            num_samples=batch.num_samples,
+            actor_trains=self.actor_trains_this_step,
+        )
 
     def compute_ref_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
         t = self.temperature
@@ -663,33 +585,11 @@ class PPOTrainer:
         """Greedy (``rollout.val_kwargs``) generation on the validation set; mean score per data source."""
         assert self.val_dataset is not None
         loader = PromptLoader(self.val_dataset, len(self.val_dataset), shuffle=False, drop_last=False)
-        prompts = next(iter(loader))
-        batch = self.generate(prompts, validate=True)
-        scores, _ = self.reward_fn(batch)
-        if batch.agent_stats is not None:
-            from fusedrl.agent.rewards import add_agent_rewards
-
-            scores = add_agent_rewards(scores, batch.response_mask, batch.agent_stats)
-        per_sample = scores.sum(-1)  # [B]
-        out: Metrics = {"val/test_score/mean": float(per_sample.mean())}
-        sources = np.array(batch.field_list("data_source"))
-        for source in sorted(set(sources.tolist())):
-            out[f"val/test_score/{source}"] = float(per_sample[torch.as_tensor(sources == source)].mean())
-        self.print_val_generations(batch, per_sample)
-        return out
-
-    def print_val_generations(self, batch: RolloutBatch, scores: torch.Tensor) -> None:
-        """``trainer.log_val_generations``: print that many validation samples (the first ones, in file
-        order, so runs and steps show the same prompts)."""
-        count = min(int(self.config.trainer.log_val_generations), batch.num_samples)
-        for i in range(count):
-            prompt = self.tokenizer.decode(batch.prompts[i][batch.prompt_mask[i].bool()])
-            response = self.tokenizer.decode(batch.responses[i][batch.response_mask[i].bool()])
-            print(
-                f"[val step {self.global_step} sample {i}] score={float(scores[i]):.3f}\n"
-                f"[prompt] {prompt}\n[response] {response}",
-                flush=True,
-            )
+        batch = self.generate(next(iter(loader)), validate=True)
+        per_sample = self.score(batch)[0].sum(-1)  # [B]
+        count = int(self.config.trainer.log_val_generations)
+        print_generations(self.tokenizer, batch, per_sample, count, self.global_step)
+        return validation_metrics(batch, per_sample)
 
     # ------------------------------------------------------------------ metrics
     def batch_metrics(self, batch: RolloutBatch, step_time: float) -> Metrics:

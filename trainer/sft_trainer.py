@@ -25,7 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint
 from fusedrl.config import ConfigError, load_config, logger_names, to_plain_dict
-from fusedrl.controller import ResourcePool, WorkerGroup
+from fusedrl.controller import WorkerGroup
+from fusedrl.controller.placement import slot_pool
 from fusedrl.data.sft_dataset import (
     SFT_TRUNCATION_MODES,
     SFTDataset,
@@ -284,10 +285,7 @@ class SFTTrainer:
     # ------------------------------------------------------------------ setup
     def init_workers(self) -> None:
         """Reserve the device slots, start one `SFTWorker` per slot and build the model (collective)."""
-        tr = self.config.trainer
-        pool = ResourcePool(
-            slots_per_node=int(tr.n_gpus_per_node), nnodes=int(tr.nnodes), use_gpu=torch.cuda.is_available()
-        )
+        pool = slot_pool(self.config.trainer)
         worker_config = to_plain_dict(self.config)
         worker_config["_total_steps"] = self.total_steps
         self.group = WorkerGroup.start(

@@ -5,24 +5,15 @@ from __future__ import annotations
 import torch
 
 from fusedrl.agent.trajectory import STAT_NAMES
-
-
-def last_sampled_index(response_mask: torch.Tensor) -> torch.Tensor:
-    """``[B]`` position of each row's last sampled token (0 for a row with none)."""
-    positions = torch.arange(response_mask.shape[1], device=response_mask.device).expand_as(response_mask)
-    return torch.where(response_mask.bool(), positions, 0).max(dim=1).values  # [B]
+from fusedrl.batch import on_last_sampled_token
 
 
 def add_agent_rewards(
     scores: torch.Tensor, response_mask: torch.Tensor, agent_stats: torch.Tensor
 ) -> torch.Tensor:
     """``scores`` [B, Tr] plus each trajectory's environment / tool reward on its last sampled token."""
-    reward = agent_stats[:, STAT_NAMES.index("reward")].to(scores.dtype)  # [B]
-    has_tokens = response_mask.sum(-1) > 0  # [B]
-    out = scores.clone()
-    rows = torch.arange(scores.shape[0])
-    out[rows, last_sampled_index(response_mask)] += torch.where(has_tokens, reward, 0.0)
-    return out
+    reward = agent_stats[:, STAT_NAMES.index("reward")]  # [B]
+    return scores + on_last_sampled_token(reward, response_mask).to(scores.dtype)
 
 
 def agent_metrics(agent_stats: torch.Tensor) -> dict[str, float]:

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from fusedrl.agent import STAT_NAMES
-from fusedrl.agent.rewards import add_agent_rewards, agent_metrics, last_sampled_index
+from fusedrl.agent.rewards import add_agent_rewards, agent_metrics
 from fusedrl.algorithms.advantages import compute_gae_advantage
 from fusedrl.algorithms.kl_control import apply_kl_in_reward
 from fusedrl.algorithms.losses import agg_loss, vanilla_policy_loss
 from fusedrl.balance import sequence_lengths
-from fusedrl.batch import RolloutBatch
+from fusedrl.batch import RolloutBatch, last_sampled_index
 
 MASK = torch.tensor([[1, 1, 0, 0, 1, 0]])  # sampled, sampled, observation x2, sampled, padding
 GARBAGE = 1e3  # values / log-probs on observation positions that would dominate any sum they entered

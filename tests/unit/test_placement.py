@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fusedrl.controller.placement import check_role_groups
+from fusedrl.controller.placement import RoleGroups, check_role_groups
 
 NEEDED = ["actor", "rollout", "ref"]
 
@@ -31,3 +31,12 @@ def test_problems_are_named(groups, message):
 def test_all_problems_at_once():
     with pytest.raises(ValueError, match="'critic' must share.*'ref' is not placed"):
         check_role_groups(["actor", "rollout", "ref", "critic"], [["actor", "rollout"], ["critic"]])
+
+
+def test_role_groups_lookup_names_the_missing_role():
+    a, b = object(), object()
+    groups = RoleGroups({"actor": a, "rollout": a, "ref": b})  # type: ignore[dict-item]
+    assert groups.group_for("ref") is b
+    assert groups.unique() == [a, b]  # each group once, in start order
+    with pytest.raises(RuntimeError, match="no worker group holds 'critic'"):
+        groups.group_for("critic")

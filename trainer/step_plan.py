@@ -1,0 +1,60 @@
+"""Which passes a PPO step runs and with what settings: pure functions of the config and the step, so the
+trainer's loop reads as the sequence of phases and these decisions can be tested without workers."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from fusedrl.workers.rollout.base import SamplingConfig
+
+
+def due(freq: int, step: int, total: int) -> bool:
+    """Whether a ``*_freq`` event (checkpoint, validation) happens after ``step``: every ``freq`` steps and
+    after the last one; never when ``freq`` <= 0."""
+    return freq > 0 and (step % freq == 0 or step == total)
+
+
+def actor_trains(config: DictConfig, step: int) -> bool:
+    """False during ``trainer.critic_warmup``: the first N steps (1-based ``step``) train only the critic."""
+    warmup = int(config.trainer.critic_warmup)
+    return warmup == 0 or step > warmup
+
+
+def old_log_probs_reusable(config: DictConfig, *, world: int, num_samples: int, actor_trains: bool) -> bool:
+    """Whether the batch is used once, in one optimizer step (``ppo_epochs=1``, every rank's shard fits one
+    mini-batch) and nothing reads ``old_log_probs`` before the update: then the update's own forward gives
+    them and the separate pass is skipped (``actor.old_log_prob_from_update``)."""
+    actor = config.actor_rollout_ref.actor
+    if not actor.old_log_prob_from_update or int(actor.ppo_epochs) != 1:
+        return False
+    alg = config.algorithm
+    if alg.use_kl_in_reward:
+        return False  # the in-reward KL penalty reads them before the advantages
+    rc = alg.rollout_correction
+    if rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None:
+        return False  # bypass takes the rollout's log-probs; the correction weights read them first
+    if not actor_trains:
+        return False  # no actor update this step: nothing would provide them
+    mini_rows = int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n) // world
+    return -(-num_samples // world) <= mini_rows
+
+
+def sampling(config: DictConfig, validate: bool) -> SamplingConfig:
+    """Training rollouts sample with ``rollout.*``; validation uses ``rollout.val_kwargs``."""
+    r = config.actor_rollout_ref.rollout
+    src = r.val_kwargs if validate else r
+    return SamplingConfig(
+        max_tokens=int(config.data.max_response_length),
+        temperature=float(src.temperature),
+        top_p=float(src.top_p),
+        top_k=int(src.top_k),
+        do_sample=bool(r.val_kwargs.do_sample) if validate else True,
+    )
+
+
+def sample_seeds(rollout_seed: int, step: int, round_index: int, num_samples: int) -> torch.Tensor:
+    """``[B]`` sampling seed of each row, a function of (``rollout.seed``, step, round, row): a resumed run
+    regenerates exactly the samples the uninterrupted run would have."""
+    base = rollout_seed * 1_000_003 + step * 10_007 + round_index * 101
+    return (base + torch.arange(num_samples, dtype=torch.long) * 7919) % (2**31 - 1)
