@@ -1,0 +1,183 @@
+"""fusedrl vs TRL's GRPOTrainer on the same GRPO work and the same cores, measured in one run.
+
+The work: the random-init ``small`` Qwen2 preset (18M parameters), 16 prompts x 4 samples, <= 64 response
+tokens, one optimizer step per generation batch, a KL term against a reference model (fusedrl
+``use_kl_loss=true``, TRL ``beta=0.04``), the arithmetic rule reward, float32 or bfloat16.
+
+TRL is not a fusedrl dependency: install it into a scratch folder and name it with ``--trl-path``::
+
+    pip install --target /tmp/trlpkgs --no-deps trl accelerate datasets multiprocess
+    python -m benchmarks.trl_side_by_side --trl-path /tmp/trlpkgs [--rounds 2] [--steps 4]
+        [--variants fusedrl-1,fusedrl-2,trl] [--dtype float32]
+
+Each (variant, round) runs in its own process; the variants alternate (A B C A B C ...), so a shared
+machine's load falls on all of them alike. The first step of every run is warm-up and is not counted.
+TRL generates with Hugging Face ``generate`` (its best mode on a CPU: its vLLM mode needs a server or a
+colocated engine on CUDA). fusedrl variants: ``fusedrl-W`` = W fused workers on the machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+PROMPTS, SAMPLES, RESPONSE = 16, 4, 64
+
+
+def run_fusedrl(workers: int, steps: int, dtype: str) -> dict:
+    from benchmarks.step_breakdown import measure
+
+    extra = [
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
+        f"actor_rollout_ref.rollout.dtype={dtype}",
+        f"actor_rollout_ref.actor.fsdp_config.param_dtype={dtype}",
+        f"actor_rollout_ref.ref.fsdp_config.param_dtype={dtype}",
+        "trainer.emulated_bf16=allow",
+    ]
+    res = measure("small", workers, steps, RESPONSE, extra)
+    return {
+        "step_s": [s["timing_s/step"] for s in res["steps"]],
+        "phases": {
+            k.split("/", 1)[1]: statistics.median(s[k] for s in res["steps"])
+            for k in res["steps"][0]
+            if k.startswith("timing_s/")
+        },
+        "response_tokens": [s.get("response_length/mean", 0.0) for s in res["steps"]],
+    }
+
+
+def run_trl(steps: int, dtype: str) -> dict:
+    import pandas as pd
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from benchmarks.common import arithmetic_data, model_dir
+    from fusedrl.rewards.arithmetic import compute_score
+
+    df = pd.read_parquet(arithmetic_data())
+    data = Dataset.from_dict(
+        {
+            "prompt": [list(p) for p in df["prompt"]],
+            "ground_truth": [r["ground_truth"] for r in df["reward_model"]],
+        }
+    )
+
+    def reward(completions: list, ground_truth: list, **_: object) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [compute_score(t, g) for t, g in zip(texts, ground_truth, strict=True)]
+
+    path = model_dir("small")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *args: object, **kwargs: object) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *args: object, **kwargs: object) -> None:
+            times.append(time.perf_counter() - self.t0)
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=PROMPTS * SAMPLES,
+            gradient_accumulation_steps=1,
+            num_generations=SAMPLES,
+            max_completion_length=RESPONSE,
+            beta=0.04,
+            learning_rate=1e-6,
+            temperature=1.0,
+            max_steps=steps,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            bf16=dtype == "bfloat16",
+            seed=0,
+        )
+        trainer = GRPOTrainer(
+            model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tokenizer
+        )
+        trainer.add_callback(Timer())
+        trainer.train()
+        lengths = [
+            h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h
+        ]
+    return {"step_s": times[1:], "phases": {}, "response_tokens": lengths[1:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--one", help="run one variant in this process and print RESULT")
+    ap.add_argument("--trl-path", default=os.environ.get("FUSEDRL_TRL_PATH", ""))
+    ap.add_argument("--variants", default="fusedrl-1,fusedrl-2,trl")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = ap.parse_args()
+    if args.one:
+        if args.one == "trl":
+            res = run_trl(args.steps, args.dtype)
+        else:
+            res = run_fusedrl(int(args.one.split("-")[1]), args.steps, args.dtype)
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+
+    from benchmarks.common import record, run_in_subprocess
+
+    if "trl" in args.variants and not args.trl_path:
+        sys.exit("--trl-path: the folder TRL was installed into (see the module docstring)")
+    variants = args.variants.split(",")
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for v in variants:
+            env = {"PYTHONPATH": args.trl_path} if v == "trl" else None
+            cli = ["--one", v, "--steps", str(args.steps), "--dtype", args.dtype]
+            runs[v].append(run_in_subprocess("benchmarks.trl_side_by_side", cli, timeout=3600, env=env))
+    steps = {v: [t for r in rs for t in r["step_s"]] for v, rs in runs.items()}
+    best_trl = statistics.median(steps["trl"]) if "trl" in steps else None
+    rows = []
+    for v in variants:
+        med = statistics.median(steps[v])
+        ratio = f"{med / best_trl:.2f}x" if best_trl else "-"
+        phases = runs[v][0]["phases"]
+        detail = ", ".join(
+            f"{p} {phases[p]:.2f}"
+            for p in ("gen", "old_log_prob", "ref", "update_actor", "sync_weights")
+            if p in phases
+        )
+        tokens = statistics.median([t for r in runs[v] for t in r["response_tokens"]] or [0.0])
+        rows.append(
+            f"| {v} | {med:.2f} ({min(steps[v]):.2f}-{max(steps[v]):.2f}, n={len(steps[v])}) | {ratio} "
+            f"| {tokens:.0f} | {detail or '-'} |"
+        )
+    table = "\n".join(
+        [
+            f"GRPO step, small model (18M), {PROMPTS} prompts x {SAMPLES} samples, <= {RESPONSE} tokens, "
+            f"KL against a reference, {args.dtype}; median step time over {args.rounds} alternating rounds "
+            f"x {args.steps - 1} measured steps; load average at the end: {os.getloadavg()[0]:.1f}",
+            "",
+            "| variant | step s | vs TRL | mean response tokens | fusedrl phases s (first round, median) |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+    cmd = (
+        f"python -m benchmarks.trl_side_by_side --trl-path <scratch> --variants {args.variants} "
+        f"--rounds {args.rounds} --steps {args.steps} --dtype {args.dtype}"
+    )
+    record("fusedrl vs TRL GRPOTrainer, side by side", cmd, table, {v: runs[v] for v in variants})
+
+
+if __name__ == "__main__":
+    main()
