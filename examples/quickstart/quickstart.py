@@ -293,6 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-lr", type=float, default=2e-3)
     p.add_argument("--grpo-steps", type=int, default=30)
     p.add_argument("--test-freq", type=int, default=2)
+    p.add_argument(
+        "--grpo-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more GRPO config override (repeatable), e.g. actor_rollout_ref.actor.optim.lr=1e-4",
+    )
     args = p.parse_args(argv)
 
     import ray
@@ -327,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     grpo_run = os.path.join(out, "grpo")
     grpo_dir, grpo_s = run_grpo_stage(
         grpo_overrides(data, sft_dir, grpo_run, args.grpo_steps, args.test_freq)
-        + [f"data.seed={args.seed}", f"actor_rollout_ref.rollout.seed={args.seed}"],
+        + [f"data.seed={args.seed}", f"actor_rollout_ref.rollout.seed={args.seed}", *args.grpo_set],
         os.path.join(grpo_run, "hf"),
     )
     grpo_acc, grpo_skill, grpo_resp = greedy_accuracy(grpo_dir, data["test"])
