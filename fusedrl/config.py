@@ -282,12 +282,24 @@ def validate(cfg: DictConfig) -> None:
             f"`actor_rollout_ref.rollout.n`={n}: `{est}` compares samples of the same prompt, so every advantage "
             f"would be 0. Use n >= {min_group}."
         )
+    if est in list_adv_estimators() and get_adv_traits(est).needs_sum_pi_squared:
+        need(
+            not cfg.algorithm.rollout_correction.bypass_mode,
+            f"`algorithm.adv_estimator`={est}: reads the actor's old log-probs and sum_pi_squared, which "
+            "`algorithm.rollout_correction.bypass_mode`=true skips; set bypass_mode=false.",
+        )
     actor = cfg.actor_rollout_ref.actor
     mode = actor.policy_loss.loss_mode
     need(
         mode in list_policy_losses(),
         f"`actor_rollout_ref.actor.policy_loss.loss_mode`={mode!r}: unknown. Known: {', '.join(list_policy_losses())}.",
     )
+    if mode in ("clip_cov", "kl_cov"):  # the share of tokens the loss selects
+        ratio = number(f"actor_rollout_ref.actor.policy_loss.{mode}_ratio", float)
+        need(
+            ratio is None or 0 < ratio <= 1,
+            f"`actor_rollout_ref.actor.policy_loss.{mode}_ratio`={ratio}: use (0, 1].",
+        )
     need(
         actor.loss_agg_mode in AGG_MODES,
         f"`actor_rollout_ref.actor.loss_agg_mode`={actor.loss_agg_mode!r}: unknown. Known: {', '.join(AGG_MODES)}.",

@@ -470,7 +470,14 @@ class PPOTrainer:
         inputs = self._model_inputs(batch)
         actor = self.group_for("actor")
         actor.run_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
-        parts = actor.run_split(lambda w, shard: w.actor_compute_log_prob.remote(shard, t), inputs)
+        if self.adv_traits.needs_sum_pi_squared:  # Σπ² from the same forwards (optimal token baseline)
+            pairs = actor.run_split(
+                lambda w, shard: w.actor_compute_log_prob_and_spp.remote(shard, t), inputs
+            )
+            batch.sum_pi_squared = actor.gather_tensors([p[1] for p in pairs], inputs)
+            parts = [p[0] for p in pairs]
+        else:
+            parts = actor.run_split(lambda w, shard: w.actor_compute_log_prob.remote(shard, t), inputs)
         batch.old_log_probs = actor.gather_tensors(parts, inputs)
         return batch
 
@@ -518,17 +525,9 @@ class PPOTrainer:
         return scheduled_lr(optim, self.global_step - 1, self.total_steps)
 
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
-        """A registered pure function of the batch (``algorithm.adv_estimator``)."""
-        alg = self.config.algorithm
+        """A registered pure function of the batch (``algorithm.adv_estimator``; `step_plan.advantage_inputs`)."""
         advantages, returns = self.adv_fn(
-            batch.token_level_rewards,
-            batch.response_mask,
-            index=batch.field_list("uid"),
-            norm_adv_by_std_in_grpo=bool(alg.norm_adv_by_std_in_grpo),
-            gamma=float(alg.gamma),
-            lam=float(alg.lam),
-            values=batch.critic_values,
-            reward_baselines=batch.reward_baselines,
+            batch.token_level_rewards, batch.response_mask, **step_plan.advantage_inputs(self.config, batch)
         )
         batch.advantages = advantages
         batch.returns = returns

@@ -114,7 +114,9 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
             import_plugin(str(module))  # user losses / estimators must be registered in this process too
         n = int(arr["rollout"]["n"])
         if "actor" in self.roles:
-            self.actor = ActorRole(model_cfg, arr["actor"], rollout_n=n)
+            self.actor = ActorRole(
+                model_cfg, arr["actor"], rollout_n=n, rollout_seed=int(arr["rollout"]["seed"])
+            )
         if "ref" in self.roles:
             self.ref = RefRole(model_cfg, arr["ref"])
         if "critic" in self.roles:
@@ -312,6 +314,24 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         return actor.compute_log_prob(
             _to_device(batch), temperature=temperature, micro_batch_size=mbs, max_token_len=budget
         ).cpu()
+
+    def actor_compute_log_prob_and_spp(
+        self, batch: RolloutBatch, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`actor_compute_log_prob` and Σπ² per response token from the same forwards (optimal token
+        baseline): ``(log_probs [b, Tr], sum_pi_squared [b, Tr])``."""
+        actor = self._need(self.actor, "actor", "actor_compute_log_prob_and_spp")
+        rollout_cfg = self.config["actor_rollout_ref"]["rollout"]
+        mbs = int(rollout_cfg["log_prob_micro_batch_size_per_gpu"])
+        budget = token_budget(rollout_cfg, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
+        lp, spp = actor.compute_log_prob(
+            _to_device(batch),
+            temperature=temperature,
+            micro_batch_size=mbs,
+            max_token_len=budget,
+            with_sum_pi_squared=True,
+        )
+        return lp.cpu(), spp.cpu()
 
     def ref_compute_log_prob(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
         """The frozen reference's log-probs of this shard's responses."""
