@@ -153,7 +153,6 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("data.reward_fn_key", "the scorer is chosen by each row's data_source"),
     ("data.tool_config_path", "tools are not implemented yet"),
     ("data.return_raw_input_ids", "prompts are tokenized once, with the policy's tokenizer"),
-    ("data.return_raw_chat", "prompts are rendered on the driver; rewards get the decoded text"),
     ("data.return_full_prompt", "prompts are rendered on the driver; rewards get the decoded text"),
     ("data.dataloader_num_workers", "prompts are tokenized once at start-up"),
     ("data.filter_overlong_prompts_workers", "prompts are tokenized once at start-up"),
