@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 # (glob over dotted keys, reason). The first matching pattern wins; keep the reasons short (they are
 # printed on the console).
 _PROFILING = "profiling is not built in (run torch.profiler or py-spy around main_ppo)"
-_ULYSSES = "sequence parallelism is not implemented: each rank holds whole sequences (same math, more memory)"
+_ULYSSES = "sequence parallelism is the actor's only: this role holds whole sequences per rank (same math)"
 _FSDP_TUNING = "FSDP2 is applied per decoder layer with fixed settings"
 _LORA = "LoRA is not implemented yet: every parameter is trained"
 _KERNELS = "fused / Liger / tiled kernels are not used: Hugging Face modules as they are"
@@ -43,6 +43,10 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.rollout.prometheus.*", "no Prometheus exporter (use trainer.logger)"),
     ("ray_kwargs.timeline_json_file", "no Ray timeline dump"),
     # --- parallelism and FSDP tuning
+    (
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
+        "set actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    ),
     ("*ulysses_sequence_parallel_size", _ULYSSES),
     ("*.fsdp_config.wrap_policy.*", _FSDP_TUNING),
     ("*.fsdp_config.offload_policy", _FSDP_TUNING),

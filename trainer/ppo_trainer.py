@@ -339,6 +339,10 @@ class PPOTrainer:
         return float(self.config.actor_rollout_ref.rollout.temperature)
 
     @property
+    def actor_sp(self) -> int:  # ranks of one Ulysses group get the same rows (replicas of one shard)
+        return int(self.config.actor_rollout_ref.actor.ulysses_sequence_parallel_size)
+
+    @property
     def use_reference(self) -> bool:
         return needed_roles(self.config)["ref"]
 
@@ -470,15 +474,13 @@ class PPOTrainer:
         inputs = self._model_inputs(batch)
         actor = self.group_for("actor")
         actor.run_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
-        if self.adv_traits.needs_sum_pi_squared:  # Σπ² from the same forwards (optimal token baseline)
-            pairs = actor.run_split(
-                lambda w, shard: w.actor_compute_log_prob_and_spp.remote(shard, t), inputs
-            )
+        spp, sp = self.adv_traits.needs_sum_pi_squared, self.actor_sp
+        pairs = actor.run_split(
+            lambda w, s: w.actor_compute_log_prob_and_spp.remote(s, t, spp), inputs, replicas=sp
+        )
+        batch.old_log_probs = actor.gather_tensors([p[0] for p in pairs], inputs)
+        if spp:  # Σπ² from the same forwards (optimal token baseline)
             batch.sum_pi_squared = actor.gather_tensors([p[1] for p in pairs], inputs)
-            parts = [p[0] for p in pairs]
-        else:
-            parts = actor.run_split(lambda w, shard: w.actor_compute_log_prob.remote(shard, t), inputs)
-        batch.old_log_probs = actor.gather_tensors(parts, inputs)
         return batch
 
     def old_log_probs_from_update(self, batch: RolloutBatch) -> bool:
@@ -542,20 +544,20 @@ class PPOTrainer:
         # The actor's schedule starts when it starts training (after trainer.critic_warmup steps).
         step = self.global_step - 1 - int(self.config.trainer.critic_warmup)
         lr = scheduled_lr(self.config.actor_rollout_ref.actor.optim, step, self.total_steps)
-        actor = self.group_for("actor")
+        actor, sp = self.group_for("actor"), self.actor_sp
         # The optimizer state is on the device only for the update.
         actor.run_all(lambda w: w.load_actor.remote(optimizer=True))
         self.rollout_stale = True
         if batch.old_log_probs is None:  # see `old_log_probs_from_update`: the update's forward gives them
             inputs = batch.select_fields(*[f for f in fields if f != "old_log_probs"])
             pairs = actor.run_split(
-                lambda w, shard: w.actor_update_old_from_forward.remote(shard, t, lr), inputs
+                lambda w, shard: w.actor_update_old_from_forward.remote(shard, t, lr), inputs, replicas=sp
             )
             batch.old_log_probs = actor.gather_tensors([p[1] for p in pairs], inputs)  # [B, Tr]
             per_rank = [p[0] for p in pairs]
         else:
             inputs = batch.select_fields(*fields)
-            per_rank = actor.run_split(lambda w, shard: w.actor_update.remote(shard, t, lr), inputs)
+            per_rank = actor.run_split(lambda w, s: w.actor_update.remote(s, t, lr), inputs, replicas=sp)
         actor.run_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
         return mean_over_ranks(per_rank)
 

@@ -26,6 +26,7 @@ from fusedrl.workers.logprob import (
     token_budget,
 )
 from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates, set_lr
+from fusedrl.workers.ulysses import check_heads, sp_group
 
 
 def _select(cfg: dict[str, Any], dotted: str) -> Any:
@@ -103,10 +104,13 @@ class ActorRole:
         self, model_cfg: dict[str, Any], cfg: dict[str, Any], *, rollout_n: int, rollout_seed: int = 0
     ) -> None:
         self.cfg = cfg
-        self.world_size = dist.get_world_size()
+        # Ulysses: the ranks of one sequence-parallel group share rows, so the data-parallel size is W / sp.
+        self.sp_group = sp_group(int(cfg["ulysses_sequence_parallel_size"]))
+        self.world_size = dist.get_world_size() // int(cfg["ulysses_sequence_parallel_size"])
         self.rollout_n = rollout_n
         self.use_remove_padding = bool(model_cfg["use_remove_padding"])
         self.model = _sharded_model(model_cfg, cfg["fsdp_config"])
+        check_heads(self.model, int(cfg["ulysses_sequence_parallel_size"]))
         self.optimizer = build_adamw(self.model, cfg["optim"])
         self.policy_loss = get_policy_loss(cfg["policy_loss"]["loss_mode"])
         # A loss whose paper fixes the aggregation (GMPO) declares it; every term then uses that mode.
@@ -145,6 +149,7 @@ class ActorRole:
             max_token_len=max_token_len,
             remove_padding=self.use_remove_padding,
             with_sum_pi_squared=with_sum_pi_squared,
+            sp_group=self.sp_group,
         )
         return (lp, spp) if with_sum_pi_squared else lp
 
@@ -156,7 +161,12 @@ class ActorRole:
         mode = self.agg_mode
         entropy_coeff = float(cfg["entropy_coeff"])
         log_prob, entropy = response_log_probs(
-            self.model, mb, temperature=temperature, with_entropy=True, remove_padding=self.use_remove_padding
+            self.model,
+            mb,
+            temperature=temperature,
+            with_entropy=True,
+            remove_padding=self.use_remove_padding,
+            sp_group=self.sp_group,
         )  # [b, Tr]
         clip = float(cfg["clip_ratio"])
         old_log_prob = mb.old_log_probs  # [b, Tr]
@@ -227,7 +237,7 @@ class ActorRole:
             micro_rows=cfg["ppo_micro_batch_size_per_gpu"],
             epochs=epochs,
             loss_agg_mode=self.agg_mode,
-            world_size=self.world_size,
+            world_size=dist.get_world_size(),  # all ranks: sp replicas count in the normaliser and in FSDP's mean
             max_token_len=token_budget(cfg, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
             on_micro_split=orders.append,
         )

@@ -14,7 +14,7 @@ All four combinations give the same numbers up to floating-point summation order
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -123,14 +123,28 @@ def response_log_probs(
     with_entropy: bool = False,
     remove_padding: bool = False,
     with_sum_pi_squared: bool = False,
+    sp_group: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over prompt+response; returns ``(log_probs [B, Tr], entropy [B, Tr] | None)``, or with
-    ``with_sum_pi_squared`` ``(log_probs, Σπ² [B, Tr])``.
+    ``with_sum_pi_squared`` ``(log_probs, Σπ² [B, Tr])``. ``sp_group``: Ulysses sequence parallelism over
+    that group (packed; `fusedrl.workers.ulysses`), every rank of it passing the same ``batch``.
 
     Runs with whatever grad mode the caller set: under ``torch.no_grad`` for old/ref log-probs, with
     grad inside the actor update. With ``remove_padding`` the rows are packed into one sequence and the
     results are 0 on response padding; padded, the values on padding are meaningless (callers mask).
     """
+    if sp_group is not None:
+        from fusedrl.workers.ulysses import ulysses_response_log_probs
+
+        return ulysses_response_log_probs(
+            model,
+            batch,
+            sp_group,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            with_sum_pi_squared=with_sum_pi_squared,
+            grad_scale=float(dist.get_world_size(sp_group)),  # FSDP averages over the group: see ulysses
+        )
     if remove_padding:
         packed = pack_batch(batch)
         logits = packed.forward(model).logits  # [1, N, V]
@@ -204,6 +218,7 @@ def batched_log_probs_and_sum_pi_squared(
     max_token_len: int | None = None,
     remove_padding: bool = False,
     with_sum_pi_squared: bool = True,
+    sp_group: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`batched_log_probs` and, from the same forwards, Σπ² ``[B, Tr]`` (None unless
     ``with_sum_pi_squared``); both 0 on padding."""
@@ -215,6 +230,7 @@ def batched_log_probs_and_sum_pi_squared(
             temperature=temperature,
             remove_padding=remove_padding,
             with_sum_pi_squared=with_sum_pi_squared,
+            sp_group=sp_group,
         )
         for mb in mbs
     ]  # ([b_i, Tr], [b_i, Tr] | None) each

@@ -160,7 +160,8 @@ _register()
 
 @contextlib.contextmanager
 def _attention_of(model: nn.Module, name: str) -> Iterator[None]:
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    # Every module's config (the model's and, for composite models, the text model's) names the attention.
+    configs: dict[int, Any] = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
     before = {key: cfg._attn_implementation for key, cfg in configs.items()}
     try:
         for cfg in configs.values():
@@ -221,6 +222,7 @@ def ulysses_response_log_probs(
     *,
     temperature: float,
     with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
     grad_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`fusedrl.workers.logprob.response_log_probs` (packed) with the tokens split over ``group``: every rank
@@ -232,9 +234,13 @@ def ulysses_response_log_probs(
     )
     logits = ulysses_forward(model, piece, group)  # [1, n/sp, V]
     log_probs, entropy = _token_log_probs(
-        logits[0], piece.next_ids[0], temperature=temperature, with_entropy=with_entropy
-    )  # [n/sp] each
-    out = []
+        logits[0],
+        piece.next_ids[0],
+        temperature=temperature,
+        with_entropy=with_entropy,
+        with_sum_pi_squared=with_sum_pi_squared,
+    )  # [n/sp] each (entropy: or Σπ²)
+    out: list[torch.Tensor | None] = []
     for local in (log_probs, entropy):
         if local is None:
             out.append(None)
@@ -242,3 +248,31 @@ def ulysses_response_log_probs(
         full = gather_tokens(local, group, dim=0, grad_scale=grad_scale)  # [N']
         out.append(packed.unpack(full[packed.pred_index]))  # [B, Tr]
     return out[0], out[1]
+
+
+def sp_group(sp: int) -> Any:
+    """This rank's sequence-parallel group: consecutive ranks ``[k * sp, (k + 1) * sp)`` (the driver gives
+    them the same rows); None when ``sp`` is 1. Collective: every rank creates every group, in order."""
+    world = dist.get_world_size()
+    if sp < 1 or world % sp:
+        raise ValueError(
+            f"ulysses_sequence_parallel_size={sp} must be >= 1 and divide the world size {world}"
+        )
+    if sp == 1:
+        return None
+    mine = None
+    for start in range(0, world, sp):
+        group = dist.new_group(list(range(start, start + sp)))
+        if start <= dist.get_rank() < start + sp:
+            mine = group
+    return mine
+
+
+def check_heads(model: nn.Module, sp: int) -> None:
+    """ValueError naming the key when ``sp`` does not divide the model's attention heads."""
+    heads = int(getattr(model.config, "num_attention_heads", 0) or 0)
+    if sp > 1 and (heads == 0 or heads % sp):
+        raise ValueError(
+            f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} must divide the model's "
+            f"num_attention_heads ({heads}): each rank of a sequence-parallel group attends with heads / sp heads"
+        )

@@ -316,22 +316,23 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         ).cpu()
 
     def actor_compute_log_prob_and_spp(
-        self, batch: RolloutBatch, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`actor_compute_log_prob` and Σπ² per response token from the same forwards (optimal token
-        baseline): ``(log_probs [b, Tr], sum_pi_squared [b, Tr])``."""
+        self, batch: RolloutBatch, temperature: float, with_sum_pi_squared: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`actor_compute_log_prob` and, with ``with_sum_pi_squared``, Σπ² per response token from the same
+        forwards (optimal token baseline): ``(log_probs [b, Tr], sum_pi_squared [b, Tr] | None)``."""
         actor = self._need(self.actor, "actor", "actor_compute_log_prob_and_spp")
         rollout_cfg = self.config["actor_rollout_ref"]["rollout"]
         mbs = int(rollout_cfg["log_prob_micro_batch_size_per_gpu"])
         budget = token_budget(rollout_cfg, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
-        lp, spp = actor.compute_log_prob(
+        out = actor.compute_log_prob(
             _to_device(batch),
             temperature=temperature,
             micro_batch_size=mbs,
             max_token_len=budget,
-            with_sum_pi_squared=True,
+            with_sum_pi_squared=with_sum_pi_squared,
         )
-        return lp.cpu(), spp.cpu()
+        lp, spp = out if with_sum_pi_squared else (out, None)
+        return lp.cpu(), None if spp is None else spp.cpu()
 
     def ref_compute_log_prob(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
         """The frozen reference's log-probs of this shard's responses."""

@@ -74,6 +74,10 @@ ALGORITHMS = {
         "actor_rollout_ref.actor.policy_loss.clip_cov_lb=-1000",
         "actor_rollout_ref.actor.policy_loss.clip_cov_ub=1000",
     ],
+    "ulysses_sp2": [  # one sequence-parallel group of both workers: each holds half of every packed row
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+    ],
     "optimal_token_baseline": [  # Σπ² from the packed old-log-prob pass; IS weights scale the energies
         "algorithm.adv_estimator=optimal_token_baseline",
         "actor_rollout_ref.model.use_remove_padding=true",
