@@ -493,11 +493,11 @@ class PPOTrainer:
         )
 
     def compute_ref_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
-        t = self.temperature
+        t, sp = self.temperature, self.actor_sp  # the reference splits sequences as the actor does
         inputs = self._model_inputs(batch)
         ref = self.group_for("ref")
         ref.run_all(lambda w: w.load_ref.remote())
-        parts = ref.run_split(lambda w, shard: w.ref_compute_log_prob.remote(shard, t), inputs)
+        parts = ref.run_split(lambda w, s: w.ref_compute_log_prob.remote(s, t), inputs, replicas=sp)
         ref.run_all(lambda w: w.offload_ref.remote())
         batch.ref_log_probs = ref.gather_tensors(parts, inputs)
         return batch

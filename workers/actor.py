@@ -71,10 +71,14 @@ def _sharded_model(model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any]) -> nn.Mo
 class RefRole:
     """Frozen reference policy: same weights as the actor at start, never updated."""
 
-    def __init__(self, model_cfg: dict[str, Any], ref_cfg: dict[str, Any]) -> None:
+    def __init__(self, model_cfg: dict[str, Any], ref_cfg: dict[str, Any], *, sp: int = 1) -> None:
+        """``sp``: the actor's ``ulysses_sequence_parallel_size``; the reference splits sequences the same
+        way (the driver gives a group's workers the same rows for both)."""
         self.cfg = ref_cfg
         self.use_remove_padding = bool(model_cfg["use_remove_padding"])
+        self.sp_group = sp_group(sp)
         self.model = _sharded_model(model_cfg, ref_cfg["fsdp_config"])
+        check_heads(self.model, sp)
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -90,6 +94,7 @@ class RefRole:
                 self.cfg, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"
             ),
             remove_padding=self.use_remove_padding,
+            sp_group=self.sp_group,
         )
 
 

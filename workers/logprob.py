@@ -194,9 +194,11 @@ def batched_log_probs(
     micro_batch_size: int,
     max_token_len: int | None = None,
     remove_padding: bool = False,
+    sp_group: Any = None,
 ) -> torch.Tensor:
     """No-grad log-probs of the whole batch, ``[B, Tr]``: ``micro_batch_size`` rows per forward, or
-    micro-batches of at most ``max_token_len`` real tokens when that is set (dynamic batch size)."""
+    micro-batches of at most ``max_token_len`` real tokens when that is set (dynamic batch size).
+    ``sp_group``: Ulysses sequence parallelism (see `response_log_probs`)."""
     return batched_log_probs_and_sum_pi_squared(
         model,
         batch,
@@ -205,6 +207,7 @@ def batched_log_probs(
         max_token_len=max_token_len,
         remove_padding=remove_padding,
         with_sum_pi_squared=False,
+        sp_group=sp_group,
     )[0]
 
 

@@ -118,7 +118,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
                 model_cfg, arr["actor"], rollout_n=n, rollout_seed=int(arr["rollout"]["seed"])
             )
         if "ref" in self.roles:
-            self.ref = RefRole(model_cfg, arr["ref"])
+            self.ref = RefRole(model_cfg, arr["ref"], sp=int(arr["actor"]["ulysses_sequence_parallel_size"]))
         if "critic" in self.roles:
             self.critic = CriticRole(self.config["critic"], rollout_n=n)
         if "reward_model" in self.roles:

@@ -77,6 +77,7 @@ ALGORITHMS = {
     "ulysses_sp2": [  # one sequence-parallel group of both workers: each holds half of every packed row
         "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.actor.use_kl_loss=true",  # the reference splits its sequences too
     ],
     "optimal_token_baseline": [  # Σπ² from the packed old-log-prob pass; IS weights scale the energies
         "algorithm.adv_estimator=optimal_token_baseline",

@@ -1,5 +1,6 @@
 """The FSDP2 actor with Ulysses sequence parallelism (``actor.ulysses_sequence_parallel_size=2``) on 2 gloo
-ranks computes the same old log-probs, loss metrics and reduced gradients as the same actor with sp=1.
+ranks computes the same old log-probs, loss metrics and reduced gradients as the same actor with sp=1;
+the reference (which follows the actor's sp) the same log-probs.
 
 sp=1: data parallel over 2 ranks, each rank gets half the rows (as the driver's ``run_split`` shards
 them), padded forwards. sp=2: one sequence-parallel group of both ranks, data-parallel size 1, both ranks
@@ -32,7 +33,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _configs(model_dir: str, sp: int) -> tuple[dict, dict]:
+def _configs(model_dir: str, sp: int) -> tuple[dict, dict, dict]:
     from fusedrl.config import load_config, to_plain_dict
 
     actor = "actor_rollout_ref.actor"
@@ -58,7 +59,7 @@ def _configs(model_dir: str, sp: int) -> tuple[dict, dict]:
         validate_config=False,
     )
     arr = to_plain_dict(cfg)["actor_rollout_ref"]
-    return arr["model"], arr["actor"]
+    return arr["model"], arr["actor"], arr["ref"]
 
 
 def _batch():
@@ -71,20 +72,23 @@ def _batch():
 def _run(rank: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
-    from fusedrl.workers.actor import ActorRole
+    from fusedrl.workers.actor import ActorRole, RefRole
 
     results: dict = {}
     full = _batch()
     for sp in (1, 2):
         batch = full if sp == 2 else full[rank * 4 : rank * 4 + 4]  # sp=1: this rank's half of the rows
-        model_cfg, actor_cfg = _configs(model_dir, sp)
+        model_cfg, actor_cfg, ref_cfg = _configs(model_dir, sp)
+        ref = RefRole(model_cfg, ref_cfg, sp=sp)  # the reference follows the actor's sp
+        ref_log_probs = ref.compute_log_prob(batch, temperature=0.7)
+        del ref
         actor = ActorRole(model_cfg, actor_cfg, rollout_n=2)
         assert actor.world_size == 2 // sp  # the data-parallel size
         old = actor.compute_log_prob(batch, temperature=0.7, micro_batch_size=2)
         batch.old_log_probs = old - 0.3 * batch.response_mask  # ratio e^0.3 > 1 + 0.2: A > 0 tokens clip
         metrics = actor.update(batch, temperature=0.7)
         grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
-        results[sp] = {"old_log_probs": old, "metrics": metrics, "grads": grads}
+        results[sp] = {"old_log_probs": old, "ref": ref_log_probs, "metrics": metrics, "grads": grads}
         del actor
         dist.barrier()
     torch.save(results, Path(out) / f"rank{rank}.pt")
@@ -108,8 +112,10 @@ def test_ulysses_actor_matches_data_parallel(tiny_model_dir, tmp_path):
     mask = _batch().response_mask.bool()
     dp_old = torch.cat([ranks[0][1]["old_log_probs"], ranks[1][1]["old_log_probs"]])  # [8, Tr]
     assert dp_old[mask].abs().min() > 1e-3
+    dp_ref = torch.cat([ranks[0][1]["ref"], ranks[1][1]["ref"]])  # [8, Tr]
     for r in ranks:
         torch.testing.assert_close(r[2]["old_log_probs"], dp_old, atol=ATOL, rtol=0)
+        torch.testing.assert_close(r[2]["ref"], dp_ref, atol=ATOL, rtol=0)
     dp_metrics, sp_metrics = ranks[0][1]["metrics"], ranks[0][2]["metrics"]
     assert dp_metrics["actor/pg_clipfrac"] > 0  # the clip is exercised
     for key in ("actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl"):
