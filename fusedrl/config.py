@@ -230,13 +230,17 @@ def validate(cfg: DictConfig) -> None:
     bsz = positive("data.train_batch_size")
     mini = positive("actor_rollout_ref.actor.ppo_mini_batch_size")
     positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
-    sp = positive("actor_rollout_ref.actor.ulysses_sequence_parallel_size")
-    if slots is not None and nnodes is not None and sp is not None:
-        need(
-            (slots * nnodes) % sp == 0,
-            f"`actor_rollout_ref.actor.ulysses_sequence_parallel_size`={sp} does not divide the {slots * nnodes} "
-            "workers (trainer.n_gpus_per_node x trainer.nnodes): each sequence-parallel group is sp workers.",
-        )
+    for sp_key in (
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+        "critic.ulysses_sequence_parallel_size",
+    ):
+        sp = positive(sp_key)
+        if slots is not None and nnodes is not None and sp is not None:
+            need(
+                (slots * nnodes) % sp == 0,
+                f"`{sp_key}`={sp} does not divide the {slots * nnodes} workers (trainer.n_gpus_per_node x "
+                "trainer.nnodes): each sequence-parallel group is sp workers.",
+            )
     if slots is not None and nnodes is not None and n is not None and bsz is not None and mini is not None:
         world = slots * nnodes
         need(

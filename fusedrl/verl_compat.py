@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 # (glob over dotted keys, reason). The first matching pattern wins; keep the reasons short (they are
 # printed on the console).
 _PROFILING = "profiling is not built in (run torch.profiler or py-spy around main_ppo)"
-_ULYSSES = "sequence parallelism is the actor's and the reference's: this role holds whole sequences per rank"
+_ULYSSES = "the reward model holds whole sequences per rank (sequence parallelism: actor, reference, critic)"
 _FSDP_TUNING = "FSDP2 is applied per decoder layer with fixed settings"
 _LORA = "LoRA is not implemented yet: every parameter is trained"
 _KERNELS = "fused / Liger / tiled kernels are not used: Hugging Face modules as they are"
@@ -46,6 +46,10 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     (
         "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
         "set actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    ),
+    (
+        "critic.model.fsdp_config.ulysses_sequence_parallel_size",
+        "set critic.ulysses_sequence_parallel_size",
     ),
     (
         "actor_rollout_ref.ref.*ulysses_sequence_parallel_size",

@@ -505,9 +505,9 @@ class PPOTrainer:
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
         """Critic values ``V(s_t)`` of every response position (PPO with GAE)."""
         inputs = self._model_inputs(batch)
-        critic = self.group_for("critic")
+        critic, sp = self.group_for("critic"), int(self.config.critic.ulysses_sequence_parallel_size)
         critic.run_all(lambda w: w.load_critic.remote())
-        parts = critic.run_split(lambda w, shard: w.critic_compute_values.remote(shard), inputs)
+        parts = critic.run_split(lambda w, s: w.critic_compute_values.remote(s), inputs, replicas=sp)
         batch.critic_values = critic.gather_tensors(parts, inputs)
         return batch
 
@@ -515,9 +515,9 @@ class PPOTrainer:
         """Regress the critic on the GAE returns (clipped value loss)."""
         inputs = batch.select_fields(*batch.model_input_fields(), "critic_values", "returns")
         lr = self.scheduled_lr(self.config.critic.optim)
-        critic = self.group_for("critic")
+        critic, sp = self.group_for("critic"), int(self.config.critic.ulysses_sequence_parallel_size)
         critic.run_all(lambda w: w.load_critic.remote(optimizer=True))
-        per_rank = critic.run_split(lambda w, shard: w.critic_update.remote(shard, lr), inputs)
+        per_rank = critic.run_split(lambda w, s: w.critic_update.remote(s, lr), inputs, replicas=sp)
         critic.run_all(lambda w: w.offload_critic.remote())
         return mean_over_ranks(per_rank)
 

@@ -228,11 +228,7 @@ def ulysses_response_log_probs(
     """`fusedrl.workers.logprob.response_log_probs` (packed) with the tokens split over ``group``: every rank
     passes the same ``batch`` and gets the same ``(log_probs [B, Tr], entropy [B, Tr] | None)``, 0 on
     padding. ``grad_scale``: see the module docstring (``sp`` under FSDP, 1 for a plain sum of gradients)."""
-    packed = pack_batch(batch)
-    piece = slice_packed(
-        packed.input_ids, packed.position_ids, dist.get_world_size(group), dist.get_rank(group)
-    )
-    logits = ulysses_forward(model, piece, group)  # [1, n/sp, V]
+    packed, piece, logits = _sliced_forward(model, batch, group)  # logits [1, n/sp, V]
     log_probs, entropy = _token_log_probs(
         logits[0],
         piece.next_ids[0],
@@ -240,14 +236,35 @@ def ulysses_response_log_probs(
         with_entropy=with_entropy,
         with_sum_pi_squared=with_sum_pi_squared,
     )  # [n/sp] each (entropy: or Σπ²)
-    out: list[torch.Tensor | None] = []
-    for local in (log_probs, entropy):
-        if local is None:
-            out.append(None)
-            continue
-        full = gather_tokens(local, group, dim=0, grad_scale=grad_scale)  # [N']
-        out.append(packed.unpack(full[packed.pred_index]))  # [B, Tr]
-    return out[0], out[1]
+    extra = None if entropy is None else _to_responses(entropy, packed, group, grad_scale)
+    return _to_responses(log_probs, packed, group, grad_scale), extra
+
+
+def ulysses_response_values(
+    model: nn.Module, batch: RolloutBatch, group: Any, *, grad_scale: float = 1.0
+) -> torch.Tensor:
+    """A one-label token classifier's output (the critic's values) at the position predicting each
+    response token, with the tokens split over ``group``: ``[B, Tr]`` float32, 0 on padding (as the packed
+    path of `fusedrl.workers.critic.CriticRole`)."""
+    packed, _, logits = _sliced_forward(model, batch, group)  # [1, n/sp, 1]
+    return _to_responses(logits[0, :, 0].float(), packed, group, grad_scale)  # [B, Tr]
+
+
+def _sliced_forward(
+    model: nn.Module, batch: RolloutBatch, group: Any
+) -> tuple[Any, SequenceSlice, torch.Tensor]:
+    packed = pack_batch(batch)
+    piece = slice_packed(
+        packed.input_ids, packed.position_ids, dist.get_world_size(group), dist.get_rank(group)
+    )
+    return packed, piece, ulysses_forward(model, piece, group)
+
+
+def _to_responses(local: torch.Tensor, packed: Any, group: Any, grad_scale: float) -> torch.Tensor:
+    """``[n/sp]`` per-position results of this rank -> ``[B, Tr]``: gathered over the group, then the
+    position predicting each response token is picked."""
+    full = gather_tokens(local, group, dim=0, grad_scale=grad_scale)  # [N']
+    return packed.unpack(full[packed.pred_index])  # [B, Tr]
 
 
 def sp_group(sp: int) -> Any:
@@ -268,11 +285,13 @@ def sp_group(sp: int) -> Any:
     return mine
 
 
-def check_heads(model: nn.Module, sp: int) -> None:
+def check_heads(
+    model: nn.Module, sp: int, key: str = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+) -> None:
     """ValueError naming the key when ``sp`` does not divide the model's attention heads."""
     heads = int(getattr(model.config, "num_attention_heads", 0) or 0)
     if sp > 1 and (heads == 0 or heads % sp):
         raise ValueError(
-            f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} must divide the model's "
+            f"{key}={sp} must divide the model's "
             f"num_attention_heads ({heads}): each rank of a sequence-parallel group attends with heads / sp heads"
         )

@@ -1,6 +1,7 @@
 """The FSDP2 actor with Ulysses sequence parallelism (``actor.ulysses_sequence_parallel_size=2``) on 2 gloo
 ranks computes the same old log-probs, loss metrics and reduced gradients as the same actor with sp=1;
-the reference (which follows the actor's sp) the same log-probs.
+the reference (which follows the actor's sp) the same log-probs; the critic with
+``critic.ulysses_sequence_parallel_size=2`` the same values, value loss and reduced gradients.
 
 sp=1: data parallel over 2 ranks, each rank gets half the rows (as the driver's ``run_split`` shards
 them), padded forwards. sp=2: one sequence-parallel group of both ranks, data-parallel size 1, both ranks
@@ -33,7 +34,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _configs(model_dir: str, sp: int) -> tuple[dict, dict, dict]:
+def _configs(model_dir: str, sp: int) -> tuple[dict, dict, dict, dict]:
     from fusedrl.config import load_config, to_plain_dict
 
     actor = "actor_rollout_ref.actor"
@@ -55,11 +56,16 @@ def _configs(model_dir: str, sp: int) -> tuple[dict, dict, dict]:
             f"{actor}.optim.weight_decay=0.0",
             f"{actor}.fsdp_config.model_dtype=float32",
             f"{actor}.fsdp_config.param_dtype=null",
+            f"critic.ulysses_sequence_parallel_size={sp}",
+            "critic.optim.lr=1e-3",
+            "critic.optim.weight_decay=0.0",
+            "critic.grad_clip=1.0",
         ],
         validate_config=False,
     )
-    arr = to_plain_dict(cfg)["actor_rollout_ref"]
-    return arr["model"], arr["actor"], arr["ref"]
+    plain = to_plain_dict(cfg)
+    arr = plain["actor_rollout_ref"]
+    return arr["model"], arr["actor"], arr["ref"], plain["critic"]
 
 
 def _batch():
@@ -73,12 +79,21 @@ def _run(rank: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
     from fusedrl.workers.actor import ActorRole, RefRole
+    from fusedrl.workers.critic import CriticRole
 
     results: dict = {}
     full = _batch()
     for sp in (1, 2):
         batch = full if sp == 2 else full[rank * 4 : rank * 4 + 4]  # sp=1: this rank's half of the rows
-        model_cfg, actor_cfg, ref_cfg = _configs(model_dir, sp)
+        model_cfg, actor_cfg, ref_cfg, critic_cfg = _configs(model_dir, sp)
+        torch.manual_seed(0)  # the value head is not in the checkpoint: the same random head for both runs
+        critic = CriticRole(critic_cfg, rollout_n=2)
+        values = critic.compute_values(batch)
+        train = batch.clone()
+        train.critic_values, train.returns = values, batch.response_mask * 0.5  # [B, Tr]
+        critic_metrics = critic.update(train)
+        critic_grads = {n: p.grad.full_tensor().clone() for n, p in critic.model.named_parameters()}
+        del critic
         ref = RefRole(model_cfg, ref_cfg, sp=sp)  # the reference follows the actor's sp
         ref_log_probs = ref.compute_log_prob(batch, temperature=0.7)
         del ref
@@ -88,7 +103,15 @@ def _run(rank: int, model_dir: str, out: str) -> None:
         batch.old_log_probs = old - 0.3 * batch.response_mask  # ratio e^0.3 > 1 + 0.2: A > 0 tokens clip
         metrics = actor.update(batch, temperature=0.7)
         grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
-        results[sp] = {"old_log_probs": old, "ref": ref_log_probs, "metrics": metrics, "grads": grads}
+        results[sp] = {
+            "old_log_probs": old,
+            "ref": ref_log_probs,
+            "metrics": metrics,
+            "grads": grads,
+            "values": values,
+            "critic_metrics": critic_metrics,
+            "critic_grads": critic_grads,
+        }
         del actor
         dist.barrier()
     torch.save(results, Path(out) / f"rank{rank}.pt")
@@ -125,8 +148,17 @@ def test_ulysses_actor_matches_data_parallel(tiny_model_dir, tmp_path):
         <= GRAD_RTOL * dp_metrics["actor/grad_norm"]
     )
     for r in ranks:
-        for name, g in ranks[0][1]["grads"].items():
-            scale = float(g.abs().max())
-            assert scale > 0, name
-            err = float((r[2]["grads"][name] - g).abs().max())
-            assert err <= GRAD_RTOL * scale, (name, err, scale)
+        for part in ("grads", "critic_grads"):
+            for name, g in ranks[0][1][part].items():
+                scale = float(g.abs().max())
+                assert scale > 0, (part, name)
+                err = float((r[2][part][name] - g).abs().max())
+                assert err <= GRAD_RTOL * scale, (part, name, err, scale)
+    # The critic (critic.ulysses_sequence_parallel_size=2): values and the value loss as data parallel.
+    dp_values = torch.cat([ranks[0][1]["values"], ranks[1][1]["values"]])  # [8, Tr]
+    assert dp_values[mask].abs().min() > 0
+    for r in ranks:
+        torch.testing.assert_close(r[2]["values"], dp_values, atol=ATOL, rtol=0)
+    for key in ("critic/vf_loss", "critic/grad_norm"):
+        dp, sp = ranks[0][1]["critic_metrics"][key], ranks[0][2]["critic_metrics"][key]
+        assert abs(sp - dp) <= GRAD_RTOL * max(1e-3, abs(dp)), (key, sp, dp)
