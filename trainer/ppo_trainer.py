@@ -475,12 +475,11 @@ class PPOTrainer:
         actor = self.group_for("actor")
         actor.run_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
         spp, sp = self.adv_traits.needs_sum_pi_squared, self.actor_sp
-        pairs = actor.run_split(
-            lambda w, s: w.actor_compute_log_prob_and_spp.remote(s, t, spp), inputs, replicas=sp
-        )
-        batch.old_log_probs = actor.gather_tensors([p[0] for p in pairs], inputs)
-        if spp:  # Σπ² from the same forwards (optimal token baseline)
-            batch.sum_pi_squared = actor.gather_tensors([p[1] for p in pairs], inputs)
+        parts = actor.run_split(lambda w, s: w.actor_compute_log_prob.remote(s, t, spp), inputs, replicas=sp)
+        if spp:  # (log-probs, Σπ²) pairs from the same forwards (optimal token baseline)
+            batch.sum_pi_squared = actor.gather_tensors([p[1] for p in parts], inputs)
+            parts = [p[0] for p in parts]
+        batch.old_log_probs = actor.gather_tensors(parts, inputs)
         return batch
 
     def old_log_probs_from_update(self, batch: RolloutBatch) -> bool:

@@ -305,22 +305,13 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         return rollout.generate(_to_device(batch), sampling).cpu()
 
     # ------------------------------------------------------------------ log-probs
-    def actor_compute_log_prob(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
-        """The actor's log-probs of this shard's responses (the "old" policy of the update)."""
+    def actor_compute_log_prob(
+        self, batch: RolloutBatch, temperature: float, with_sum_pi_squared: bool = False
+    ) -> Any:
+        """The actor's log-probs of this shard's responses (the "old" policy of the update), ``[b, Tr]``; with
+        ``with_sum_pi_squared`` the pair ``(log_probs, Σπ² [b, Tr])`` from the same forwards (the optimal
+        token baseline reads both)."""
         actor = self._need(self.actor, "actor", "actor_compute_log_prob")
-        rollout_cfg = self.config["actor_rollout_ref"]["rollout"]
-        mbs = int(rollout_cfg["log_prob_micro_batch_size_per_gpu"])
-        budget = token_budget(rollout_cfg, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
-        return actor.compute_log_prob(
-            _to_device(batch), temperature=temperature, micro_batch_size=mbs, max_token_len=budget
-        ).cpu()
-
-    def actor_compute_log_prob_and_spp(
-        self, batch: RolloutBatch, temperature: float, with_sum_pi_squared: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`actor_compute_log_prob` and, with ``with_sum_pi_squared``, Σπ² per response token from the same
-        forwards (optimal token baseline): ``(log_probs [b, Tr], sum_pi_squared [b, Tr] | None)``."""
-        actor = self._need(self.actor, "actor", "actor_compute_log_prob_and_spp")
         rollout_cfg = self.config["actor_rollout_ref"]["rollout"]
         mbs = int(rollout_cfg["log_prob_micro_batch_size_per_gpu"])
         budget = token_budget(rollout_cfg, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
@@ -331,8 +322,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
             max_token_len=budget,
             with_sum_pi_squared=with_sum_pi_squared,
         )
-        lp, spp = out if with_sum_pi_squared else (out, None)
-        return lp.cpu(), None if spp is None else spp.cpu()
+        return (out[0].cpu(), out[1].cpu()) if with_sum_pi_squared else out.cpu()
 
     def ref_compute_log_prob(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
         """The frozen reference's log-probs of this shard's responses."""
