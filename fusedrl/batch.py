@@ -49,6 +49,8 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
         ref_log_probs:  [B, Tr] float32, log pi_ref(response) from the frozen reference.
         critic_values:  [B, Tr] float32, critic value estimates (PPO with GAE only). Not named
                         `values`: that name is a TensorDict method.
+        sum_pi_squared: [B, Tr] float32, sum over the vocabulary of pi_old(v)^2 at each response position
+                        (only for estimators whose traits ask for it: the optimal token baseline).
     Advantages (pure functions on the driver):
         advantages:     [B, Tr] float32.
         returns:        [B, Tr] float32.
@@ -74,6 +76,7 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     critic_values: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     sample_seeds: torch.Tensor | None = None

@@ -230,6 +230,17 @@ def validate(cfg: DictConfig) -> None:
     bsz = positive("data.train_batch_size")
     mini = positive("actor_rollout_ref.actor.ppo_mini_batch_size")
     positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    for sp_key in (
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+        "critic.ulysses_sequence_parallel_size",
+    ):
+        sp = positive(sp_key)
+        if slots is not None and nnodes is not None and sp is not None:
+            need(
+                (slots * nnodes) % sp == 0,
+                f"`{sp_key}`={sp} does not divide the {slots * nnodes} workers (trainer.n_gpus_per_node x "
+                "trainer.nnodes): each sequence-parallel group is sp workers.",
+            )
     if slots is not None and nnodes is not None and n is not None and bsz is not None and mini is not None:
         world = slots * nnodes
         need(
@@ -282,12 +293,24 @@ def validate(cfg: DictConfig) -> None:
             f"`actor_rollout_ref.rollout.n`={n}: `{est}` compares samples of the same prompt, so every advantage "
             f"would be 0. Use n >= {min_group}."
         )
+    if est in list_adv_estimators() and get_adv_traits(est).needs_sum_pi_squared:
+        need(
+            not cfg.algorithm.rollout_correction.bypass_mode,
+            f"`algorithm.adv_estimator`={est}: reads the actor's old log-probs and sum_pi_squared, which "
+            "`algorithm.rollout_correction.bypass_mode`=true skips; set bypass_mode=false.",
+        )
     actor = cfg.actor_rollout_ref.actor
     mode = actor.policy_loss.loss_mode
     need(
         mode in list_policy_losses(),
         f"`actor_rollout_ref.actor.policy_loss.loss_mode`={mode!r}: unknown. Known: {', '.join(list_policy_losses())}.",
     )
+    if mode in ("clip_cov", "kl_cov"):  # the share of tokens the loss selects
+        ratio = number(f"actor_rollout_ref.actor.policy_loss.{mode}_ratio", float)
+        need(
+            ratio is None or 0 < ratio <= 1,
+            f"`actor_rollout_ref.actor.policy_loss.{mode}_ratio`={ratio}: use (0, 1].",
+        )
     need(
         actor.loss_agg_mode in AGG_MODES,
         f"`actor_rollout_ref.actor.loss_agg_mode`={actor.loss_agg_mode!r}: unknown. Known: {', '.join(AGG_MODES)}.",

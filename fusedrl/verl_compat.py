@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 # (glob over dotted keys, reason). The first matching pattern wins; keep the reasons short (they are
 # printed on the console).
 _PROFILING = "profiling is not built in (run torch.profiler or py-spy around main_ppo)"
-_ULYSSES = "sequence parallelism is not implemented: each rank holds whole sequences (same math, more memory)"
+_ULYSSES = "the reward model holds whole sequences per rank (sequence parallelism: actor, reference, critic)"
 _FSDP_TUNING = "FSDP2 is applied per decoder layer with fixed settings"
 _LORA = "LoRA is not implemented yet: every parameter is trained"
 _KERNELS = "fused / Liger / tiled kernels are not used: Hugging Face modules as they are"
@@ -43,6 +43,18 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.rollout.prometheus.*", "no Prometheus exporter (use trainer.logger)"),
     ("ray_kwargs.timeline_json_file", "no Ray timeline dump"),
     # --- parallelism and FSDP tuning
+    (
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
+        "set actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    ),
+    (
+        "critic.model.fsdp_config.ulysses_sequence_parallel_size",
+        "set critic.ulysses_sequence_parallel_size",
+    ),
+    (
+        "actor_rollout_ref.ref.*ulysses_sequence_parallel_size",
+        "the reference splits sequences as actor_rollout_ref.actor.ulysses_sequence_parallel_size says",
+    ),
     ("*ulysses_sequence_parallel_size", _ULYSSES),
     ("*.fsdp_config.wrap_policy.*", _FSDP_TUNING),
     ("*.fsdp_config.offload_policy", _FSDP_TUNING),
@@ -103,15 +115,18 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ),
     ("actor_rollout_ref.actor.loss_scale_factor", "the loss normaliser is fixed by loss_agg_mode"),
     ("actor_rollout_ref.actor.calculate_entropy", "entropy is always computed and logged"),
-    ("actor_rollout_ref.actor.calculate_sum_pi_squared", "not computed"),
-    ("actor_rollout_ref.actor.sum_pi_squared_checkpointing", "not computed"),
+    (
+        "actor_rollout_ref.actor.calculate_sum_pi_squared",
+        "Σπ² is computed when the estimator needs it (optimal_token_baseline)",
+    ),
+    (
+        "actor_rollout_ref.actor.sum_pi_squared_checkpointing",
+        "Σπ² is computed without grad (nothing to save)",
+    ),
     ("actor_rollout_ref.actor.use_prefix_grouper", "not implemented"),
     ("actor_rollout_ref.actor.freeze_vision_tower", _MULTIMODAL),
     ("*.router_replay.*", "MoE router replay is not implemented"),
     ("actor_rollout_ref.actor.use_remove_padding", "set actor_rollout_ref.model.use_remove_padding"),
-    ("actor_rollout_ref.actor.policy_loss.clip_cov_*", "used by loss_mode=clip_cov, not implemented"),
-    ("actor_rollout_ref.actor.policy_loss.kl_cov_ratio", "used by loss_mode=kl_cov, not implemented"),
-    ("actor_rollout_ref.actor.policy_loss.ppo_kl_coef", "used by loss_mode=kl_cov, not implemented"),
     ("*.optim.optimizer", "always AdamW"),
     ("*.optim.optimizer_impl", "always torch.optim.AdamW"),
     ("*.optim.override_optimizer_config", "always torch.optim.AdamW with optim.lr / betas / weight_decay"),
@@ -150,7 +165,6 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("data.reward_fn_key", "the scorer is chosen by each row's data_source"),
     ("data.tool_config_path", "tools are not implemented yet"),
     ("data.return_raw_input_ids", "prompts are tokenized once, with the policy's tokenizer"),
-    ("data.return_raw_chat", "prompts are rendered on the driver; rewards get the decoded text"),
     ("data.return_full_prompt", "prompts are rendered on the driver; rewards get the decoded text"),
     ("data.dataloader_num_workers", "prompts are tokenized once at start-up"),
     ("data.filter_overlong_prompts_workers", "prompts are tokenized once at start-up"),

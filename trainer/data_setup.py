@@ -15,9 +15,10 @@ def prompt_data(
 ) -> tuple[RLDataset, PromptLoader, RLDataset | None]:
     """``(train dataset, train loader, validation dataset or None)``. ``agent_tools`` (multi-turn runs:
     the tools given in Python, joining the YAML's) puts the tool schemas into the chat template and keeps
-    each row's prompt messages for the agent loops (docs/agentic.md)."""
+    each row's prompt messages for the agent loops (docs/agentic.md), as ``data.return_raw_chat`` does."""
     data = config.data
-    extra: dict[str, Any] = {}
+    # data.return_raw_chat: the row's chat messages ride in extra_info["raw_prompt"] to the reward function.
+    extra: dict[str, Any] = {"keep_messages": bool(data.return_raw_chat)}
     if agent_tools is not None:
         from fusedrl.agent import ToolSet
 

@@ -339,6 +339,10 @@ class PPOTrainer:
         return float(self.config.actor_rollout_ref.rollout.temperature)
 
     @property
+    def actor_sp(self) -> int:  # ranks of one Ulysses group get the same rows (replicas of one shard)
+        return int(self.config.actor_rollout_ref.actor.ulysses_sequence_parallel_size)
+
+    @property
     def use_reference(self) -> bool:
         return needed_roles(self.config)["ref"]
 
@@ -470,7 +474,11 @@ class PPOTrainer:
         inputs = self._model_inputs(batch)
         actor = self.group_for("actor")
         actor.run_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
-        parts = actor.run_split(lambda w, shard: w.actor_compute_log_prob.remote(shard, t), inputs)
+        spp, sp = self.adv_traits.needs_sum_pi_squared, self.actor_sp
+        parts = actor.run_split(lambda w, s: w.actor_compute_log_prob.remote(s, t, spp), inputs, replicas=sp)
+        if spp:  # (log-probs, Σπ²) pairs from the same forwards (optimal token baseline)
+            batch.sum_pi_squared = actor.gather_tensors([p[1] for p in parts], inputs)
+            parts = [p[0] for p in parts]
         batch.old_log_probs = actor.gather_tensors(parts, inputs)
         return batch
 
@@ -484,11 +492,11 @@ class PPOTrainer:
         )
 
     def compute_ref_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
-        t = self.temperature
+        t, sp = self.temperature, self.actor_sp  # the reference splits sequences as the actor does
         inputs = self._model_inputs(batch)
         ref = self.group_for("ref")
         ref.run_all(lambda w: w.load_ref.remote())
-        parts = ref.run_split(lambda w, shard: w.ref_compute_log_prob.remote(shard, t), inputs)
+        parts = ref.run_split(lambda w, s: w.ref_compute_log_prob.remote(s, t), inputs, replicas=sp)
         ref.run_all(lambda w: w.offload_ref.remote())
         batch.ref_log_probs = ref.gather_tensors(parts, inputs)
         return batch
@@ -496,9 +504,9 @@ class PPOTrainer:
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
         """Critic values ``V(s_t)`` of every response position (PPO with GAE)."""
         inputs = self._model_inputs(batch)
-        critic = self.group_for("critic")
+        critic, sp = self.group_for("critic"), int(self.config.critic.ulysses_sequence_parallel_size)
         critic.run_all(lambda w: w.load_critic.remote())
-        parts = critic.run_split(lambda w, shard: w.critic_compute_values.remote(shard), inputs)
+        parts = critic.run_split(lambda w, s: w.critic_compute_values.remote(s), inputs, replicas=sp)
         batch.critic_values = critic.gather_tensors(parts, inputs)
         return batch
 
@@ -506,9 +514,9 @@ class PPOTrainer:
         """Regress the critic on the GAE returns (clipped value loss)."""
         inputs = batch.select_fields(*batch.model_input_fields(), "critic_values", "returns")
         lr = self.scheduled_lr(self.config.critic.optim)
-        critic = self.group_for("critic")
+        critic, sp = self.group_for("critic"), int(self.config.critic.ulysses_sequence_parallel_size)
         critic.run_all(lambda w: w.load_critic.remote(optimizer=True))
-        per_rank = critic.run_split(lambda w, shard: w.critic_update.remote(shard, lr), inputs)
+        per_rank = critic.run_split(lambda w, s: w.critic_update.remote(s, lr), inputs, replicas=sp)
         critic.run_all(lambda w: w.offload_critic.remote())
         return mean_over_ranks(per_rank)
 
@@ -518,17 +526,9 @@ class PPOTrainer:
         return scheduled_lr(optim, self.global_step - 1, self.total_steps)
 
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
-        """A registered pure function of the batch (``algorithm.adv_estimator``)."""
-        alg = self.config.algorithm
+        """A registered pure function of the batch (``algorithm.adv_estimator``; `step_plan.advantage_inputs`)."""
         advantages, returns = self.adv_fn(
-            batch.token_level_rewards,
-            batch.response_mask,
-            index=batch.field_list("uid"),
-            norm_adv_by_std_in_grpo=bool(alg.norm_adv_by_std_in_grpo),
-            gamma=float(alg.gamma),
-            lam=float(alg.lam),
-            values=batch.critic_values,
-            reward_baselines=batch.reward_baselines,
+            batch.token_level_rewards, batch.response_mask, **step_plan.advantage_inputs(self.config, batch)
         )
         batch.advantages = advantages
         batch.returns = returns
@@ -543,20 +543,20 @@ class PPOTrainer:
         # The actor's schedule starts when it starts training (after trainer.critic_warmup steps).
         step = self.global_step - 1 - int(self.config.trainer.critic_warmup)
         lr = scheduled_lr(self.config.actor_rollout_ref.actor.optim, step, self.total_steps)
-        actor = self.group_for("actor")
+        actor, sp = self.group_for("actor"), self.actor_sp
         # The optimizer state is on the device only for the update.
         actor.run_all(lambda w: w.load_actor.remote(optimizer=True))
         self.rollout_stale = True
         if batch.old_log_probs is None:  # see `old_log_probs_from_update`: the update's forward gives them
             inputs = batch.select_fields(*[f for f in fields if f != "old_log_probs"])
             pairs = actor.run_split(
-                lambda w, shard: w.actor_update_old_from_forward.remote(shard, t, lr), inputs
+                lambda w, shard: w.actor_update_old_from_forward.remote(shard, t, lr), inputs, replicas=sp
             )
             batch.old_log_probs = actor.gather_tensors([p[1] for p in pairs], inputs)  # [B, Tr]
             per_rank = [p[0] for p in pairs]
         else:
             inputs = batch.select_fields(*fields)
-            per_rank = actor.run_split(lambda w, shard: w.actor_update.remote(shard, t, lr), inputs)
+            per_rank = actor.run_split(lambda w, s: w.actor_update.remote(s, t, lr), inputs, replicas=sp)
         actor.run_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
         return mean_over_ranks(per_rank)
 

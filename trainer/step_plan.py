@@ -3,9 +3,14 @@ trainer's loop reads as the sequence of phases and these decisions can be tested
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from omegaconf import DictConfig
 
+from fusedrl.algorithms import get_adv_traits
+from fusedrl.algorithms.rollout_correction import is_weights
+from fusedrl.batch import RolloutBatch
 from fusedrl.workers.rollout.base import SamplingConfig
 
 
@@ -36,6 +41,8 @@ def old_log_probs_reusable(config: DictConfig, *, world: int, num_samples: int, 
         return False  # bypass takes the rollout's log-probs; the correction weights read them first
     if not actor_trains:
         return False  # no actor update this step: nothing would provide them
+    if get_adv_traits(str(alg.adv_estimator)).needs_sum_pi_squared:
+        return False  # the estimator reads them (and Σπ² of the same pass) before the update
     mini_rows = int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n) // world
     return -(-num_samples // world) <= mini_rows
 
@@ -58,3 +65,32 @@ def sample_seeds(rollout_seed: int, step: int, round_index: int, num_samples: in
     regenerates exactly the samples the uninterrupted run would have."""
     base = rollout_seed * 1_000_003 + step * 10_007 + round_index * 101
     return (base + torch.arange(num_samples, dtype=torch.long) * 7919) % (2**31 - 1)
+
+
+def advantage_inputs(config: DictConfig, batch: RolloutBatch) -> dict[str, Any]:
+    """Keyword arguments of the ``algorithm.adv_estimator`` call beyond the rewards and the mask: the group
+    ids and the algorithm keys every estimator may read, plus what its traits ask for (the optimal token
+    baseline: old log-probs, Σπ² and, with ``rollout_correction.rollout_is``, the truncated IS weights)."""
+    alg = config.algorithm
+    inputs: dict[str, Any] = {
+        "index": batch.field_list("uid"),
+        "norm_adv_by_std_in_grpo": bool(alg.norm_adv_by_std_in_grpo),
+        "gamma": float(alg.gamma),
+        "lam": float(alg.lam),
+        "values": batch.critic_values,
+        "reward_baselines": batch.reward_baselines,
+    }
+    if get_adv_traits(str(alg.adv_estimator)).needs_sum_pi_squared:
+        inputs["old_log_probs"] = batch.old_log_probs
+        inputs["sum_pi_squared"] = batch.sum_pi_squared
+        rc = alg.rollout_correction
+        if rc.rollout_is is not None:
+            inputs["rollout_is_weights"] = is_weights(
+                batch.old_log_probs,
+                batch.rollout_log_probs,
+                batch.response_mask,
+                level=str(rc.rollout_is),
+                threshold=float(rc.rollout_is_threshold),
+                batch_normalize=bool(rc.rollout_is_batch_normalize),
+            )  # [B, Tr]
+    return inputs

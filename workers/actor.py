@@ -18,8 +18,41 @@ from fusedrl.workers.fsdp import (
     shard_for_training,
     stream_full_tensors,
 )
-from fusedrl.workers.logprob import batched_log_probs, response_log_probs, restore_order, token_budget
+from fusedrl.workers.logprob import (
+    batched_log_probs,
+    batched_log_probs_and_sum_pi_squared,
+    response_log_probs,
+    restore_order,
+    token_budget,
+)
 from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates, set_lr
+from fusedrl.workers.ulysses import check_heads, sp_group
+
+
+def _select(cfg: dict[str, Any], dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def loss_seed_base(rollout_seed: int) -> int:
+    """The part of a random loss's seed fixed for the run."""
+    return int(rollout_seed) * 1_000_003
+
+
+def loss_seed(base: int, opt_steps: int, micro_index: int) -> int:
+    """The seed of one micro-batch's random loss draw (see `ActorRole._seed_kwargs`)."""
+    return (base + opt_steps * 10_007 + micro_index * 101) % (2**63 - 1)
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer steps taken so far (AdamW's per-parameter ``step``, saved in checkpoints); 0 before the
+    first."""
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
 
 
 def _sharded_model(model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any]) -> nn.Module:
@@ -38,10 +71,14 @@ def _sharded_model(model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any]) -> nn.Mo
 class RefRole:
     """Frozen reference policy: same weights as the actor at start, never updated."""
 
-    def __init__(self, model_cfg: dict[str, Any], ref_cfg: dict[str, Any]) -> None:
+    def __init__(self, model_cfg: dict[str, Any], ref_cfg: dict[str, Any], *, sp: int = 1) -> None:
+        """``sp``: the actor's ``ulysses_sequence_parallel_size``; the reference splits sequences the same
+        way (the driver gives a group's workers the same rows for both)."""
         self.cfg = ref_cfg
         self.use_remove_padding = bool(model_cfg["use_remove_padding"])
+        self.sp_group = sp_group(sp)
         self.model = _sharded_model(model_cfg, ref_cfg["fsdp_config"])
+        check_heads(self.model, sp)
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -57,6 +94,7 @@ class RefRole:
                 self.cfg, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"
             ),
             remove_padding=self.use_remove_padding,
+            sp_group=self.sp_group,
         )
 
 
@@ -67,18 +105,29 @@ class ActorRole:
     in the config count prompts across all ranks (as in verl), so they are converted to local rows.
     """
 
-    def __init__(self, model_cfg: dict[str, Any], cfg: dict[str, Any], *, rollout_n: int) -> None:
+    def __init__(
+        self, model_cfg: dict[str, Any], cfg: dict[str, Any], *, rollout_n: int, rollout_seed: int = 0
+    ) -> None:
         self.cfg = cfg
-        self.world_size = dist.get_world_size()
+        # Ulysses: the ranks of one sequence-parallel group share rows, so the data-parallel size is W / sp.
+        self.sp_group = sp_group(int(cfg["ulysses_sequence_parallel_size"]))
+        self.world_size = dist.get_world_size() // int(cfg["ulysses_sequence_parallel_size"])
         self.rollout_n = rollout_n
         self.use_remove_padding = bool(model_cfg["use_remove_padding"])
         self.model = _sharded_model(model_cfg, cfg["fsdp_config"])
+        check_heads(self.model, int(cfg["ulysses_sequence_parallel_size"]))
         self.optimizer = build_adamw(self.model, cfg["optim"])
         self.policy_loss = get_policy_loss(cfg["policy_loss"]["loss_mode"])
         # A loss whose paper fixes the aggregation (GMPO) declares it; every term then uses that mode.
         self.agg_mode = str(getattr(self.policy_loss, "agg_mode", cfg["loss_agg_mode"]))
-        # Extra actor keys a loss reads (SAPO's tau_pos / tau_neg), passed by name.
-        self.loss_kwargs = {k: float(cfg[k]) for k in getattr(self.policy_loss, "config_keys", ())}
+        # Extra actor keys a loss reads (SAPO's tau_pos / tau_neg, Clip-Cov's policy_loss.clip_cov_*), passed
+        # by their last name.
+        self.loss_kwargs = {
+            key.rsplit(".", 1)[-1]: float(_select(cfg, key))
+            for key in getattr(self.policy_loss, "config_keys", ())
+        }
+        self.loss_seed = loss_seed_base(rollout_seed)
+        self._micro_index = 0  # micro-batches since the update began (part of a random loss's seed)
         self.stepper = GuardedStepper(self.model, self.optimizer, float(cfg["grad_clip"]))
         self._forward_log_probs: list[torch.Tensor] = []  # detached, per micro-batch, during `update`
         self.forward_log_probs: torch.Tensor | None = None  # [B, Tr] after an update without old_log_probs
@@ -91,18 +140,23 @@ class ActorRole:
         temperature: float,
         micro_batch_size: int,
         max_token_len: int | None = None,
-    ) -> torch.Tensor:
+        with_sum_pi_squared: bool = False,
+    ) -> Any:
         """``log pi_old(response)`` before the update: ``[B, Tr]``. ``max_token_len``: dynamic batch size
-        (micro-batches by token budget, ``micro_batch_size`` ignored)."""
+        (micro-batches by token budget, ``micro_batch_size`` ignored). ``with_sum_pi_squared``: the pair
+        ``(log_probs, Σπ²)`` ``[B, Tr]`` each, from the same forwards."""
         self.model.eval()
-        return batched_log_probs(
+        lp, spp = batched_log_probs_and_sum_pi_squared(
             self.model,
             batch,
             temperature=temperature,
             micro_batch_size=micro_batch_size,
             max_token_len=max_token_len,
             remove_padding=self.use_remove_padding,
+            with_sum_pi_squared=with_sum_pi_squared,
+            sp_group=self.sp_group,
         )
+        return (lp, spp) if with_sum_pi_squared else lp
 
     # ------------------------------------------------------------------ training
     def _loss_terms(
@@ -112,7 +166,12 @@ class ActorRole:
         mode = self.agg_mode
         entropy_coeff = float(cfg["entropy_coeff"])
         log_prob, entropy = response_log_probs(
-            self.model, mb, temperature=temperature, with_entropy=True, remove_padding=self.use_remove_padding
+            self.model,
+            mb,
+            temperature=temperature,
+            with_entropy=True,
+            remove_padding=self.use_remove_padding,
+            sp_group=self.sp_group,
         )  # [b, Tr]
         clip = float(cfg["clip_ratio"])
         old_log_prob = mb.old_log_probs  # [b, Tr]
@@ -131,6 +190,7 @@ class ActorRole:
             loss_agg_mode=mode,
             global_norm=norm,
             **self.loss_kwargs,
+            **self._seed_kwargs(),
         )
         assert entropy is not None
         entropy_loss = agg_loss(entropy, mb.response_mask, mode, norm)  # []
@@ -168,6 +228,7 @@ class ActorRole:
                 f"{epochs} and {batch.num_samples} rows > {mini_rows} per mini-batch; compute them first"
             )
         set_lr(self.optimizer, lr)
+        self._micro_index = 0
         self.model.train()
         self._forward_log_probs = []
         orders: list[torch.Tensor] = []
@@ -181,7 +242,7 @@ class ActorRole:
             micro_rows=cfg["ppo_micro_batch_size_per_gpu"],
             epochs=epochs,
             loss_agg_mode=self.agg_mode,
-            world_size=self.world_size,
+            world_size=dist.get_world_size(),  # all ranks: sp replicas count in the normaliser and in FSDP's mean
             max_token_len=token_budget(cfg, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
             on_micro_split=orders.append,
         )
@@ -194,6 +255,15 @@ class ActorRole:
         out["actor/skipped_steps"] = float(self.stepper.num_skipped)
         out["actor/consecutive_skipped_steps"] = float(self.stepper.consecutive_skipped)
         return out
+
+    def _seed_kwargs(self) -> dict[str, int]:
+        """``seed`` for a loss that draws at random (``needs_seed``, Clip-Cov): a function of the rollout
+        seed, the optimizer's step count (checkpointed, so a resumed run continues it) and the
+        micro-batch's place in this update."""
+        if not getattr(self.policy_loss, "needs_seed", False):
+            return {}
+        self._micro_index += 1
+        return {"seed": loss_seed(self.loss_seed, optimizer_steps(self.optimizer), self._micro_index)}
 
     # ------------------------------------------------------------------ weights
     def stream_weights(self, stats: StreamStats | None = None):

@@ -27,6 +27,7 @@ from fusedrl.workers.fsdp import (
 from fusedrl.workers.logprob import restore_order, split_micro_batches, token_budget
 from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates, set_lr
 from fusedrl.workers.packing import pack_batch
+from fusedrl.workers.ulysses import check_heads, sp_group, ulysses_response_values
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -79,7 +80,10 @@ class CriticRole:
 
     def __init__(self, critic_cfg: dict[str, Any], *, rollout_n: int) -> None:
         self.cfg = critic_cfg
-        self.world_size = dist.get_world_size()
+        # Ulysses: a sequence-parallel group's ranks share rows, so the data-parallel size is W / sp.
+        self.sp = int(critic_cfg["ulysses_sequence_parallel_size"])
+        self.sp_group = sp_group(self.sp)
+        self.world_size = dist.get_world_size() // self.sp
         self.rollout_n = rollout_n
         model_cfg = critic_cfg["model"]
         self.use_remove_padding = bool(model_cfg["use_remove_padding"])
@@ -96,12 +100,15 @@ class CriticRole:
             gradient_checkpointing=bool(model_cfg["enable_gradient_checkpointing"]),
             param_dtype=fsdp_cfg["param_dtype"],
         )
+        check_heads(self.model, self.sp, "critic.ulysses_sequence_parallel_size")
         self.optimizer = build_adamw(self.model, critic_cfg["optim"])
         self.stepper = GuardedStepper(self.model, self.optimizer, float(self.cfg["grad_clip"]))
 
     # ------------------------------------------------------------------ forward
     def _forward_values(self, mb: RolloutBatch) -> torch.Tensor:
         """Values of the response positions, ``[b, Tr]`` float32, with whatever grad mode is set."""
+        if self.sp_group is not None:  # Ulysses: this rank runs its slice of the packed tokens
+            return ulysses_response_values(self.model, mb, self.sp_group, grad_scale=float(self.sp))
         if self.use_remove_padding:
             packed = pack_batch(mb)
             logits = packed.forward(self.model).logits  # [1, N, 1]
@@ -168,7 +175,7 @@ class CriticRole:
             micro_rows=int(cfg["ppo_micro_batch_size_per_gpu"]),
             epochs=int(self.cfg["ppo_epochs"]),
             loss_agg_mode=mode,
-            world_size=self.world_size,
+            world_size=dist.get_world_size(),  # all ranks: sp replicas count in the normaliser and in FSDP's mean
             max_token_len=token_budget(cfg, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
         )
         out = {f"critic/{k}": v for k, v in metrics.items()}

@@ -14,7 +14,7 @@ All four combinations give the same numbers up to floating-point summation order
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -93,14 +93,26 @@ def restore_order(parts: list[torch.Tensor], order: torch.Tensor) -> torch.Tenso
 
 
 def _token_log_probs(
-    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float, with_entropy: bool
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    with_sum_pi_squared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``logits [..., V]`` of the positions predicting ``targets [...]`` -> ``(log_probs, entropy)`` ``[...]``."""
+    """``logits [..., V]`` of the positions predicting ``targets [...]`` -> ``(log_probs, extra)`` ``[...]``:
+    ``extra`` is the entropy (``with_entropy``), Σπ² = ``sum_v pi(v)^2`` (``with_sum_pi_squared``, read by
+    the optimal token baseline), or None."""
+    if with_entropy and with_sum_pi_squared:
+        raise ValueError("_token_log_probs: ask for the entropy or for sum_pi_squared, not both")
     logits = logits.float() / temperature  # [..., V]
     log_z = torch.logsumexp(logits, dim=-1)  # [...]
     token_logits = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [...]
-    entropy = entropy_from_logits(logits) if with_entropy else None  # [...]
-    return token_logits - log_z, entropy
+    extra = entropy_from_logits(logits) if with_entropy else None  # [...]
+    if with_sum_pi_squared:
+        # sum_v exp(2 z_v) / Z^2, in log space: no probability is squared after rounding to 0.
+        extra = torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * log_z)  # [...]
+    return token_logits - log_z, extra
 
 
 def response_log_probs(
@@ -110,18 +122,38 @@ def response_log_probs(
     temperature: float,
     with_entropy: bool = False,
     remove_padding: bool = False,
+    with_sum_pi_squared: bool = False,
+    sp_group: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward over prompt+response; returns ``(log_probs [B, Tr], entropy [B, Tr] | None)``.
+    """One forward over prompt+response; returns ``(log_probs [B, Tr], entropy [B, Tr] | None)``, or with
+    ``with_sum_pi_squared`` ``(log_probs, Σπ² [B, Tr])``. ``sp_group``: Ulysses sequence parallelism over
+    that group (packed; `fusedrl.workers.ulysses`), every rank of it passing the same ``batch``.
 
     Runs with whatever grad mode the caller set: under ``torch.no_grad`` for old/ref log-probs, with
     grad inside the actor update. With ``remove_padding`` the rows are packed into one sequence and the
     results are 0 on response padding; padded, the values on padding are meaningless (callers mask).
     """
+    if sp_group is not None:
+        from fusedrl.workers.ulysses import ulysses_response_log_probs
+
+        return ulysses_response_log_probs(
+            model,
+            batch,
+            sp_group,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            with_sum_pi_squared=with_sum_pi_squared,
+            grad_scale=float(dist.get_world_size(sp_group)),  # FSDP averages over the group: see ulysses
+        )
     if remove_padding:
         packed = pack_batch(batch)
         logits = packed.forward(model).logits  # [1, N, V]
         log_probs, entropy = _token_log_probs(
-            packed.response_rows(logits), packed.targets, temperature=temperature, with_entropy=with_entropy
+            packed.response_rows(logits),
+            packed.targets,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            with_sum_pi_squared=with_sum_pi_squared,
         )  # [M] each
         return packed.unpack(log_probs), None if entropy is None else packed.unpack(entropy)  # [B, Tr]
     input_ids, attention_mask, position_ids = batch.sequences()  # [B, Tp+Tr] each
@@ -143,6 +175,7 @@ def response_log_probs(
         batch.responses[:, :last],
         temperature=temperature,
         with_entropy=with_entropy,
+        with_sum_pi_squared=with_sum_pi_squared,
     )  # [B, Tr'] each
     if last < resp_len:  # back to the batch's [B, Tr]; the trimmed columns are padding (callers mask)
         log_probs, entropy = (
@@ -161,11 +194,52 @@ def batched_log_probs(
     micro_batch_size: int,
     max_token_len: int | None = None,
     remove_padding: bool = False,
+    sp_group: Any = None,
 ) -> torch.Tensor:
     """No-grad log-probs of the whole batch, ``[B, Tr]``: ``micro_batch_size`` rows per forward, or
-    micro-batches of at most ``max_token_len`` real tokens when that is set (dynamic batch size)."""
+    micro-batches of at most ``max_token_len`` real tokens when that is set (dynamic batch size).
+    ``sp_group``: Ulysses sequence parallelism (see `response_log_probs`)."""
+    return batched_log_probs_and_sum_pi_squared(
+        model,
+        batch,
+        temperature=temperature,
+        micro_batch_size=micro_batch_size,
+        max_token_len=max_token_len,
+        remove_padding=remove_padding,
+        with_sum_pi_squared=False,
+        sp_group=sp_group,
+    )[0]
+
+
+@torch.no_grad()
+def batched_log_probs_and_sum_pi_squared(
+    model: nn.Module,
+    batch: RolloutBatch,
+    *,
+    temperature: float,
+    micro_batch_size: int,
+    max_token_len: int | None = None,
+    remove_padding: bool = False,
+    with_sum_pi_squared: bool = True,
+    sp_group: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`batched_log_probs` and, from the same forwards, Σπ² ``[B, Tr]`` (None unless
+    ``with_sum_pi_squared``); both 0 on padding."""
     mbs, order = split_micro_batches(batch, rows=micro_batch_size, max_token_len=max_token_len)
-    parts = [
-        response_log_probs(model, mb, temperature=temperature, remove_padding=remove_padding)[0] for mb in mbs
-    ]  # [b_i, Tr] each
-    return restore_order(parts, order) * batch.response_mask  # [B, Tr], 0 on padding
+    outs = [
+        response_log_probs(
+            model,
+            mb,
+            temperature=temperature,
+            remove_padding=remove_padding,
+            with_sum_pi_squared=with_sum_pi_squared,
+            sp_group=sp_group,
+        )
+        for mb in mbs
+    ]  # ([b_i, Tr], [b_i, Tr] | None) each
+    mask = batch.response_mask
+    log_probs = restore_order([o[0] for o in outs], order) * mask  # [B, Tr], 0 on padding
+    if not with_sum_pi_squared:
+        return log_probs, None
+    spp = restore_order([o[1] for o in outs if o[1] is not None], order)  # [B, Tr]
+    return log_probs, torch.where(mask != 0, spp, torch.zeros_like(spp))  # [B, Tr], 0 on padding

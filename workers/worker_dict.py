@@ -114,9 +114,11 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
             import_plugin(str(module))  # user losses / estimators must be registered in this process too
         n = int(arr["rollout"]["n"])
         if "actor" in self.roles:
-            self.actor = ActorRole(model_cfg, arr["actor"], rollout_n=n)
+            self.actor = ActorRole(
+                model_cfg, arr["actor"], rollout_n=n, rollout_seed=int(arr["rollout"]["seed"])
+            )
         if "ref" in self.roles:
-            self.ref = RefRole(model_cfg, arr["ref"])
+            self.ref = RefRole(model_cfg, arr["ref"], sp=int(arr["actor"]["ulysses_sequence_parallel_size"]))
         if "critic" in self.roles:
             self.critic = CriticRole(self.config["critic"], rollout_n=n)
         if "reward_model" in self.roles:
@@ -303,15 +305,24 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         return rollout.generate(_to_device(batch), sampling).cpu()
 
     # ------------------------------------------------------------------ log-probs
-    def actor_compute_log_prob(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
-        """The actor's log-probs of this shard's responses (the "old" policy of the update)."""
+    def actor_compute_log_prob(
+        self, batch: RolloutBatch, temperature: float, with_sum_pi_squared: bool = False
+    ) -> Any:
+        """The actor's log-probs of this shard's responses (the "old" policy of the update), ``[b, Tr]``; with
+        ``with_sum_pi_squared`` the pair ``(log_probs, Σπ² [b, Tr])`` from the same forwards (the optimal
+        token baseline reads both)."""
         actor = self._need(self.actor, "actor", "actor_compute_log_prob")
         rollout_cfg = self.config["actor_rollout_ref"]["rollout"]
         mbs = int(rollout_cfg["log_prob_micro_batch_size_per_gpu"])
         budget = token_budget(rollout_cfg, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
-        return actor.compute_log_prob(
-            _to_device(batch), temperature=temperature, micro_batch_size=mbs, max_token_len=budget
-        ).cpu()
+        out = actor.compute_log_prob(
+            _to_device(batch),
+            temperature=temperature,
+            micro_batch_size=mbs,
+            max_token_len=budget,
+            with_sum_pi_squared=with_sum_pi_squared,
+        )
+        return (out[0].cpu(), out[1].cpu()) if with_sum_pi_squared else out.cpu()
 
     def ref_compute_log_prob(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
         """The frozen reference's log-probs of this shard's responses."""

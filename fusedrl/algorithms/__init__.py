@@ -3,7 +3,7 @@
 Pure torch functions with no engine imports; importing this package registers the built-ins.
 """
 
-from fusedrl.algorithms import advantages, kl, losses, more_losses  # noqa: F401  (import registers the built-ins)
+from fusedrl.algorithms import advantages, cov_losses, kl, losses, more_losses, token_baseline  # noqa: F401  (import registers the built-ins)
 from fusedrl.algorithms.advantages import discounted_returns
 from fusedrl.algorithms.kl import entropy_from_logits, kl_penalty
 from fusedrl.algorithms.losses import agg_denominator, agg_loss

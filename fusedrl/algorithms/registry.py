@@ -37,6 +37,9 @@ class EstimatorTraits:
     """One greedy response per prompt, scored, as every sample's baseline (ReMax)."""
     min_group_size: int = 1
     """Smallest ``rollout.n`` that gives non-zero advantages (group-relative estimators compare samples)."""
+    needs_sum_pi_squared: bool = False
+    """``old_log_probs`` and Σπ² per token from the actor's old-log-prob pass (the optimal token baseline):
+    the pass always runs (never folded into the update) and returns Σπ² too."""
 
 
 _ADV_TRAITS: dict[str, EstimatorTraits] = {}
@@ -69,7 +72,12 @@ def _register(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Cal
 
 
 def register_adv_estimator(
-    name: str, *, needs_critic: bool = False, needs_greedy_baseline: bool = False, min_group_size: int = 1
+    name: str,
+    *,
+    needs_critic: bool = False,
+    needs_greedy_baseline: bool = False,
+    min_group_size: int = 1,
+    needs_sum_pi_squared: bool = False,
 ) -> Callable[[F], F]:
     """Decorator registering a function as the advantage estimator called ``name``, with its needs.
 
@@ -79,7 +87,10 @@ def register_adv_estimator(
     Registering a different function under a taken name raises ValueError.
     """
     traits = EstimatorTraits(
-        needs_critic=needs_critic, needs_greedy_baseline=needs_greedy_baseline, min_group_size=min_group_size
+        needs_critic=needs_critic,
+        needs_greedy_baseline=needs_greedy_baseline,
+        min_group_size=min_group_size,
+        needs_sum_pi_squared=needs_sum_pi_squared,
     )
     register = _register(_ADV_ESTIMATORS, "advantage estimator", name)
 

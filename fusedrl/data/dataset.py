@@ -110,7 +110,8 @@ class RLDataset:
             tokens, ``"right"`` its first ones, ``"middle"`` its first ``max_prompt_length // 2`` and its
             last ``max_prompt_length - max_prompt_length // 2`` tokens.
         tools: tool schemas passed to the chat template as ``tools=`` (multi-turn tool rollouts).
-        keep_messages: keep each row's prompt messages in ``extra_info["raw_prompt"]`` (multi-turn).
+        keep_messages: keep each row's prompt messages in ``extra_info["raw_prompt"]`` (multi-turn rollouts,
+            ``data.return_raw_chat``).
 
     An optional ``agent_name`` column picks each row's agent loop (kept as ``extra_info["agent_name"]``).
 

@@ -67,6 +67,25 @@ ALGORITHMS = {
         "actor_rollout_ref.actor.clip_ratio_high=0.4",
     ],
     "cispo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=cispo"],
+    "clip_cov": [  # verl's policy_loss.clip_cov_* keys reach the loss; a wide band so tokens are detached
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+        "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.2",
+        "actor_rollout_ref.actor.policy_loss.clip_cov_lb=-1000",
+        "actor_rollout_ref.actor.policy_loss.clip_cov_ub=1000",
+    ],
+    "ulysses_sp2": [  # one sequence-parallel group of both workers: each holds half of every packed row
+        "algorithm.adv_estimator=gae",
+        "critic.optim.lr=1e-3",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "critic.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.actor.use_kl_loss=true",  # the reference splits its sequences too
+    ],
+    "optimal_token_baseline": [  # Σπ² from the packed old-log-prob pass; IS weights scale the energies
+        "algorithm.adv_estimator=optimal_token_baseline",
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "algorithm.rollout_correction.rollout_is=token",
+    ],
     "rollout_correction_bypass": [  # pi_old = the rollout's log-probs; token IS weights and rejection wired in
         "algorithm.adv_estimator=grpo",
         "algorithm.rollout_correction.bypass_mode=true",
@@ -100,7 +119,13 @@ def test_algorithm_two_steps(algorithm, ray_cluster, tiny_model_dir, arithmetic_
             *ALGORITHMS[algorithm],
         ]
     )
-    trainer = PPOTrainer(cfg, compute_score=varied_score)
+
+    class Recording(PPOTrainer):
+        def compute_advantages(self, batch):
+            self.last_batch = batch
+            return super().compute_advantages(batch)
+
+    trainer = Recording(cfg, compute_score=varied_score)
     try:
         trainer.init_workers()
         before = trainer.workers.run_all(lambda w: w.actor_state.remote())
@@ -116,5 +141,13 @@ def test_algorithm_two_steps(algorithm, ray_cluster, tiny_model_dir, arithmetic_
     if algorithm == "rollout_correction_bypass":
         assert metrics["rollout_corr/is_weight_mean"] == pytest.approx(1.0)  # pi_old is pi_rollout
         assert metrics["rollout_corr/rejected_token_frac"] == 0.0
-    if algorithm == "ppo":  # the critic trained too
+    if algorithm == "clip_cov":  # about clip_cov_ratio of the valid tokens lost their gradient
+        assert 0 < metrics["actor/cov_detached_frac"] <= 0.2 + 1e-6
+    if algorithm == "optimal_token_baseline":  # Σπ² came with the old log-probs: pi_t^2 <= Σπ² <= 1
+        batch = trainer.last_batch
+        mask = batch.response_mask.bool()
+        spp, pi = batch.sum_pi_squared[mask], batch.old_log_probs[mask].exp()
+        assert metrics["actor/old_log_prob_from_update"] == 0.0
+        assert bool((spp <= 1 + 1e-6).all()) and bool((spp >= pi**2 - 1e-6).all())
+    if algorithm in ("ppo", "ulysses_sp2"):  # the critic trained too
         assert math.isfinite(metrics["critic/vf_loss"]) and metrics["critic/grad_norm"] > 0

@@ -50,6 +50,7 @@ def _critic_cfg(model_dir: str) -> dict:
         "cliprange_value": 0.5,
         "grad_clip": 1.0,
         "loss_agg_mode": "token-mean",
+        "ulysses_sequence_parallel_size": 1,
     }
 
 

@@ -29,3 +29,65 @@ def test_sequence_value_lands_on_the_last_sampled_token():
     out = on_last_sampled_token(torch.tensor([2.5, 7.0]), mask)
     assert out.dtype == torch.float32
     assert out.tolist() == [[0.0, 0.0, 2.5, 0.0], [0.0, 0.0, 0.0, 0.0]]
+
+
+def _cfg(*overrides):
+    from fusedrl.config import load_config
+
+    return load_config(
+        ["data.train_files=x", "actor_rollout_ref.rollout.n=2", *overrides], validate_config=False
+    )
+
+
+def test_optimal_token_baseline_keeps_the_old_log_prob_pass_and_gets_its_inputs():
+    from fusedrl.batch import RolloutBatch
+    from fusedrl.trainer.step_plan import advantage_inputs, old_log_probs_reusable
+
+    # ppo_mini_batch_size 8 x n 2 = 16 rows per mini-batch on 1 worker: GRPO reuses the update's forward.
+    grpo, otb = _cfg("algorithm.adv_estimator=grpo"), _cfg("algorithm.adv_estimator=optimal_token_baseline")
+    assert old_log_probs_reusable(grpo, world=1, num_samples=16, actor_trains=True)
+    assert not old_log_probs_reusable(otb, world=1, num_samples=16, actor_trains=True)
+
+    batch = RolloutBatch.from_prompts(
+        torch.ones(2, 1, dtype=torch.long),
+        torch.ones(2, 1, dtype=torch.long),
+        uid=["a", "a"],
+        data_source=["s", "s"],
+        ground_truth=["1", "1"],
+    )
+    batch.response_mask = torch.ones(2, 3)
+    batch.old_log_probs = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.25, 0.25, 0.25]]))
+    batch.rollout_log_probs = torch.log(torch.tensor([[0.25, 0.5, 0.5], [0.25, 0.25, 0.25]]))
+    batch.sum_pi_squared = torch.full((2, 3), 0.5)
+    assert "sum_pi_squared" not in advantage_inputs(grpo, batch)  # other estimators get the usual inputs
+    inputs = advantage_inputs(otb, batch)
+    assert inputs["index"] == ["a", "a"] and inputs["sum_pi_squared"] is batch.sum_pi_squared
+    assert "rollout_is_weights" not in inputs
+    corrected = _cfg(
+        "algorithm.adv_estimator=optimal_token_baseline",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is_threshold=1.5",
+    )
+    w = advantage_inputs(corrected, batch)["rollout_is_weights"]
+    assert torch.allclose(w, torch.tensor([[1.5, 1.0, 1.0], [1.0, 1.0, 1.0]]))  # min(0.5 / 0.25, 1.5)
+
+
+def test_config_rejects_otb_with_bypass_and_sp_not_dividing_workers():
+    import pytest
+
+    from fusedrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            [
+                "data.train_files=x",
+                "actor_rollout_ref.rollout.n=2",
+                "algorithm.adv_estimator=optimal_token_baseline",
+                "algorithm.rollout_correction.bypass_mode=true",
+                "trainer.n_gpus_per_node=2",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=3",
+            ]
+        )
+    text = str(err.value)
+    assert "bypass_mode" in text and "set bypass_mode=false" in text
+    assert "ulysses_sequence_parallel_size`=3 does not divide the 2 workers" in text

@@ -244,7 +244,8 @@ def test_verl_command_line_loads(files, family):
         assert arr.actor.ppo_micro_batch_size_per_gpu == 2
         assert arr.rollout.log_prob_micro_batch_size_per_gpu == 4 == arr.ref.log_prob_micro_batch_size_per_gpu
     if family == "ppo":
-        assert "ulysses_sequence_parallel_size" in lines[0] and "fsdp_size" in lines[0]
+        assert cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2  # implemented: not ignored
+        assert "actor.ulysses_sequence_parallel_size" not in lines[0] and "fsdp_size" in lines[0]
 
 
 def test_unread_plus_key_is_reported_and_reward_kwargs_are_not(files):

@@ -1,0 +1,78 @@
+"""The optimal token baseline (``optimal_token_baseline``) and the Σπ² it reads, against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fusedrl.algorithms import get_adv_estimator, get_adv_traits
+
+# float32 arithmetic on a handful of O(1) terms (plus epsilon=1e-8 in a denominator >= 0.5): a few ulps.
+TOL = 1e-6
+
+
+def _batch():
+    # Group "a": rows 0 and 1; group "b": row 2 alone. pi = exp(old_log_probs) of the sampled token.
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.0, 2.0, 0.0]])
+    pi = torch.tensor([[0.5, 0.5, 0.5], [1.0, 0.25, 0.5], [0.5, 0.5, 0.5]])
+    # Row 1's third slot is padding: NaN there must not leak into the running sums.
+    sum_pi_sq = torch.tensor([[0.5, 0.5, 0.5], [1.0, 0.25, float("nan")], [0.5, 0.5, 0.5]])
+    return rewards, mask, torch.log(pi), sum_pi_sq
+
+
+def test_optimal_token_baseline_by_hand():
+    rewards, mask, old, spp = _batch()
+    adv, ret = get_adv_estimator("optimal_token_baseline")(
+        rewards, mask, index=["a", "a", "b"], old_log_probs=old, sum_pi_squared=spp
+    )
+    # Energies w = 1 - 2 pi + Σπ²: row 0 [.5, .5, .5] -> W [.5, 1, 1.5]; row 1 [0, .75] -> W [0, .75].
+    # Returns: row 0 [1, 1, 1], row 1 [0, 0]. Baselines of group a:
+    #   t0: (1 * .5 + 0 * 0) / (.5 + 0) = 1;  t1: (1 * 1 + 0 * .75) / 1.75 = 4/7;  t2: row 0 alone: 1.
+    expected = torch.tensor([[0.0, 3 / 7, 0.0], [-1.0, -4 / 7, 0.0], [2.0, 2.0, 0.0]])
+    assert torch.allclose(adv, expected, atol=TOL), adv
+    assert torch.allclose(ret, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [2.0, 2.0, 0.0]]))
+    assert get_adv_traits("optimal_token_baseline").needs_sum_pi_squared
+
+
+def test_optimal_token_baseline_with_rollout_is_weights():
+    rewards, mask, old, spp = _batch()
+    weights = torch.ones(3, 3)
+    weights[1, 1] = 2.0  # row 1's t1 energy .75 -> .75 * 2^2 = 3, so W[1] = [0, 3]
+    adv, _ = get_adv_estimator("optimal_token_baseline")(
+        rewards,
+        mask,
+        index=["a", "a", "b"],
+        old_log_probs=old,
+        sum_pi_squared=spp,
+        rollout_is_weights=weights,
+    )
+    # t1 baseline: (1 * 1 + 0 * 3) / 4 = 0.25.
+    assert math.isclose(float(adv[0, 1]), 0.75, abs_tol=TOL)
+    assert math.isclose(float(adv[1, 1]), -0.25, abs_tol=TOL)
+
+
+def test_equal_energies_and_lengths_give_the_group_mean():
+    # Same W on every row -> b_t is the plain mean of the returns (RLOO/GRPO's baseline with the self term).
+    mask = torch.ones(3, 2)
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.5]])
+    old = torch.full((3, 2), math.log(0.5))
+    spp = torch.full((3, 2), 0.3)
+    adv, _ = get_adv_estimator("optimal_token_baseline")(
+        rewards, mask, index=[0, 0, 0], old_log_probs=old, sum_pi_squared=spp
+    )
+    expected = (rewards.sum(-1) - 0.5).unsqueeze(-1).expand(3, 2)
+    assert torch.allclose(adv, expected, atol=TOL)
+
+
+def test_token_log_probs_sum_pi_squared_matches_softmax():
+    from fusedrl.workers.logprob import _token_log_probs
+
+    logits = torch.tensor([[[2.0, 0.0, -1.0, 0.5]], [[0.0, 0.0, 0.0, 0.0]]])  # [2, 1, V=4]
+    targets = torch.tensor([[0], [3]])
+    t = 0.7
+    _, spp = _token_log_probs(logits, targets, temperature=t, with_entropy=False, with_sum_pi_squared=True)
+    pi = torch.softmax(logits / t, dim=-1)
+    assert torch.allclose(spp, (pi**2).sum(-1), atol=TOL)
+    assert math.isclose(float(spp[1, 0]), 0.25, abs_tol=TOL)  # uniform over 4: 4 * (1/4)^2
