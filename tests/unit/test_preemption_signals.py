@@ -21,11 +21,12 @@ LOOP = textwrap.dedent(
     guard.on_exit_now = lambda: print("ON_EXIT_NOW", flush=True)
     step_s = float(sys.argv[2])
     with guard:
-        print("READY", flush=True)
         step = 0
         try:
             while not guard.requested:
                 step += 1
+                if step == 1:  # ready once a step is in flight (a signal before it would stop at step 0)
+                    print("READY", flush=True)
                 t = time.monotonic()
                 while time.monotonic() - t < step_s:
                     guard.check_deadline("step")
