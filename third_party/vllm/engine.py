@@ -85,6 +85,10 @@ def _drop_rotary_reload_warning(record: logging.LogRecord) -> bool:
     return not ("Failed to load weights" in str(record.msg) and "RotaryEmbedding" in str(record.args))
 
 
+def _drop_failed_load_warning(record: logging.LogRecord) -> bool:
+    return "Failed to load weights" not in str(record.msg)
+
+
 class IncompleteReloadError(RuntimeError):
     """An in-place reload left some engine weights unwritten."""
 
@@ -323,7 +327,11 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ weights
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, reset_prefix_cache: bool = True
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        reset_prefix_cache: bool = True,
+        partial: bool = False,
     ) -> None:
         """Swap new weights into the engine's existing parameters, in place.
 
@@ -331,15 +339,34 @@ class VLLMEngine:
         lazily inside vLLM's loader, so a generator that gathers one FSDP shard at a time keeps only
         about one tensor alive. The in-process ``collective_rpc`` calls the worker directly: nothing is
         pickled. ``reset_prefix_cache=False`` exists only so tests can show what goes wrong without it.
+
+        ``partial=True``: the stream replaces only some modules (LoRA's merged target modules, with every
+        part of each fused kernel: `fusedrl.third_party.vllm.reload.reload_units`); the engine keeps its
+        other weights. Refused after a level-2 sleep, when the engine holds no weights to keep.
         """
         if "weights" not in self.awake:
             raise RuntimeError("update_weights: the engine's weights are asleep; wake_up(['weights']) first")
         sentinel = self.weights_discarded
+        if partial and sentinel:
+            raise RuntimeError(
+                "update_weights(partial=True): a level-2 sleep discarded the engine's weights; stream them all"
+            )
         if sentinel:
             self._fill_weights(float("nan"))  # anything the reload misses stays NaN and is found below
         stream = _NameRecorder(named_tensors)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
-        self._check_reload(stream.names, sentinel)
+        # In a partial reload every layer the stream leaves out keeps its weights, and vLLM logs each one
+        # as "Failed to load weights": expected there, so those lines are dropped for this call.
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        quiet = _drop_failed_load_warning if partial else None
+        if quiet is not None:
+            reload_log.addFilter(quiet)
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        finally:
+            if quiet is not None:
+                reload_log.removeFilter(quiet)
+        if not partial:
+            self._check_reload(stream.names, sentinel)
         self.weights_discarded = False
         # KV blocks computed under the old weights must not be reused (GRPO repeats prompts).
         if reset_prefix_cache:
