@@ -41,7 +41,9 @@ def problems_of(overrides: list[str]) -> list[str]:
 
 def test_lora_off_by_default_and_valid_lora_loads(base):
     assert load_config(base).actor_rollout_ref.model.lora_rank == 0
-    cfg = load_config([*base, f"{M}.lora_rank=8", f"{M}.lora_alpha=16", f"{M}.target_modules=[q_proj,v_proj]"])
+    cfg = load_config(
+        [*base, f"{M}.lora_rank=8", f"{M}.lora_alpha=16", f"{M}.target_modules=[q_proj,v_proj]"]
+    )
     assert list(cfg.actor_rollout_ref.model.target_modules) == ["q_proj", "v_proj"]
 
 
@@ -124,7 +126,9 @@ def test_adapter_starts_as_the_base_model_and_names_map_back(files):
     peft_model = add_lora(base, model_cfg)
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     assert trainable and all(is_adapter_name(n) for n in trainable)
-    assert not any("down_proj" in n or "lm_head" in n for n in trainable)  # excluded; all-linear skips the head
+    assert not any(
+        "down_proj" in n or "lm_head" in n for n in trainable
+    )  # excluded; all-linear skips the head
     mapped = {base_name(n) for n in peft_model.state_dict() if not is_adapter_name(n)}
     assert mapped == set(base_state)
     ids = torch.randint(3, 400, (2, 12))
