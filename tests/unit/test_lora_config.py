@@ -137,3 +137,19 @@ def test_adapter_starts_as_the_base_model_and_names_map_back(files):
             off = peft_model(input_ids=ids).logits
         on = peft_model(input_ids=ids).logits  # lora_B = 0: the same function
     assert torch.equal(on, off)
+
+
+def test_reload_units_add_the_fused_siblings():
+    from fusedrl.third_party.vllm.reload import reload_units
+
+    got = reload_units(
+        ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"]
+    )
+    assert got == {
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.k_proj",
+        "model.layers.0.self_attn.v_proj",
+        "model.layers.1.mlp.up_proj",
+        "model.layers.1.mlp.gate_proj",
+        "model.layers.1.mlp.down_proj",
+    }

@@ -85,8 +85,11 @@ def _drop_rotary_reload_warning(record: logging.LogRecord) -> bool:
     return not ("Failed to load weights" in str(record.msg) and "RotaryEmbedding" in str(record.args))
 
 
-def _drop_failed_load_warning(record: logging.LogRecord) -> bool:
-    return "Failed to load weights" not in str(record.msg)
+def _drop_not_loaded_warning(record: logging.LogRecord) -> bool:
+    # A partial reload leaves most layers out on purpose: vLLM's "Failed to load weights" (per layer) and
+    # "Following weights were not loaded" (the list) are expected there.
+    msg = str(record.msg)
+    return "Failed to load weights" not in msg and "were not loaded" not in msg
 
 
 class IncompleteReloadError(RuntimeError):
@@ -354,17 +357,20 @@ class VLLMEngine:
         if sentinel:
             self._fill_weights(float("nan"))  # anything the reload misses stays NaN and is found below
         stream = _NameRecorder(named_tensors)
-        # In a partial reload every layer the stream leaves out keeps its weights, and vLLM logs each one
-        # as "Failed to load weights": expected there, so those lines are dropped for this call.
-        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        quiet = _drop_failed_load_warning if partial else None
-        if quiet is not None:
-            reload_log.addFilter(quiet)
+        # In a partial reload every layer the stream leaves out keeps its weights; vLLM warns about each
+        # of them, so those lines are dropped for this call.
+        logs = [
+            logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}")
+            for name in ("layerwise", "inplace")
+        ]
+        if partial:
+            for log in logs:
+                log.addFilter(_drop_not_loaded_warning)
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
         finally:
-            if quiet is not None:
-                reload_log.removeFilter(quiet)
+            for log in logs:
+                log.removeFilter(_drop_not_loaded_warning)
         if not partial:
             self._check_reload(stream.names, sentinel)
         self.weights_discarded = False
