@@ -73,7 +73,7 @@ def load_causal_lm(path: str, dtype: str, attn_implementation: str = "sdpa") -> 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a HF causal LM (``model.model.layers`` for Llama/Qwen-style models)."""
     if hasattr(model, "get_base_model"):  # a PEFT model: the layers are the wrapped model's
-        model = model.get_base_model()
+        model = model.get_base_model()  # type: ignore[operator]
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:

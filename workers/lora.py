@@ -48,7 +48,7 @@ def add_lora(model: nn.Module, model_cfg: dict[str, Any]) -> nn.Module:
             exclude = model_cfg["exclude_modules"]
             config = LoraConfig(
                 r=lora_rank(model_cfg),
-                lora_alpha=float(model_cfg["lora_alpha"]),
+                lora_alpha=model_cfg["lora_alpha"],  # int in PEFT's annotation; a float alpha works too
                 target_modules=target_modules(model_cfg["target_modules"]),
                 exclude_modules=None if exclude is None else target_modules(exclude),
                 lora_dropout=0.0,
@@ -76,7 +76,7 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """``{module name: PEFT LoRA layer}`` of every adapted module."""
     from peft.tuners.lora import LoraLayer
 
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}  # type: ignore[misc]
 
 
 class LoraRefView:
@@ -192,6 +192,6 @@ def save_adapter(model: nn.Module, out_dir: str, *, rank: int) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "adapter_model.safetensors")
     save_safetensors({k: v.contiguous() for k, v in adapter_state.items()}, path)
-    config = model.peft_config["default"]  # type: ignore[index]
+    config: Any = model.peft_config["default"]  # type: ignore[index]
     config.save_pretrained(out_dir)
     return [path, os.path.join(out_dir, "adapter_config.json")]
