@@ -153,3 +153,44 @@ def test_reload_units_add_the_fused_siblings():
         "model.layers.1.mlp.gate_proj",
         "model.layers.1.mlp.down_proj",
     }
+
+
+def test_saved_adapter_round_trips_through_lora_adapter_path(files, tmp_path):
+    """`save_adapter` writes a PEFT folder; `lora_adapter_path` starts a new actor from it (trainable)."""
+    import torch
+
+    from fusedrl.workers.fsdp import load_causal_lm
+    from fusedrl.workers.lora import add_lora, save_adapter
+
+    model_cfg = {
+        "path": files["model"],
+        "lora_rank": 4,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj", "v_proj"],
+        "exclude_modules": None,
+        "lora_adapter_path": None,
+    }
+    trained = add_lora(load_causal_lm(files["model"], "float32"), model_cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)  # a trained, non-zero adapter
+    files_written = save_adapter(trained, str(tmp_path / "adapter"), rank=0)
+    assert {f.rsplit("/", 1)[-1] for f in files_written} == {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+    }
+    resumed = add_lora(
+        load_causal_lm(files["model"], "float32"),
+        {**model_cfg, "lora_adapter_path": str(tmp_path / "adapter")},
+    )
+    assert [n for n, p in resumed.named_parameters() if p.requires_grad] == [
+        n for n, p in trained.named_parameters() if p.requires_grad
+    ]
+    ids = torch.randint(3, 400, (2, 12), generator=gen)
+    with torch.no_grad():
+        expected = trained(input_ids=ids).logits
+        with resumed.disable_adapter():
+            assert not torch.allclose(resumed(input_ids=ids).logits, expected)  # the adapter matters
+        assert torch.equal(resumed(input_ids=ids).logits, expected)
