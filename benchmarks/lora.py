@@ -2,7 +2,10 @@
 optimizer-state bytes. One fused worker per run (its own process), GRPO with the KL loss (under LoRA the
 reference is the actor with its adapters off), the engine sleeping at level 1 (so LoRA syncs are partial).
 
-    python -m benchmarks.lora [--presets tiny,small] [--steps 3] [--rank 8]
+    python -m benchmarks.lora [--presets tiny,small] [--steps 3] [--rank 8] [--targets all-linear]
+        [--modes full,lora]
+
+``--targets``: LoRA's target_modules (``all-linear``, or comma-separated names such as ``q_proj,v_proj``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import statistics
 import tempfile
 
 
-def measure(preset: str, mode: str, steps: int, rank: int) -> dict:
+def measure(preset: str, mode: str, steps: int, rank: int, targets: str) -> dict:
     from benchmarks.trainer_harness import trainer_for
 
     extra = [
@@ -33,7 +36,8 @@ def measure(preset: str, mode: str, steps: int, rank: int) -> dict:
         extra += [
             f"actor_rollout_ref.model.lora_rank={rank}",
             f"actor_rollout_ref.model.lora_alpha={2 * rank}",
-            "actor_rollout_ref.model.target_modules=all-linear",
+            "actor_rollout_ref.model.target_modules="
+            + (targets if targets == "all-linear" else f"[{targets}]"),
             "actor_rollout_ref.actor.optim.lr=1e-4",
         ]
     with tempfile.TemporaryDirectory() as out, trainer_for(preset, 1, extra, out) as trainer:
@@ -51,9 +55,11 @@ def main() -> None:
     ap.add_argument("--presets", default="tiny,small")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--targets", default="all-linear")
+    ap.add_argument("--modes", default="full,lora")
     args = ap.parse_args()
     if args.one:
-        res = measure(args.one[0], args.one[1], args.steps, args.rank)
+        res = measure(args.one[0], args.one[1], args.steps, args.rank, args.targets)
         print("RESULT " + json.dumps(res), flush=True)
         return
 
@@ -62,10 +68,11 @@ def main() -> None:
     load_before = os.getloadavg()
     rows, payload = [], []
     for preset in args.presets.split(","):
-        for mode in ("full", "lora"):
+        for mode in args.modes.split(","):
             res = run_in_subprocess(
                 "benchmarks.lora",
-                ["--one", preset, mode, "--steps", str(args.steps), "--rank", str(args.rank)],
+                ["--one", preset, mode, "--steps", str(args.steps), "--rank", str(args.rank)]
+                + ["--targets", args.targets],
                 timeout=1800,
             )
             steps = res["steps"]
@@ -84,7 +91,7 @@ def main() -> None:
     table = "\n".join(
         [
             f"1 fused worker, GRPO (8 prompts x 4 samples, 64 response tokens, KL loss), LoRA rank {args.rank} "
-            f"alpha {2 * args.rank} on all-linear; {args.steps} steps, the first dropped (warm-up). Load "
+            f"alpha {2 * args.rank} on {args.targets}; {args.steps} steps, the first dropped (warm-up). Load "
             f"average (1/5/15 min) before: {load_before[0]:.1f}/{load_before[1]:.1f}/{load_before[2]:.1f}, "
             f"after: {load_after[0]:.1f}/{load_after[1]:.1f}/{load_after[2]:.1f}.",
             "",
@@ -95,7 +102,8 @@ def main() -> None:
     )
     record(
         "Full fine-tuning vs LoRA",
-        f"python -m benchmarks.lora --presets {args.presets} --steps {args.steps} --rank {args.rank}",
+        f"python -m benchmarks.lora --presets {args.presets} --steps {args.steps} --rank {args.rank} "
+        f"--targets {args.targets} --modes {args.modes}",
         table,
         {"lora": payload},
     )

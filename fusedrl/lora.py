@@ -22,7 +22,7 @@ ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embeddin
 
 def lora_rank(model_cfg: Mapping[str, Any]) -> int:
     """``model.lora_rank`` as an int (0: LoRA off)."""
-    return int(model_cfg["lora_rank"] or 0)
+    return int(model_cfg["lora_rank"])
 
 
 def lora_enabled(model_cfg: Mapping[str, Any]) -> bool:
