@@ -494,6 +494,9 @@ def validate(cfg: DictConfig) -> None:
     if cpath:
         need(os.path.isfile(str(cpath)), f"`custom_reward_function.path`: file `{cpath}` does not exist.")
     problems.extend(token_budget_problems(cfg))
+    from fusedrl.lora import lora_problems
+
+    problems.extend(lora_problems(cfg))
     from fusedrl.cpu_dtype import POLICIES
 
     policy = _get(cfg, "trainer.emulated_bf16")

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 _PROFILING = "profiling is not built in (run torch.profiler or py-spy around main_ppo)"
 _ULYSSES = "the reward model holds whole sequences per rank (sequence parallelism: actor, reference, critic)"
 _FSDP_TUNING = "FSDP2 is applied per decoder layer with fixed settings"
-_LORA = "LoRA is not implemented yet: every parameter is trained"
+_CRITIC_LORA = "the critic has no LoRA (actor LoRA runs with critic-free estimators)"
 _KERNELS = "fused / Liger / tiled kernels are not used: Hugging Face modules as they are"
 _PLACEMENT = "every role is fused into one worker per device slot"
 _MULTIMODAL = "text-only: no image / video inputs"
@@ -81,15 +81,18 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("reward_model.n_gpus_per_node", _PLACEMENT),
     ("reward_model.nnodes", _PLACEMENT),
     # --- model loading and kernels
-    ("*.lora_*", _LORA),
-    ("*.target_modules", _LORA),
-    ("*.exclude_modules", _LORA),
-    ("actor_rollout_ref.rollout.layered_summon", _LORA),
+    ("critic.model.lora_*", _CRITIC_LORA),
+    ("critic.model.target_modules", _CRITIC_LORA),
+    ("critic.model.exclude_modules", _CRITIC_LORA),
+    (
+        "actor_rollout_ref.rollout.layered_summon",
+        "always layered: under LoRA the merged weights are computed and streamed one module at a time",
+    ),
     (
         "actor_rollout_ref.rollout.load_format",
-        "the engine loads model.path, then receives the actor's weights",
+        "the engine loads model.path (the base weights under LoRA), then receives the actor's weights",
     ),
-    ("*.use_shm", "models are read from model.path directly"),
+    ("*.use_shm", "models are read from model.path directly (no copy to /dev/shm)"),
     ("*.use_liger", _KERNELS),
     ("*.use_fused_kernels", _KERNELS),
     ("*.fused_kernel_options.*", _KERNELS),
@@ -278,6 +281,11 @@ def rejected_value(key: str, value: str) -> str | None:
         )
     if key.endswith("strategy") and v not in ("fsdp", "fsdp2"):
         return f"`{key}`={value}: use fsdp or fsdp2 (both mean FSDP2 in fusedrl)."
+    if key == "critic.model.lora_rank" and v not in ("0", "null", "none"):
+        return (
+            f"`{key}`={value}: fusedrl's critic has no LoRA. Drop the key (actor LoRA runs with critic-free "
+            "estimators such as grpo), or set it to 0."
+        )
     if key == "actor_rollout_ref.rollout.name" and v in ("sglang", "trtllm"):
         return (
             f"`{key}`={value}: fusedrl's rollout engines are vllm (in-process) and hf; "

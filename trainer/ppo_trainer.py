@@ -262,9 +262,10 @@ class PPOTrainer:
         print(f"fusedrl: resumed from {path} at step {self.global_step}", flush=True)
         return path
 
-    def export_hf(self, out_dir: str) -> None:
-        """Write the current policy as a Hugging Face folder that transformers and vLLM load."""
-        self.workers.run_all(lambda w: w.export_hf.remote(out_dir))
+    def export_hf(self, out_dir: str, adapter_dir: str | None = None) -> None:
+        """Write the current policy as a Hugging Face folder that transformers and vLLM load (LoRA: merged;
+        with ``adapter_dir`` also the adapter as a PEFT folder)."""
+        self.workers.run_all(lambda w: w.export_hf.remote(out_dir, adapter_dir))
         self.rollout_stale |= self.rollout_discards_weights  # the engines slept while the state was resident
 
     def next_prompts(self) -> RolloutBatch:

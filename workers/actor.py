@@ -10,6 +10,7 @@ from torch import nn
 
 from fusedrl.algorithms import agg_loss, get_policy_loss, kl_penalty
 from fusedrl.batch import RolloutBatch
+from fusedrl.lora import lora_enabled
 from fusedrl.workers.fsdp import (
     StreamStats,
     build_adamw,
@@ -55,12 +56,16 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
     return 0
 
 
-def _sharded_model(model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any]) -> nn.Module:
+def _sharded_model(model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any], *, lora: bool = False) -> nn.Module:
     model = load_causal_lm(
         model_cfg["path"],
         fsdp_cfg["model_dtype"],
         resolve_attn_implementation(model_cfg["attn_implementation"]),
     )
+    if lora:  # PEFT adapters (only they train), then the same FSDP2 wrap as every other model
+        from fusedrl.workers.lora import add_lora
+
+        model = add_lora(model, model_cfg)
     return shard_for_training(
         model,
         gradient_checkpointing=bool(model_cfg["enable_gradient_checkpointing"]),
@@ -114,7 +119,8 @@ class ActorRole:
         self.world_size = dist.get_world_size() // int(cfg["ulysses_sequence_parallel_size"])
         self.rollout_n = rollout_n
         self.use_remove_padding = bool(model_cfg["use_remove_padding"])
-        self.model = _sharded_model(model_cfg, cfg["fsdp_config"])
+        self.lora = lora_enabled(model_cfg)  # the model is a PEFT model: only adapters train
+        self.model = _sharded_model(model_cfg, cfg["fsdp_config"], lora=self.lora)
         check_heads(self.model, int(cfg["ulysses_sequence_parallel_size"]))
         self.optimizer = build_adamw(self.model, cfg["optim"])
         self.policy_loss = get_policy_loss(cfg["policy_loss"]["loss_mode"])
@@ -266,6 +272,12 @@ class ActorRole:
         return {"seed": loss_seed(self.loss_seed, optimizer_steps(self.optimizer), self._micro_index)}
 
     # ------------------------------------------------------------------ weights
-    def stream_weights(self, stats: StreamStats | None = None):
-        """Full tensors of the current policy, one at a time (collective: all ranks iterate together)."""
+    def stream_weights(self, stats: StreamStats | None = None, *, full: bool = True):
+        """Full tensors of the current policy, one at a time (collective: all ranks iterate together),
+        named as in the base model. Under LoRA the adapted modules come merged, and ``full=False`` yields
+        only them (with their fused siblings: `fusedrl.workers.lora.merged_lora_stream`)."""
+        if self.lora:
+            from fusedrl.workers.lora import merged_lora_stream
+
+            return merged_lora_stream(self.model, full=full, stats=stats)
         return stream_full_tensors(self.model, stats)

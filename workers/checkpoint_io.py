@@ -138,16 +138,20 @@ def save_fsdp_state(
     optimizer: torch.optim.Optimizer | None,
     path_prefix: str,
     extra: dict[str, Any] | None = None,
+    *,
+    trainable_only: bool = False,
 ) -> dict[str, int]:
     """Write this rank's local shards, optimizer state and RNG to ``{path_prefix}.safetensors`` + ``.json``.
 
     Local only (no collectives); every rank calls it with its own prefix. ``extra`` must be JSON-serialisable
-    and comes back from `load_fsdp_state`. Returns ``{"bytes": size of the tensor file}``.
+    and comes back from `load_fsdp_state`. ``trainable_only``: only the parameters that require gradients
+    (LoRA adapters; the frozen base is rebuilt from the model folder). Returns ``{"bytes": size of the
+    tensor file}``.
     """
     os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     entries = []
-    state = model.state_dict()
+    state = _saved_state(model, trainable_only)
     aliases = tied_aliases(model, state.keys())
     for name, value in state.items():
         if name in aliases:
@@ -209,6 +213,7 @@ def save_fsdp_state(
         "rank": _rank(),
         "world_size": _world_size(),
         "entries": entries,
+        "trainable_only": trainable_only,
         "aliases": aliases,
         "optimizer": optim_meta,
         "rng": {"python": rng["python"], "numpy": rng["numpy"]},
@@ -240,7 +245,18 @@ def read_sidecar(path_prefix: str) -> dict[str, Any]:
     return meta
 
 
-def _check_layout(model: nn.Module, meta: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
+def _saved_state(model: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """The state-dict entries a checkpoint holds: all, or only trainable parameters."""
+    state = model.state_dict()
+    if not trainable_only:
+        return state
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {name: value for name, value in state.items() if name in trainable}
+
+
+def _check_layout(
+    model: nn.Module, meta: dict[str, Any], where: str, trainable_only: bool = False
+) -> dict[str, torch.Tensor]:
     """Raise a `CheckpointError` naming ``where`` unless the checkpoint matches ``model`` on this rank."""
     world, rank = _world_size(), _rank()
     if int(meta["world_size"]) != world or int(meta["rank"]) != rank:
@@ -249,7 +265,14 @@ def _check_layout(model: nn.Module, meta: dict[str, Any], where: str) -> dict[st
             "Resume with the same number of workers, or export it (python -m fusedrl.trainer.export) and "
             "start a new run from the exported model"
         )
-    state = model.state_dict()
+    if bool(meta.get("trainable_only", False)) != trainable_only:
+        saved_kind = "only the LoRA adapter" if meta.get("trainable_only") else "every parameter"
+        raise CheckpointError(
+            f"{where} holds {saved_kind}; this run "
+            + ("trains a LoRA adapter" if trainable_only else "trains every parameter (lora_rank=0)")
+            + ". Resume with the actor_rollout_ref.model.lora_* settings of the run that wrote it"
+        )
+    state = _saved_state(model, trainable_only)
     aliases = tied_aliases(model, state.keys())
     expected = [n for n in state if n not in aliases]
     saved = [e["name"] for e in meta["entries"]]
@@ -279,7 +302,11 @@ def _check_layout(model: nn.Module, meta: dict[str, Any], where: str) -> dict[st
 
 @torch.no_grad()
 def load_fsdp_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, path_prefix: str
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    path_prefix: str,
+    *,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Load what `save_fsdp_state` wrote into ``model``/``optimizer`` in place; restore RNG; return ``extra``.
 
@@ -290,7 +317,7 @@ def load_fsdp_state(
     tensor_path = path_prefix + ".safetensors"
     if not os.path.isfile(tensor_path):
         raise CheckpointError(f"checkpoint shard {tensor_path} is missing")
-    state = _check_layout(model, meta, tensor_path)
+    state = _check_layout(model, meta, tensor_path, trainable_only)
     optim_meta = meta.get("optimizer")
     if optimizer is not None and optim_meta is None:
         raise CheckpointError(f"{tensor_path} holds no optimizer state")

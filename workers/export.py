@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from fusedrl.lora import base_name
 from fusedrl.workers.checkpoint_io import save_safetensors, tied_aliases, write_json
 from fusedrl.workers.fsdp import stream_full_tensors
 
@@ -132,17 +134,20 @@ def export_hf(
     rank: int,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     dtype: torch.dtype | None = None,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> list[str]:
     """Write the full model as a HF folder in ``out_dir`` (rank 0 writes; returns its files, [] elsewhere).
+    ``tensors``: the named full tensors to write instead of the model's own (a LoRA actor's merged
+    stream, named as in the base model).
 
     Collective: every rank iterates `stream_full_tensors` (one all-gather per tensor). Rank 0 keeps at most
     one shard (``max_shard_bytes``) of gathered tensors on CPU before writing it out. Tied aliases are
     skipped (HF re-ties them on load). ``dtype`` casts floating tensors (e.g. ``torch.bfloat16``).
     """
     names = list(model.state_dict().keys())
-    aliases = tied_aliases(model, names)
+    aliases = {base_name(a) for a in tied_aliases(model, names)}
     writer = HFShardWriter(out_dir, max_shard_bytes, dtype) if rank == 0 else None
-    for name, tensor in stream_full_tensors(model):
+    for name, tensor in stream_full_tensors(model) if tensors is None else tensors:
         if writer is not None and name not in aliases:
             writer.add(name, tensor)
         del tensor

@@ -72,6 +72,8 @@ def load_causal_lm(path: str, dtype: str, attn_implementation: str = "sdpa") -> 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a HF causal LM (``model.model.layers`` for Llama/Qwen-style models)."""
+    if hasattr(model, "get_base_model"):  # a PEFT model: the layers are the wrapped model's
+        model = model.get_base_model()  # type: ignore[operator]
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
@@ -91,7 +93,10 @@ def apply_fsdp2(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # A PEFT model's root unit is the wrapped model: its own forward runs under generate() too (PEFT's
+    # generate skips the wrapper's forward), and the wrapper forwards FSDP's methods to it.
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return model
 
 
@@ -140,6 +145,17 @@ class StreamStats:
         self.peak_live_bytes = max(self.peak_live_bytes, sum(self._live.values()))
 
 
+def gather_full(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(full tensor, whether it is a new tensor)`` of a state-dict entry. Collective for a DTensor
+    sharded over several ranks (an all-gather); with one rank the shard is the whole tensor and our own
+    storage is returned."""
+    if not isinstance(tensor, DTensor):
+        return tensor, False
+    if tensor.device_mesh.size() == 1:
+        return tensor.to_local(), False
+    return tensor.full_tensor(), True
+
+
 def stream_full_tensors(
     model: nn.Module, stats: StreamStats | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -151,15 +167,7 @@ def stream_full_tensors(
     copy of the model ever exists.
     """
     for name, tensor in model.state_dict().items():
-        if isinstance(tensor, DTensor):
-            if tensor.device_mesh.size() == 1:
-                full = tensor.to_local()  # the shard is the whole tensor: pass our own storage
-                is_new = False
-            else:
-                full = tensor.full_tensor()
-                is_new = True
-        else:
-            full, is_new = tensor, False
+        full, is_new = gather_full(tensor)
         if stats is not None:
             nbytes = full.numel() * full.element_size()
             stats.num_tensors += 1

@@ -60,6 +60,23 @@ class InspectionHooks:
             "total_bytes": float(stats.total_bytes),
         }
 
+    def actor_training_bytes(self) -> dict[str, float]:
+        """This rank's bytes of the actor's trainable parameters and of its optimizer state (local
+        shards): what LoRA shrinks."""
+        assert self.actor is not None
+
+        def local_bytes(t: torch.Tensor) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        trainable = [p for p in self.actor.model.parameters() if p.requires_grad]
+        state = [v for s in self.actor.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return {
+            "trainable_params": float(sum(p.numel() for p in trainable)),
+            "trainable_bytes": float(sum(local_bytes(p) for p in trainable)),
+            "optimizer_state_bytes": float(sum(local_bytes(v) for v in state)),
+        }
+
     def compute_dtypes(self) -> dict[str, str]:
         """The dtypes the models really compute in: the actor's weights inside a forward (after FSDP2's
         mixed-precision cast) and the rollout engine's parameters. Collective (the forward all-gathers)."""

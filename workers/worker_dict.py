@@ -35,6 +35,7 @@ import torch
 
 from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import shard_prefix
+from fusedrl.lora import lora_enabled
 from fusedrl.workers.actor import ActorRole, RefRole
 from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
 from fusedrl.workers.critic import CriticRole
@@ -44,6 +45,7 @@ from fusedrl.workers.fsdp import StreamStats, device_type
 from fusedrl.workers.health import HealthReporting
 from fusedrl.workers.inspection import InspectionHooks
 from fusedrl.workers.logprob import token_budget
+from fusedrl.workers.lora import LoraRefView, save_adapter
 from fusedrl.workers.memory import (
     Offloader,
     empty_cache,
@@ -87,7 +89,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         super().__init__(config, rank=rank, world_size=world_size)
         self.roles = frozenset(roles)
         self.actor: ActorRole | None = None
-        self.ref: RefRole | None = None
+        self.ref: RefRole | LoraRefView | None = None
         self.critic: CriticRole | None = None
         self.reward_model: RewardModelRole | None = None
         self.rollout: Any = None
@@ -118,7 +120,9 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
                 model_cfg, arr["actor"], rollout_n=n, rollout_seed=int(arr["rollout"]["seed"])
             )
         if "ref" in self.roles:
-            self.ref = RefRole(model_cfg, arr["ref"], sp=int(arr["actor"]["ulysses_sequence_parallel_size"]))
+            self.ref = self._build_ref(
+                model_cfg, arr["ref"], sp=int(arr["actor"]["ulysses_sequence_parallel_size"])
+            )
         if "critic" in self.roles:
             self.critic = CriticRole(self.config["critic"], rollout_n=n)
         if "reward_model" in self.roles:
@@ -143,6 +147,20 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
             **memory_metrics("init"),
         }
 
+    def _build_ref(
+        self, model_cfg: dict[str, Any], ref_cfg: dict[str, Any], *, sp: int
+    ) -> RefRole | LoraRefView:
+        """The frozen reference: a model of its own, or under LoRA the actor with its adapters off (``sp``:
+        the actor's Ulysses size, which the reference follows)."""
+        if not lora_enabled(model_cfg):
+            return RefRole(model_cfg, ref_cfg, sp=sp)
+        if self.actor is None:
+            raise ValueError(
+                "with LoRA the reference is the actor with its adapters disabled: place `ref` in the "
+                "actor's worker group"
+            )
+        return LoraRefView(self.actor, ref_cfg)
+
     def _uses_hf_rollout(self) -> bool:
         return "rollout" in self.roles and self.config["actor_rollout_ref"]["rollout"]["name"] == "hf"
 
@@ -165,7 +183,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
             )
             # The HF rollout generates with the actor's own parameters: they stay (validated at start-up).
             self.actor_mem.param_offload &= not self._uses_hf_rollout()
-        if self.ref is not None:
+        if isinstance(self.ref, RefRole):  # a LoRA reference is the actor: no memory of its own
             self.ref_mem = Offloader.from_fsdp_config(
                 "ref", self.ref.model, None, arr["ref"]["fsdp_config"], self.events
             )
@@ -270,9 +288,12 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
                 empty_cache()
 
     def load_ref(self) -> None:
-        """The reference's parameters back on the device for its log-prob pass."""
+        """The reference's parameters back on the device for its log-prob pass (under LoRA: the
+        actor's, which the reference runs on)."""
         if self.ref_mem is not None:
             self.ref_mem.load_params()
+        elif isinstance(self.ref, LoraRefView) and self.actor_mem is not None:
+            self.actor_mem.load_params()
 
     def offload_ref(self) -> None:
         """The reference's parameters to host memory (``ref.fsdp_config.param_offload``)."""
@@ -390,8 +411,13 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
             return {"timing_s/sync_weights_inner": 0.0, **memory_metrics("sync")}
         t0 = time.perf_counter()
         stats = StreamStats()
-        self.rollout.update_weights(actor.stream_weights(stats), reset_prefix_cache=reset_prefix_cache)
-        self.events.append("rollout.update_weights")
+        # LoRA: the engine keeps the base weights and gets only the merged adapted modules, unless a
+        # level-2 sleep discarded its weights (then everything, adapted modules merged).
+        full = not actor.lora or self.rollout.weights_discarded
+        self.rollout.update_weights(
+            actor.stream_weights(stats, full=full), reset_prefix_cache=reset_prefix_cache, partial=not full
+        )
+        self.events.append("rollout.update_weights" if full else "rollout.update_weights(lora_modules)")
         return {
             "timing_s/sync_weights_inner": time.perf_counter() - t0,
             "sync/num_tensors": float(stats.num_tensors),
@@ -411,6 +437,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
                 self.actor.optimizer,
                 shard_prefix(ckpt_dir, self.rank, "actor"),
                 extra={"num_skipped_steps": self.actor.stepper.num_skipped},
+                trainable_only=self.actor.lora,  # LoRA: the adapter; the base is model.path
             )
             nbytes = info["bytes"]
             if self.critic is not None:
@@ -424,7 +451,10 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         assert self.actor is not None
         with self._resident(engine_sleeps=True):
             extra = load_fsdp_state(
-                self.actor.model, self.actor.optimizer, shard_prefix(ckpt_dir, self.rank, "actor")
+                self.actor.model,
+                self.actor.optimizer,
+                shard_prefix(ckpt_dir, self.rank, "actor"),
+                trainable_only=self.actor.lora,
             )
             self.actor.stepper.num_skipped = int(extra.get("num_skipped_steps", 0))
             if self.critic is not None:
@@ -433,13 +463,20 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
                 )
         return {}
 
-    def export_hf(self, out_dir: str) -> list[str]:
-        """Write the current policy as a Hugging Face folder (rank 0 writes). Collective."""
+    def export_hf(self, out_dir: str, adapter_dir: str | None = None) -> list[str]:
+        """Write the current policy as a Hugging Face folder (rank 0 writes; under LoRA the adapted
+        modules merged), and under LoRA with ``adapter_dir`` the adapter as a PEFT folder. Collective."""
         assert self.actor is not None
         with self._resident(engine_sleeps=True):
-            return export_hf(
+            files = export_hf(
                 self.actor.model,
                 out_dir,
                 src_model_dir=self.config["actor_rollout_ref"]["model"]["path"],
                 rank=self.rank,
+                tensors=self.actor.stream_weights() if self.actor.lora else None,
             )
+            if adapter_dir is not None:
+                if not self.actor.lora:
+                    raise ValueError("export_hf(adapter_dir=...): this run trains no LoRA adapter")
+                files += save_adapter(self.actor.model, adapter_dir, rank=self.rank)
+            return files

@@ -23,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 ALGORITHMS = ["dapo", "drgrpo", "grpo", "gspo", "ppo", "reinforce_plus_plus", "remax", "rloo"]
-TINY = [*ALGORITHMS, "custom_trainer"]
+TINY = [*ALGORITHMS, "custom_trainer", "grpo_lora"]
 GPU_SCRIPT = "run_qwen2_5_0_5b_gsm8k.sh"
 
 
@@ -117,6 +117,22 @@ def test_gpu_recipe_env_and_extra_overrides():
         check=True,
     )
     assert out.stdout.splitlines()[-1] == "trainer.total_epochs=5"  # the user's overrides come last
+
+
+def test_lora_recipe_composes_in_verl_keys():
+    """The LoRA GPU recipe's verl keys land (lora_*) or are accepted (use_shm, load_format,
+    layered_summon), and the engine keeps its weights between rollouts so syncs stay partial."""
+    from fusedrl.config import load_config
+
+    notes: list[str] = []
+    cfg = load_config(_overrides("grpo_lora"), validate_config=False, report=notes.append)
+    model = cfg.actor_rollout_ref.model
+    assert (model.lora_rank, model.lora_alpha, model.target_modules) == (64, 32, "all-linear")
+    assert cfg.actor_rollout_ref.rollout.sleep_level == 1
+    assert cfg.actor_rollout_ref.actor.optim.lr > 1e-6  # not left at the full fine-tuning rate
+    assert len(notes) == 1 and "layered_summon" in notes[0] and "use_shm" in notes[0]
+    tiny = (EXAMPLES / "grpo_lora" / "run_tiny_cpu.sh").read_text()
+    assert "actor_rollout_ref.model.lora_rank=8" in tiny
 
 
 @pytest.mark.slow

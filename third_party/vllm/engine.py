@@ -85,6 +85,13 @@ def _drop_rotary_reload_warning(record: logging.LogRecord) -> bool:
     return not ("Failed to load weights" in str(record.msg) and "RotaryEmbedding" in str(record.args))
 
 
+def _drop_not_loaded_warning(record: logging.LogRecord) -> bool:
+    # A partial reload leaves most layers out on purpose: vLLM's "Failed to load weights" (per layer) and
+    # "Following weights were not loaded" (the list) are expected there.
+    msg = str(record.msg)
+    return "Failed to load weights" not in msg and "were not loaded" not in msg
+
+
 class IncompleteReloadError(RuntimeError):
     """An in-place reload left some engine weights unwritten."""
 
@@ -323,7 +330,11 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ weights
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, reset_prefix_cache: bool = True
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        reset_prefix_cache: bool = True,
+        partial: bool = False,
     ) -> None:
         """Swap new weights into the engine's existing parameters, in place.
 
@@ -331,15 +342,37 @@ class VLLMEngine:
         lazily inside vLLM's loader, so a generator that gathers one FSDP shard at a time keeps only
         about one tensor alive. The in-process ``collective_rpc`` calls the worker directly: nothing is
         pickled. ``reset_prefix_cache=False`` exists only so tests can show what goes wrong without it.
+
+        ``partial=True``: the stream replaces only some modules (LoRA's merged target modules, with every
+        part of each fused kernel: `fusedrl.third_party.vllm.reload.reload_units`); the engine keeps its
+        other weights. Refused after a level-2 sleep, when the engine holds no weights to keep.
         """
         if "weights" not in self.awake:
             raise RuntimeError("update_weights: the engine's weights are asleep; wake_up(['weights']) first")
         sentinel = self.weights_discarded
+        if partial and sentinel:
+            raise RuntimeError(
+                "update_weights(partial=True): a level-2 sleep discarded the engine's weights; stream them all"
+            )
         if sentinel:
             self._fill_weights(float("nan"))  # anything the reload misses stays NaN and is found below
         stream = _NameRecorder(named_tensors)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
-        self._check_reload(stream.names, sentinel)
+        # In a partial reload every layer the stream leaves out keeps its weights; vLLM warns about each
+        # of them, so those lines are dropped for this call.
+        logs = [
+            logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}")
+            for name in ("layerwise", "inplace")
+        ]
+        if partial:
+            for log in logs:
+                log.addFilter(_drop_not_loaded_warning)
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        finally:
+            for log in logs:
+                log.removeFilter(_drop_not_loaded_warning)
+        if not partial:
+            self._check_reload(stream.names, sentinel)
         self.weights_discarded = False
         # KV blocks computed under the old weights must not be reused (GRPO repeats prompts).
         if reset_prefix_cache:

@@ -74,9 +74,19 @@ class VLLMRollout:
         )
 
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, reset_prefix_cache: bool = True
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        reset_prefix_cache: bool = True,
+        partial: bool = False,
     ) -> None:
-        self.engine.update_weights(named_tensors, reset_prefix_cache=reset_prefix_cache)
+        self.engine.update_weights(named_tensors, reset_prefix_cache=reset_prefix_cache, partial=partial)
+
+    @property
+    def weights_discarded(self) -> bool:
+        """Whether the engine holds no weights (a level-2 sleep threw them away): the next stream must
+        be complete."""
+        return bool(self.engine.weights_discarded)
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()

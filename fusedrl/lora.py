@@ -1,0 +1,91 @@
+"""LoRA settings (``actor_rollout_ref.model.lora_*``): what they mean and the config checks, no torch.
+
+The adapters themselves come from ``peft`` and are built in the workers (`fusedrl.workers.lora`); this
+module holds what the driver needs before anything starts: whether LoRA is on, the checks reported with
+the other config problems, and how PEFT's parameter names map back onto the base model's (the names the
+rollout engine and a Hugging Face export use).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+ALL_LINEAR = "all-linear"
+# PEFT wraps the model as ``base_model.model.<original>`` and moves each adapted layer's own weights to
+# ``<layer>.base_layer.<param>``; the adapter's matrices live in ``<layer>.lora_A/B.<adapter>.weight``.
+_PEFT_ROOT = "base_model.model."
+_BASE_LAYER = ".base_layer"
+ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude")
+
+
+def lora_rank(model_cfg: Mapping[str, Any]) -> int:
+    """``model.lora_rank`` as an int (0: LoRA off)."""
+    return int(model_cfg["lora_rank"])
+
+
+def lora_enabled(model_cfg: Mapping[str, Any]) -> bool:
+    """Whether the actor trains LoRA adapters (``lora_rank > 0`` or a saved adapter to start from)."""
+    return lora_rank(model_cfg) > 0 or bool(model_cfg["lora_adapter_path"])
+
+
+def target_modules(value: Any) -> str | list[str]:
+    """``model.target_modules`` in PEFT's form: ``all-linear`` (every linear layer but the LM head), a
+    regex string, or a list of module names."""
+    if isinstance(value, str):
+        return value
+    return [str(v) for v in value]
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a PEFT state-dict name is an adapter tensor (``lora_A`` / ``lora_B`` ...)."""
+    return any(marker in name for marker in ADAPTER_MARKERS)
+
+
+def base_name(name: str) -> str:
+    """The base model's name for a PEFT parameter name: ``base_model.model.x.q_proj.base_layer.weight``
+    -> ``x.q_proj.weight`` (names without PEFT's parts pass through)."""
+    if name.startswith(_PEFT_ROOT):
+        name = name[len(_PEFT_ROOT) :]
+    return name.replace(_BASE_LAYER + ".", ".")
+
+
+def lora_problems(cfg: Any) -> list[str]:
+    """Config problems of the LoRA keys, each naming the key and the fix (``cfg`` is the whole config)."""
+    from fusedrl.config import needed_roles
+
+    model = cfg.actor_rollout_ref.model
+    key = "actor_rollout_ref.model"
+    problems: list[str] = []
+    rank = model.lora_rank
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        return [f"`{key}.lora_rank`={rank!r}: must be an integer >= 0 (0 switches LoRA off)."]
+    path = model.lora_adapter_path
+    if path and not os.path.isfile(os.path.join(str(path), "adapter_config.json")):
+        problems.append(
+            f"`{key}.lora_adapter_path`={path!r}: not a PEFT adapter folder (no adapter_config.json). "
+            "Point it at a folder written by save_pretrained / fusedrl's export --adapter, or set it to null."
+        )
+    if rank == 0 and not path:
+        return problems
+    alpha = model.lora_alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        problems.append(
+            f"`{key}.lora_alpha`={alpha!r}: must be a number > 0 (the update is scaled by alpha/rank)."
+        )
+    targets = model.target_modules
+    if not path and (
+        targets is None or (not isinstance(targets, str) and len(targets) == 0) or targets == ""
+    ):
+        problems.append(
+            f"`{key}.target_modules`={targets!r}: LoRA (lora_rank={rank}) needs the modules to adapt: "
+            f"`{ALL_LINEAR}` or a list such as [q_proj,k_proj,v_proj,o_proj]."
+        )
+    if needed_roles(cfg)["critic"]:
+        problems.append(
+            f"`{key}.lora_rank`={rank} with algorithm.adv_estimator={cfg.algorithm.adv_estimator} (a critic): "
+            "fusedrl's critic has no LoRA (it would train every parameter of a second model). Use a "
+            "critic-free estimator (grpo, rloo, reinforce_plus_plus, ...) or set lora_rank=0."
+        )
+    return problems

@@ -1,0 +1,198 @@
+"""LoRA in the fused worker: PEFT adapters on the actor, the reference as the actor with its adapters off,
+and the weight stream of merged target modules into the rollout engine.
+
+* The actor is the PEFT model (``peft.get_peft_model``) wrapped by FSDP2 like any other role's model;
+  only the adapter matrices require gradients, so only they reach AdamW (`build_adamw`).
+* The reference policy is that same module under ``disable_adapter()``: the base model, with no second
+  copy of its weights (`LoraRefView`).
+* The engine is built from ``model.path`` (the base weights). After an update only the adapted modules
+  change, so `merged_lora_stream` yields, per adapted module, ``W + (alpha / r) * B @ A`` computed from
+  the gathered shards on the fly (never written back into the actor), named as in the base model. The
+  engine's loaders fuse q/k/v and gate/up into one kernel, and a fused kernel must be given all its parts
+  at once, so a module's fused siblings (`reload_units`) travel with it, unmerged if not adapted. After a
+  level-2 sleep (weights discarded) the whole model is streamed, adapted modules merged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusedrl.lora import base_name, is_adapter_name, lora_rank, target_modules
+from fusedrl.workers.fsdp import StreamStats, gather_full
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """The distinct last names of the model's linear layers (what ``target_modules`` may list)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+
+
+def add_lora(model: nn.Module, model_cfg: dict[str, Any]) -> nn.Module:
+    """Wrap a Hugging Face causal LM with trainable LoRA adapters (``peft``), or load the saved adapter
+    at ``model.lora_adapter_path``. ``lora_B`` starts at zero (PEFT's default), so the wrapped model
+    computes exactly what the base model does until the first update.
+
+    Raises ValueError naming the model's linear modules when ``target_modules`` matches none of them.
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    available = linear_module_names(model)
+    path = model_cfg["lora_adapter_path"]
+    try:
+        if path:
+            peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=True)
+        else:
+            exclude = model_cfg["exclude_modules"]
+            config = LoraConfig(
+                r=lora_rank(model_cfg),
+                lora_alpha=model_cfg["lora_alpha"],  # int in PEFT's annotation; a float alpha works too
+                target_modules=target_modules(model_cfg["target_modules"]),
+                exclude_modules=None if exclude is None else target_modules(exclude),
+                lora_dropout=0.0,
+                bias="none",
+                task_type="CAUSAL_LM",
+            )
+            peft_model = get_peft_model(model, config)
+    except ValueError as err:
+        if "not found" not in str(err) and "did not match" not in str(err):
+            raise
+        raise ValueError(
+            f"actor_rollout_ref.model.target_modules={model_cfg['target_modules']!r} matches no module of "
+            f"{model_cfg['path']}: {err}. Its linear modules are: {', '.join(available)} "
+            "(or use all-linear)."
+        ) from err
+    if not lora_layers(peft_model):
+        raise ValueError(
+            f"actor_rollout_ref.model.target_modules={model_cfg['target_modules']!r} adapted no module; "
+            f"the model's linear modules are: {', '.join(available)}"
+        )
+    return peft_model
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """``{module name: PEFT LoRA layer}`` of every adapted module."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}  # type: ignore[misc]
+
+
+class LoraRefView:
+    """The reference role of a LoRA run: the actor's own module with its adapters switched off.
+
+    ``compute_log_prob`` is the base model's log-prob pass; no weights are copied or loaded."""
+
+    def __init__(self, actor: Any, ref_cfg: dict[str, Any]) -> None:
+        self.actor = actor
+        self.cfg = ref_cfg
+
+    @property
+    def model(self) -> nn.Module:
+        return self.actor.model
+
+    def compute_log_prob(self, batch: Any, *, temperature: float) -> torch.Tensor:
+        """``log pi_base(response)``: ``[B, Tr]``, the actor's forward under ``disable_adapter()``."""
+        from fusedrl.workers.logprob import batched_log_probs, token_budget
+
+        self.actor.model.eval()
+        with self.actor.model.disable_adapter():
+            return batched_log_probs(
+                self.actor.model,
+                batch,
+                temperature=temperature,
+                micro_batch_size=self.cfg["log_prob_micro_batch_size_per_gpu"],
+                max_token_len=token_budget(
+                    self.cfg, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"
+                ),
+                remove_padding=self.actor.use_remove_padding,
+                sp_group=self.actor.sp_group,
+            )
+
+
+def _record(stats: StreamStats | None, full: torch.Tensor, is_new: bool) -> None:
+    if stats is None:
+        return
+    nbytes = full.numel() * full.element_size()
+    stats.num_tensors += 1
+    stats.total_bytes += nbytes
+    stats.largest_bytes = max(stats.largest_bytes, nbytes)
+    if is_new:
+        stats._track(full)
+
+
+@torch.no_grad()
+def merged_lora_stream(
+    model: nn.Module, *, full: bool, stats: StreamStats | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(base model name, full tensor)`` with every adapted module merged: ``W + (alpha/r) B @ A``.
+
+    ``full=False``: only the adapted modules' parameters and those of their fused siblings (`reload_units`);
+    ``full=True``: every parameter and buffer of the base model (after the engine lost its weights).
+    Collective like `fusedrl.workers.fsdp.stream_full_tensors` (each shard gathered by every rank in the
+    same order). The merge is computed in float32 into a new tensor: the actor's weights are untouched,
+    and about one module's full tensors are alive at a time.
+    """
+    from fusedrl.third_party.vllm.reload import reload_units
+
+    layers = lora_layers(model)
+    adapted = {base_name(name) for name in layers}
+    wanted = reload_units(adapted)
+    state = model.state_dict()  # DTensor shards: no gathering yet
+    for name, tensor in state.items():
+        if is_adapter_name(name):
+            continue
+        hf = base_name(name)
+        module_hf = hf.rsplit(".", 1)[0]
+        if not full and module_hf not in wanted:
+            continue
+        peft_module = name.rsplit(".", 2)[0] if name.endswith(".base_layer.weight") else None
+        if peft_module in layers:
+            out, is_new = _merged(layers[peft_module], tensor, state, peft_module)
+        else:
+            out, is_new = gather_full(tensor)
+        _record(stats, out, is_new)
+        yield hf, out
+        del out
+
+
+def _merged(
+    layer: nn.Module, weight: torch.Tensor, state: dict[str, torch.Tensor], prefix: str
+) -> tuple[torch.Tensor, bool]:
+    """``W + sum over active adapters of scaling * B @ A`` (full tensors, float32 math, W's dtype)."""
+    w, _ = gather_full(weight)
+    merged = w.to(torch.float32, copy=True)
+    for adapter in layer.active_adapters:  # type: ignore[union-attr]
+        a, _ = gather_full(state[f"{prefix}.lora_A.{adapter}.weight"])  # [r, in]
+        b, _ = gather_full(state[f"{prefix}.lora_B.{adapter}.weight"])  # [out, r]
+        scale = float(layer.scaling[adapter])  # type: ignore[index]
+        merged.addmm_(b.to(torch.float32), a.to(torch.float32), alpha=scale)  # [out, in]
+    return merged.to(w.dtype), True
+
+
+def save_adapter(model: nn.Module, out_dir: str, *, rank: int) -> list[str]:
+    """Write the adapter as a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``) that
+    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads. Collective (the adapter shards are gathered);
+    rank 0 writes. Returns the files written ([] on other ranks)."""
+    import os
+
+    from peft.utils import get_peft_model_state_dict
+
+    from fusedrl.workers.checkpoint_io import save_safetensors
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if is_adapter_name(name):
+            full, _ = gather_full(tensor)
+            tensors[name] = full.detach().to("cpu").clone()
+    if rank != 0:
+        return []
+    # PEFT's own key selection and renaming (drops the adapter name), on the gathered tensors.
+    adapter_state = get_peft_model_state_dict(model, state_dict=tensors)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "adapter_model.safetensors")
+    save_safetensors({k: v.contiguous() for k, v in adapter_state.items()}, path)
+    config: Any = model.peft_config["default"]  # type: ignore[index]
+    config.save_pretrained(out_dir)
+    return [path, os.path.join(out_dir, "adapter_config.json")]
