@@ -52,7 +52,10 @@ def init_ray(config: DictConfig) -> None:
 
     if ray.is_initialized():
         return
-    slots = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    from fusedrl.placement_config import read_placement
+
+    placement = read_placement(config.trainer)
+    slots = sum(placement.pools[p].world_size for p in {"global", *placement.role_pool.values()})
     num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, slots)
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
