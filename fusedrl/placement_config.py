@@ -155,16 +155,17 @@ def placement_problems(cfg: Any, roles: Sequence[str], problems: list[str]) -> P
 
 
 def actor_world(cfg: Any) -> int | None:
-    """Ranks of the actor's pool (None when the placement itself is broken: reported elsewhere)."""
+    """Ranks of the actor's pool, as far as the placement is valid (its problems are reported by
+    `placement_problems`); None when the trainer section cannot be read at all."""
     try:
-        return read_placement(cfg.trainer).world_of("actor")
-    except (ValueError, KeyError, TypeError):
+        return read_placement(cfg.trainer, []).world_of("actor")
+    except (KeyError, TypeError, AttributeError):
         return None
 
 
 def rollout_world(cfg: Any) -> int | None:
-    """Ranks of the rollout's pool (None when the placement itself is broken: reported elsewhere)."""
+    """Ranks of the rollout's pool, as far as the placement is valid (see `actor_world`)."""
     try:
-        return read_placement(cfg.trainer).world_of("rollout")
-    except (ValueError, KeyError, TypeError):
+        return read_placement(cfg.trainer, []).world_of("rollout")
+    except (KeyError, TypeError, AttributeError):
         return None

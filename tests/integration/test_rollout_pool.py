@@ -66,7 +66,9 @@ def test_grpo_with_the_rollout_on_its_own_pool(tiny_model_dir, arithmetic_data, 
         (rollout_events,) = rollout.run_all(lambda w: w.get_events.remote())
         # The engine's weights really moved: the start-up engine scores the same tokens differently now.
         again = trainer.compute_log_probs(before)
-        moved = float((again.old_log_probs - before.rollout_log_probs).abs()[before.response_mask.bool()].max())
+        moved = float(
+            (again.old_log_probs - before.rollout_log_probs).abs()[before.response_mask.bool()].max()
+        )
 
     for step, m in enumerate(steps, start=1):
         assert m["rollout/log_prob_abs_diff_max"] < SYNC_TOL, (step, m["rollout/log_prob_abs_diff_max"])
