@@ -47,7 +47,8 @@ def started_trainer(
 
 
 def init_ray(config: DictConfig) -> None:
-    """Start a local Ray runtime sized for the run (no dashboard; workers get the engine env vars)."""
+    """Start a local Ray runtime sized for the run (no dashboard; workers get the engine env vars), or
+    join the running cluster at ``RAY_ADDRESS`` (several machines, docs/placement.md)."""
     import ray
 
     if ray.is_initialized():
@@ -66,6 +67,9 @@ def init_ray(config: DictConfig) -> None:
     for key in ("PYTHONPATH", "HF_HUB_OFFLINE", "OMP_NUM_THREADS"):
         if key in os.environ:
             env[key] = os.environ[key]
+    if os.environ.get("RAY_ADDRESS"):  # a running (multi-node) cluster: join it as it is sized
+        ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+        return
     ray.init(
         num_cpus=int(num_cpus),
         include_dashboard=False,

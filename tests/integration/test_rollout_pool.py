@@ -48,11 +48,10 @@ def _overrides(model_dir: str, train: str, run_dir: str) -> list[str]:
     ]
 
 
-def test_grpo_with_the_rollout_on_its_own_pool(tiny_model_dir, arithmetic_data, tmp_path):
-    overrides = _overrides(tiny_model_dir, arithmetic_data[0], str(tmp_path))
+def _train_and_check(overrides: list[str], rollout_ranks: int) -> None:
     with started_trainer(overrides) as trainer:
         actor, rollout = trainer.group_for("actor"), trainer.group_for("rollout")
-        assert actor is not rollout and actor.world_size == rollout.world_size == 1
+        assert actor is not rollout and actor.world_size == 1 and rollout.world_size == rollout_ranks
         assert trainer.groups.weight_route is not None
         before = trainer.generate(trainer.next_prompts())
         steps = []
@@ -63,7 +62,7 @@ def test_grpo_with_the_rollout_on_its_own_pool(tiny_model_dir, arithmetic_data, 
         mask = batch.response_mask.bool()
         last_gap = float((batch.rollout_log_probs - batch.old_log_probs).abs()[mask].max())
         (actor_events,) = actor.run_all(lambda w: w.get_events.remote())
-        (rollout_events,) = rollout.run_all(lambda w: w.get_events.remote())
+        rollout_events = rollout.run_all(lambda w: w.get_events.remote())
         # The engine's weights really moved: the start-up engine scores the same tokens differently now.
         again = trainer.compute_log_probs(before)
         moved = float(
@@ -83,5 +82,22 @@ def test_grpo_with_the_rollout_on_its_own_pool(tiny_model_dir, arithmetic_data, 
     # Each process did only its own part: the engine never lives in the actor's worker, and every sync
     # reached the engine by broadcast (2 updates -> 2 syncs).
     assert "rollout.build" not in actor_events and actor_events.count("weights.broadcast") == 2
-    assert rollout_events.count("rollout.update_weights") == 2
-    assert not any(e.startswith("actor.") for e in rollout_events)
+    for events in rollout_events:  # every rank of the engine
+        assert events.count("rollout.update_weights") == 2
+        assert not any(e.startswith("actor.") for e in events)
+
+
+def test_grpo_with_the_rollout_on_its_own_pool(tiny_model_dir, arithmetic_data, tmp_path):
+    _train_and_check(_overrides(tiny_model_dir, arithmetic_data[0], str(tmp_path)), rollout_ranks=1)
+
+
+@pytest.mark.slow
+def test_rollout_pool_with_a_tensor_parallel_engine(tiny_model_dir, arithmetic_data, tmp_path):
+    """One training worker, one TP=2 engine on a pool of two: both engine ranks receive every full tensor
+    and vLLM's loaders slice their own shard; the log-prob check holds on the engine's TP layout."""
+    overrides = _overrides(tiny_model_dir, arithmetic_data[0], str(tmp_path))
+    overrides += [
+        "trainer.placement.pools={gen: {nnodes: 1, n_gpus_per_node: 2}}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    ]
+    _train_and_check(overrides, rollout_ranks=2)
