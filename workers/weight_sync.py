@@ -84,7 +84,8 @@ def make_sync_group(addr: str, port: int, rank: int, size: int) -> Any:
     store = dist.TCPStore(addr, port, size, is_master=rank == 0, timeout=SYNC_TIMEOUT)
     prefixed = dist.PrefixStore("fusedrl-weight-sync", store)
     if device_type() == "cuda":
-        return dist.ProcessGroupNCCL(prefixed, rank, size)
+        nccl: Any = dist.ProcessGroupNCCL  # absent from CPU builds of torch
+        return nccl(prefixed, rank, size, nccl.Options())
     return dist.ProcessGroupGloo(prefixed, rank, size, SYNC_TIMEOUT)
 
 
