@@ -375,7 +375,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         own module.
         """
         actor = self._need(self.actor, "actor", "update_weights")
-        self._need(self.rollout, "rollout", "update_weights (a rollout in another worker is not supported)")
+        self._need(self.rollout, "rollout", "update_weights (a rollout on another pool: send_weights)")
         if isinstance(self.rollout, HFRollout):
             return {"timing_s/sync_weights_inner": 0.0, **memory_metrics("sync")}
         t0 = time.perf_counter()
