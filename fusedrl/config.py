@@ -23,6 +23,7 @@ from fusedrl.config_sections import (
     schedule_problems,
     token_budget_problems,
 )
+from fusedrl.placement_config import actor_world, placement_problems, rollout_world
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
 
@@ -242,7 +243,7 @@ def validate(cfg: DictConfig) -> None:
                 "trainer.nnodes): each sequence-parallel group is sp workers.",
             )
     if slots is not None and nnodes is not None and n is not None and bsz is not None and mini is not None:
-        world = slots * nnodes
+        world = actor_world(cfg) or slots * nnodes  # the actor's pool (trainer.placement)
         need(
             (bsz * n) % world == 0,
             f"`data.train_batch_size` x `actor_rollout_ref.rollout.n` = {bsz * n} samples do not divide across "
@@ -367,11 +368,12 @@ def validate(cfg: DictConfig) -> None:
     tp = number("actor_rollout_ref.rollout.tensor_model_parallel_size")
     slots, nnodes = _get(cfg, "trainer.n_gpus_per_node"), _get(cfg, "trainer.nnodes")
     workers = slots * nnodes if isinstance(slots, int) and isinstance(nnodes, int) else None
+    workers = rollout_world(cfg) or workers  # the rollout's pool (trainer.placement)
     if tp is not None and need(
         tp >= 1 and (workers is None or workers % tp == 0),
-        f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp}: must divide the number of fused "
-        f"workers (trainer.n_gpus_per_node x trainer.nnodes = {slots} x {nnodes}); each group of {tp} "
-        "consecutive workers runs one tensor-parallel engine.",
+        f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp}: must divide the number of rollout "
+        f"workers ({workers}: trainer.n_gpus_per_node x trainer.nnodes = {slots} x {nnodes}, or the rollout's "
+        f"trainer.placement pool); each group of {tp} consecutive workers runs one tensor-parallel engine.",
     ):
         need(
             tp == 1 or rollout.name == "vllm",
@@ -497,6 +499,8 @@ def validate(cfg: DictConfig) -> None:
     from fusedrl.lora import lora_problems
 
     problems.extend(lora_problems(cfg))
+    roles = ["actor", "rollout", *[r for r, on in needed_roles(cfg).items() if on]]
+    placement_problems(cfg, roles, problems)
     from fusedrl.cpu_dtype import POLICIES
 
     policy = _get(cfg, "trainer.emulated_bf16")

@@ -29,7 +29,7 @@ from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint, seed_rn
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import WorkerGroup
 from fusedrl.controller.health import resume_hint
-from fusedrl.controller.placement import RoleGroups, check_role_groups, slot_pool
+from fusedrl.controller.placement import RoleGroups
 from fusedrl.controller.preemption import PreemptionGuard
 from fusedrl.data.dataset import PromptLoader, tokenizer_pad_id
 from fusedrl.lr_schedule import scheduled_lr
@@ -103,19 +103,19 @@ class PPOTrainer:
         """Reserve the device slots and start the workers, then build their roles (collective per group).
 
         ``role_groups`` lists the roles each worker group holds (default: one fused group with every role
-        of `run_roles`). Every group has one worker per slot; groups after the first share the first
-        group's slots. The driver's calls are the same whatever the grouping: each goes to the group that
-        holds the role (`group_for`). The actor, the rollout and the critic stay in one group here (the
-        in-place weight stream and the checkpoint need them together).
+        on each ``trainer.placement`` pool, docs/placement.md); groups on one pool share its slots. The
+        driver's calls are the same whatever the grouping: each goes to the group holding the role
+        (`group_for`). A rollout on a pool of its own gets the weights by broadcast, not in place.
         """
-        groups = check_role_groups(self.run_roles(), role_groups)
         worker_config = to_plain_dict(self.config)
         worker_config["_tokens"] = {
             "eos_token_id": int(self.tokenizer.eos_token_id),
             "pad_token_id": tokenizer_pad_id(self.tokenizer),
         }
         worker_config["_agent_tools"] = self.agent_tools
-        self.groups = RoleGroups.start(WorkerDict, slot_pool(self.config.trainer), worker_config, groups)
+        self.groups = RoleGroups.start_placed(
+            WorkerDict, self.config, worker_config, self.run_roles(), role_groups
+        )
         # The engines went to sleep right after they were built; at level 2 their weights are gone.
         self.rollout_stale = self.rollout_discards_weights
 
@@ -571,7 +571,7 @@ class PPOTrainer:
         rollout.run_all(lambda w: w.prepare_weight_update.remote())
         actor.run_all(lambda w: w.load_actor.remote())
         rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights"]))
-        per_rank = actor.run_all(lambda w: w.update_weights.remote())
+        per_rank = self.groups.stream_weights()  # in place, or by broadcast to a rollout pool
         actor.run_all(lambda w: w.offload_actor.remote(params=True, optimizer=False))
         self.rollout_stale = False
         return mean_over_ranks(per_rank)

@@ -47,12 +47,16 @@ def started_trainer(
 
 
 def init_ray(config: DictConfig) -> None:
-    """Start a local Ray runtime sized for the run (no dashboard; workers get the engine env vars)."""
+    """Start a local Ray runtime sized for the run (no dashboard; workers get the engine env vars), or
+    join the running cluster at ``RAY_ADDRESS`` (several machines, docs/placement.md)."""
     import ray
 
     if ray.is_initialized():
         return
-    slots = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    from fusedrl.placement_config import read_placement
+
+    placement = read_placement(config.trainer)
+    slots = sum(placement.pools[p].world_size for p in {"global", *placement.role_pool.values()})
     num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, slots)
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -63,6 +67,9 @@ def init_ray(config: DictConfig) -> None:
     for key in ("PYTHONPATH", "HF_HUB_OFFLINE", "OMP_NUM_THREADS"):
         if key in os.environ:
             env[key] = os.environ[key]
+    if os.environ.get("RAY_ADDRESS"):  # a running (multi-node) cluster: join it as it is sized
+        ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+        return
     ray.init(
         num_cpus=int(num_cpus),
         include_dashboard=False,

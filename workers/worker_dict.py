@@ -56,6 +56,7 @@ from fusedrl.workers.memory import (
 from fusedrl.workers.reward_model import RewardModelRole
 from fusedrl.workers.rollout.base import SamplingConfig
 from fusedrl.workers.rollout.hf_rollout import HFRollout
+from fusedrl.workers.weight_sync import WeightSyncEndpoint
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
 MAX_EVENTS = 512  # the moves of several steps; bounded so a long run does not grow the list
@@ -75,7 +76,7 @@ def _pin_torch_threads() -> int:
     return torch.get_num_threads()
 
 
-class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
+class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSyncEndpoint):
     """The roles of one device slot. ``config`` is the whole resolved run config as a plain dict;
     ``roles`` the subset of `ROLES` this worker holds (the HF rollout generates with the actor's own
     module, so it needs the actor in the same worker)."""
@@ -406,7 +407,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting):
         own module.
         """
         actor = self._need(self.actor, "actor", "update_weights")
-        self._need(self.rollout, "rollout", "update_weights (a rollout in another worker is not supported)")
+        self._need(self.rollout, "rollout", "update_weights (a rollout on another pool: send_weights)")
         if isinstance(self.rollout, HFRollout):
             return {"timing_s/sync_weights_inner": 0.0, **memory_metrics("sync")}
         t0 = time.perf_counter()

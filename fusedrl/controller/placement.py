@@ -1,17 +1,25 @@
-"""Which worker group holds which role (checked once, before any worker starts), the run's device slots,
-and the started groups looked up by role."""
+"""Which worker group holds which role (checked once, before any worker starts), the run's device slots
+(one `ResourcePool` per ``trainer.placement`` pool), and the started groups looked up by role.
+
+Roles on one pool share one worker per slot (``role_groups`` may split them into several groups on the
+same slots); roles on different pools run in different processes. The weight sync then takes the
+broadcast route (`fusedrl.controller.weight_sync.BroadcastRoute`) instead of the in-place stream."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+import ray
 import torch
 
+from fusedrl.controller.weight_sync import BroadcastRoute
 from fusedrl.controller.worker_group import ResourcePool, WorkerGroup, cpus_for_cpu_slots
+from fusedrl.placement_config import Placement, PoolSpec, read_placement
 
-# Roles that must share the actor's worker: the in-place weight stream goes from the actor's shards into
-# the engine of the same process, and the run checkpoint saves actor and critic from the same workers.
+# Roles that must share the actor's worker when they are on the actor's pool: the in-place weight stream
+# goes from the actor's shards into the engine of the same process, and the run checkpoint saves actor and
+# critic from the same workers. (A rollout on a pool of its own takes the broadcast route instead.)
 WITH_ACTOR = ("rollout", "critic")
 
 
@@ -26,11 +34,52 @@ def check_role_groups(needed: Sequence[str], role_groups: Sequence[Sequence[str]
     problems += [f"role {r!r} is not used by this run" for r in set(placed) - set(needed)]
     home = next((g for g in groups if "actor" in g), [])
     problems += [
-        f"role {r!r} must share the actor's group" for r in WITH_ACTOR if r in placed and r not in home
+        f"role {r!r} must share the actor's group"
+        for r in WITH_ACTOR
+        if "actor" in needed and r in placed and r not in home
     ]
     if problems:
         raise ValueError(f"role_groups={groups}: " + "; ".join(sorted(problems)))
     return groups
+
+
+def plan_groups(
+    placement: Placement, needed: Sequence[str], role_groups: Sequence[Sequence[str]] | None
+) -> list[tuple[str, list[str]]]:
+    """``(pool, roles)`` of each worker group to start: per pool, its roles as one fused group, or the
+    ``role_groups`` that fall on it (each group on one pool; `check_role_groups` per pool). ValueError
+    naming every problem."""
+    pools = placement.used_pools(needed)
+    problems: list[str] = []
+    if role_groups is not None:
+        for g in role_groups:
+            on = sorted({placement.pool_of(r) for r in g})
+            if len(on) > 1:
+                problems.append(f"group {list(g)} spans the pools {on}; a worker group lives on one pool")
+    plan: list[tuple[str, list[str]]] = []
+    for pool in pools:
+        here = [r for r in needed if placement.pool_of(r) == pool]
+        mine = (
+            None
+            if role_groups is None
+            else [list(g) for g in role_groups if g and placement.pool_of(g[0]) == pool]
+        )
+        try:
+            plan += [(pool, g) for g in check_role_groups(here, mine)]
+        except ValueError as err:
+            problems.append(f"pool {pool!r}: {err}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return plan
+
+
+def resource_pool(spec: PoolSpec, cpus_per_slot: float | None = None) -> ResourcePool:
+    """Ray's side of one pool: GPUs where CUDA is available, else CPU slots of ``cpus_per_slot`` CPUs."""
+    use_gpu = torch.cuda.is_available()
+    cpus = 1.0 if use_gpu else float(cpus_per_slot or cpus_for_cpu_slots(spec.world_size))
+    return ResourcePool(
+        slots_per_node=spec.slots_per_node, nnodes=spec.nnodes, use_gpu=use_gpu, cpus_per_slot=cpus
+    )
 
 
 def slot_pool(trainer_cfg: Any) -> ResourcePool:
@@ -48,6 +97,61 @@ class RoleGroups:
 
     def __init__(self, by_role: dict[str, WorkerGroup] | None = None) -> None:
         self.by_role: dict[str, WorkerGroup] = dict(by_role or {})
+
+    weight_route: BroadcastRoute | None = None
+
+    @classmethod
+    def start_placed(
+        cls,
+        worker_cls: type,
+        config: Any,
+        worker_config: dict[str, Any],
+        needed: Sequence[str],
+        role_groups: Sequence[Sequence[str]] | None = None,
+    ) -> RoleGroups:
+        """Every group of `plan_groups` on its pool (``config.trainer.placement``); when the rollout is on
+        another pool than the actor, the broadcast weight-sync route is connected too. The CPU slots of all
+        pools share the free cores evenly. Each pool's workers see its own ``nnodes`` / ``n_gpus_per_node``
+        (their rendezvous host and local device index)."""
+        placement = read_placement(config.trainer)
+        plan = plan_groups(placement, needed, role_groups)
+        cpus = cpus_for_cpu_slots(placement.total_slots(needed))
+        pools = {name: resource_pool(placement.pools[name], cpus) for name in placement.used_pools(needed)}
+        by_role: dict[str, WorkerGroup] = {}
+        started: set[str] = set()
+        for pool_name, roles in plan:
+            spec = placement.pools[pool_name]
+            trainer = {
+                **worker_config["trainer"],
+                "nnodes": spec.nnodes,
+                "n_gpus_per_node": spec.slots_per_node,
+            }
+            group = WorkerGroup.start(
+                worker_cls,
+                pools[pool_name],
+                {**worker_config, "trainer": trainer},
+                init=lambda w, addr, port: w.init_roles.remote(addr, port),
+                roles=roles,
+                share_slots=pool_name in started,
+            )
+            started.add(pool_name)
+            by_role.update(dict.fromkeys(roles, group))
+        groups = cls(by_role)
+        if "rollout" in by_role and by_role["rollout"] is not by_role["actor"]:
+            # Pools may land on different nodes: then the sync store listens on the node's address.
+            multi_node = sum(1 for node in ray.nodes() if node["Alive"]) > 1
+            bucket_mb = float(config.trainer.placement.weight_sync_bucket_mb)
+            groups.weight_route = BroadcastRoute(by_role["actor"], by_role["rollout"], bucket_mb, multi_node)
+            groups.weight_route.connect()
+        return groups
+
+    def stream_weights(self) -> list[dict[str, float]]:
+        """The actor's weights into every rollout engine: in place where they share the workers (each rank's
+        metrics), else over the broadcast route (one set of metrics). The actor's shards must be on the
+        device and the engines' weights awake."""
+        if self.weight_route is None:
+            return self.group_for("actor").run_all(lambda w: w.update_weights.remote())
+        return [self.weight_route.sync()]
 
     @classmethod
     def start(
@@ -82,3 +186,4 @@ class RoleGroups:
         for group in self.unique():
             group.shutdown()
         self.by_role = {}
+        self.weight_route = None

@@ -79,18 +79,33 @@ class ResourcePool:
         return self.slots_per_node * self.nnodes
 
     def create(self, timeout_s: float = 120.0) -> PlacementGroup:
+        """Reserve the slots. One node: one bundle per slot, packed. Several nodes: one bundle per node
+        holding that node's slots, each on a different Ray node (STRICT_SPREAD); rank ``r`` runs in bundle
+        `bundle_of` ``(r)``, so ranks are ordered by node (node 0 holds ranks 0..slots_per_node-1)."""
         bundle: dict[str, float] = {"CPU": self.cpus_per_slot}
         if self.use_gpu:
             bundle["GPU"] = 1.0
-        pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        if self.nnodes == 1:
+            bundles, strategy = [dict(bundle) for _ in range(self.world_size)], "PACK"
+        else:
+            per_node = {k: v * self.slots_per_node for k, v in bundle.items()}
+            bundles, strategy = [dict(per_node) for _ in range(self.nnodes)], "STRICT_SPREAD"
+        pg = placement_group(bundles, strategy=strategy)
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:
+            remove_placement_group(pg)
+            where = "" if self.nnodes == 1 else f" on {self.nnodes} different Ray nodes"
             raise RuntimeError(
-                f"Ray could not reserve {self.world_size} slots of {bundle} within {timeout_s:.0f}s "
-                f"(cluster has {ray.cluster_resources()}). Lower trainer.n_gpus_per_node / trainer.nnodes."
+                f"Ray could not reserve {self.world_size} slots of {bundle}{where} within {timeout_s:.0f}s "
+                f"(cluster has {ray.cluster_resources()}, {len(ray.nodes())} node(s)). Lower "
+                "trainer.n_gpus_per_node / trainer.nnodes (or the pool's, under trainer.placement.pools)."
             )
         self.pg = pg
         return pg
+
+    def bundle_of(self, rank: int) -> int:
+        """The placement-group bundle of ``rank`` (see `create`)."""
+        return rank if self.nnodes == 1 else rank // self.slots_per_node
 
     def release(self) -> None:
         if self.pg is not None:
@@ -148,7 +163,7 @@ class WorkerGroup:
                 num_cpus=pool.cpus_per_slot * share,
                 num_gpus=(1 if pool.use_gpu else 0) * share,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=rank
+                    placement_group=pg, placement_group_bundle_index=pool.bundle_of(rank)
                 ),
                 name=None,
             ).remote(config, rank=rank, world_size=pool.world_size, **role_kw)
