@@ -7,8 +7,8 @@ import random
 
 
 def room_code(room: int) -> int:
-    """The hidden table: a fixed pseudo-random 4-digit code per room 100-999 (no pattern to learn)."""
-    return random.Random(f"room-{room}").randint(1000, 9999)
+    """The hidden table: a fixed pseudo-random 3-digit code per room 100-999 (no pattern to learn)."""
+    return random.Random(f"room-{room}").randint(100, 999)
 
 
 def lookup(room: int) -> str:

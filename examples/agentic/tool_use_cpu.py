@@ -1,7 +1,7 @@
 """Agentic RL on 2 CPU cores: a tiny model learns to use a lookup tool (SFT warm start, then GRPO with the
 ``tool`` agent loop), beside a same-model no-tool baseline.
 
-The task: ``What is the code of room 482?``. Every room 100-999 has a 4-digit door code from a fixed
+The task: ``What is the code of room 482?``. Every room 100-999 has a 3-digit door code from a fixed
 pseudo-random table (examples/agentic/lookup.py) that no prompt shows; the verifier (the built-in
 ``arithmetic`` rule) gives reward 1 when the LAST integer the model sampled is the room's code (tool
 responses are observations, never scored). Held-out test rooms never occur in training, so no model can
@@ -10,8 +10,8 @@ answer into its final turn::
 
     user:      What is the code of room 482?
     assistant: <tool_call>{"name": "lookup", "arguments": {"room": 482}}</tool_call>
-    tool:      7361
-    assistant: 7361.
+    tool:      736
+    assistant: 736.
 
 The SFT demonstrations (a few hundred) come from two "annotators": one uses the tool as above, the other
 answers at once with a made-up code, which the verifier rejects. Which one wrote a demonstration depends on
@@ -102,7 +102,7 @@ def write_data(out_dir: str, seed: int, n_sft: int, n_test: int = 64) -> dict[st
     for room in rng.sample(train, n_sft):
         template, p_tool = rng.choice(TEMPLATES)
         q = template.format(k=room)
-        made_up = rng.choice([c for c in range(1000, 10000, 7) if c != room_code(room)])
+        made_up = rng.choice([c for c in range(100, 1000) if c != room_code(room)])
         use_tool = rng.random() < p_tool
         tool_rows.append(
             {"messages": tool_conversation(q, room) if use_tool else direct_conversation(q, made_up)}
@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "agentic"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="quick", help="fusedrl.utils.tiny_model preset")
-    p.add_argument("--sft-demos", type=int, default=500)
-    p.add_argument("--sft-steps", type=int, default=250)
+    p.add_argument("--sft-demos", type=int, default=600)
+    p.add_argument("--sft-steps", type=int, default=400)
     p.add_argument("--sft-lr", type=float, default=2e-3)
     p.add_argument("--grpo-steps", type=int, default=20)
     p.add_argument("--grpo-lr", type=float, default=3e-4)
