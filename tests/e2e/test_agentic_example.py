@@ -43,6 +43,7 @@ def test_agentic_example_grpo_learns_to_use_the_tool(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
+    print(json.dumps(summary))  # the numbers, for `pytest -s`
     assert 0.0 < summary["sft_acc"] < 0.8, summary  # the warm start is partial
     assert summary["grpo_acc"] >= summary["sft_acc"] + GAIN, summary
     assert summary["grpo_tool_rate"] > summary["sft_tool_rate"], summary
