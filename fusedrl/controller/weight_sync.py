@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from fusedrl.controller.worker_group import WorkerGroup
+from fusedrl.controller.worker_group import CallRecorder, WorkerGroup
 from fusedrl.metrics import Metrics, mean_over_ranks
 
 Call = Callable[[Any], ray.ObjectRef]
@@ -27,7 +27,7 @@ def run_together(parts: Sequence[tuple[WorkerGroup, Sequence[int], Call]]) -> li
         method: list[str] = []
 
         def named(handle: Any, call: Call = call, method: list[str] = method) -> ray.ObjectRef:
-            recorder = _Recorder(handle)
+            recorder = CallRecorder(handle)
             ref = call(recorder)
             method.append(recorder.method)
             return ref
@@ -36,16 +36,6 @@ def run_together(parts: Sequence[tuple[WorkerGroup, Sequence[int], Call]]) -> li
         submitted.append((group, list(ranks), refs, method[0] if method else "?"))
     # Same failure handling as a group's own calls (a dead rank stops its group, a silent one is named).
     return [group._get(refs, ranks, phase) for group, ranks, refs, phase in submitted]
-
-
-class _Recorder:
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
-        self.method = "?"
-
-    def __getattr__(self, name: str) -> Any:
-        self.method = name
-        return getattr(self._handle, name)
 
 
 class BroadcastRoute:

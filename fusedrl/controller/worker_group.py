@@ -47,7 +47,7 @@ class WorkerTimeoutError(WorkerDiedError):
     """A fused worker did not answer a call within ``trainer.step_timeout_s``; the group has been stopped."""
 
 
-class _CallRecorder:
+class CallRecorder:
     """Stands in for a worker handle in a call-site lambda and remembers which method it called."""
 
     def __init__(self, handle: Any) -> None:
@@ -198,13 +198,13 @@ class WorkerGroup:
     # ------------------------------------------------------------------ calls
     def run_all(self, call: Callable[[Any], ray.ObjectRef]) -> list[Any]:
         """Call every rank with the same arguments; results in rank order."""
-        recorders = [_CallRecorder(w) for w in self.workers]
+        recorders = [CallRecorder(w) for w in self.workers]
         refs = [call(r) for r in recorders]
         return self._get(refs, list(range(len(refs))), recorders[0].method if recorders else "?")
 
     def run_rank0(self, call: Callable[[Any], ray.ObjectRef]) -> Any:
         """Call rank 0 only; its result."""
-        recorder = _CallRecorder(self.workers[0])
+        recorder = CallRecorder(self.workers[0])
         return self._get([call(recorder)], [0], recorder.method)[0]
 
     def _get(self, refs: list[ray.ObjectRef], ranks: list[int], phase: str) -> list[Any]:
@@ -335,7 +335,7 @@ class WorkerGroup:
         """Call rank ``r`` with ``shards[r]`` (one per rank, already split); results in rank order."""
         if len(shards) != self.world_size:
             raise ValueError(f"{len(shards)} shards for {self.world_size} workers")
-        recorders = [_CallRecorder(w) for w in self.workers]
+        recorders = [CallRecorder(w) for w in self.workers]
         refs = [call(w, shard) for w, shard in zip(recorders, shards)]
         return self._get(refs, list(range(len(refs))), recorders[0].method if recorders else "?")
 
