@@ -46,6 +46,17 @@ def started_trainer(
             ray.shutdown()
 
 
+def run_slots(config: DictConfig) -> int:
+    """Device slots the run reserves: every pool's (RL trainer, ``trainer.placement``), or
+    ``trainer.nnodes x trainer.n_gpus_per_node`` (SFT trainer, which has no placement section)."""
+    if "placement" not in config.trainer:
+        return int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+    from fusedrl.placement_config import read_placement
+
+    placement = read_placement(config.trainer)
+    return sum(placement.pools[p].world_size for p in {"global", *placement.role_pool.values()})
+
+
 def init_ray(config: DictConfig) -> None:
     """Start a local Ray runtime sized for the run (no dashboard; workers get the engine env vars), or
     join the running cluster at ``RAY_ADDRESS`` (several machines, docs/placement.md)."""
@@ -53,11 +64,7 @@ def init_ray(config: DictConfig) -> None:
 
     if ray.is_initialized():
         return
-    from fusedrl.placement_config import read_placement
-
-    placement = read_placement(config.trainer)
-    slots = sum(placement.pools[p].world_size for p in {"global", *placement.role_pool.values()})
-    num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, slots)
+    num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, run_slots(config))
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "TOKENIZERS_PARALLELISM": "false",

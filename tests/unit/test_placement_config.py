@@ -163,3 +163,16 @@ def test_lora_keeps_rollout_and_ref_on_the_actors_pool(tiny_model_dir, arithmeti
             f"with LoRA (actor_rollout_ref.model.lora_rank > 0) the {role} must be on the actor's pool"
             in str(err.value)
         )
+
+
+def test_ray_is_sized_for_every_pool_and_for_sft(tiny_model_dir, arithmetic_data):
+    from fusedrl.trainer.runtime import run_slots
+
+    assert run_slots(_config(tiny_model_dir, arithmetic_data, validate=False)) == 1
+    two_pools = _config(tiny_model_dir, arithmetic_data, GEN, "trainer.placement.roles={rollout: gen}")
+    assert run_slots(two_pools) == 2
+    # The SFT config has no placement section (init_ray once failed on it with a ConfigKeyError).
+    sft = load_config(
+        ["trainer.nnodes=1", "trainer.n_gpus_per_node=2"], config_name="sft_trainer", validate_config=False
+    )
+    assert run_slots(sft) == 2
