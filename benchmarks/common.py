@@ -83,6 +83,10 @@ def run_in_subprocess(
 def record(title: str, command: str, table: str, payload: dict) -> None:
     """Print the table and a JSON line, and append both to RESULTS.md with the machine and date."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    # A shared machine's load decides absolute figures; only ratios from one run's alternating rounds travel
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    payload = {**payload, "loadavg_1_5_15": load}
+    table = f"Load average at the end (1/5/15 min): {load}\n\n{table}"
     print(table)
     print("JSON " + json.dumps(payload))
     with open(RESULTS, "a") as f:
