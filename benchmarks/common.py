@@ -27,8 +27,11 @@ def machine() -> str:
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     import torch
 
+    from fusedrl.utils.hardware import native_bf16
+
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{os.cpu_count()} CPU cores ({cpu}), {mem_gb:.0f} GiB RAM, {gpu}; torch {torch.__version__}"
+    bf16 = "native bf16" if native_bf16()[0] else "no native bf16 (emulated)"
+    return f"{os.cpu_count()} CPU cores ({cpu}; {bf16}), {mem_gb:.0f} GiB RAM, {gpu}; torch {torch.__version__}"
 
 
 def model_dir(preset: str) -> str:
