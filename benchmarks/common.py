@@ -31,7 +31,9 @@ def machine() -> str:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     bf16 = "native bf16" if native_bf16()[0] else "no native bf16 (emulated)"
-    return f"{os.cpu_count()} CPU cores ({cpu}; {bf16}), {mem_gb:.0f} GiB RAM, {gpu}; torch {torch.__version__}"
+    return (
+        f"{os.cpu_count()} CPU cores ({cpu}; {bf16}), {mem_gb:.0f} GiB RAM, {gpu}; torch {torch.__version__}"
+    )
 
 
 def model_dir(preset: str) -> str:
