@@ -27,8 +27,13 @@ def machine() -> str:
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     import torch
 
+    from fusedrl.utils.hardware import native_bf16
+
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{os.cpu_count()} CPU cores ({cpu}), {mem_gb:.0f} GiB RAM, {gpu}; torch {torch.__version__}"
+    bf16 = "native bf16" if native_bf16()[0] else "no native bf16 (emulated)"
+    return (
+        f"{os.cpu_count()} CPU cores ({cpu}; {bf16}), {mem_gb:.0f} GiB RAM, {gpu}; torch {torch.__version__}"
+    )
 
 
 def model_dir(preset: str) -> str:
@@ -83,6 +88,10 @@ def run_in_subprocess(
 def record(title: str, command: str, table: str, payload: dict) -> None:
     """Print the table and a JSON line, and append both to RESULTS.md with the machine and date."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    # A shared machine's load decides absolute figures; only ratios from one run's alternating rounds travel
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    payload = {**payload, "loadavg_1_5_15": load}
+    table = f"Load average at the end (1/5/15 min): {load}\n\n{table}"
     print(table)
     print("JSON " + json.dumps(payload))
     with open(RESULTS, "a") as f:

@@ -58,6 +58,13 @@ def main() -> None:
     ap.add_argument("--layouts", default="1,2")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--extra", nargs="*", default=[], help="more config overrides (key=value)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="a named set of overrides (on top of --extra); several alternate with the layouts each round",
+    )
     args = ap.parse_args()
     if args.one:
         res = measure(args.preset, args.one, args.steps, args.response_length, args.extra)
@@ -66,10 +73,18 @@ def main() -> None:
 
     from benchmarks.common import record, run_in_subprocess
 
-    layouts = args.layouts.split(",")
-    runs: dict[str, list[dict]] = {layout: [] for layout in layouts}
+    variants = {"": []}
+    if args.variant:
+        variants = {}
+        for spec in args.variant:
+            name, _, ovs = spec.partition(":")
+            variants[name] = [ov for ov in ovs.split(",") if ov]
+    cases = [
+        (layout, name) for layout in args.layouts.split(",") for name in variants
+    ]  # each round runs every case once, in this order
+    runs: dict[str, list[dict]] = {f"{lay} {name}".strip(): [] for lay, name in cases}
     for _ in range(args.rounds):
-        for layout in layouts:
+        for layout, name in cases:
             workers, _, threads = layout.partition("x")
             res = run_in_subprocess(
                 "benchmarks.step_breakdown",
@@ -84,11 +99,12 @@ def main() -> None:
                     str(args.response_length),
                     "--extra",
                     *args.extra,
+                    *variants[name],
                 ],
                 timeout=1800,
                 env={"OMP_NUM_THREADS": threads} if threads else None,
             )
-            runs[layout].extend(res["steps"])
+            runs[f"{layout} {name}".strip()].extend(res["steps"])
 
     rows, payload = [], {}
     for layout, steps in runs.items():
@@ -106,7 +122,7 @@ def main() -> None:
         )
         payload[f"layout_{layout}"] = steps
     header = (
-        "| workers[xthreads] | step s | "
+        "| workers[xthreads] [variant] | step s | "
         + " | ".join(f"{p} s" for p in PHASES)
         + " | driver other s | tok/s | peak RSS GB/worker |"
     )
@@ -131,6 +147,7 @@ def main() -> None:
             f"--rounds {args.rounds}",
         ]
         + ([f"--extra {' '.join(args.extra)}"] if args.extra else [])
+        + [f"--variant '{v}'" for v in args.variant]
     )
     record("GRPO step breakdown", cmd, table, payload)
 

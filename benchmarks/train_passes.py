@@ -117,6 +117,30 @@ def _hf_fwd_bwd(model, batch, micro: int, temperature: float) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def role_settings(path: str, param_dtype: str | None) -> tuple[dict, dict, dict]:
+    """(model, actor, ref) sections as a fused worker gets them: the YAML's defaults (resolved) with the
+    benchmark's shape on top, so every key the roles read is there and has the user's default."""
+    from fusedrl.config import load_config, to_plain_dict
+
+    overrides = [
+        f"actor_rollout_ref.model.path={path}",
+        "actor_rollout_ref.rollout.n=4",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={ROWS // 4}",  # prompts: the whole batch, one step
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.ppo_epochs=1",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+    ]
+    if param_dtype:
+        for role in ("actor", "ref"):
+            overrides.append(f"actor_rollout_ref.{role}.fsdp_config.param_dtype={param_dtype}")
+    cfg = to_plain_dict(load_config(overrides, validate_config=False))
+    arr = cfg["actor_rollout_ref"]
+    return arr["model"], arr["actor"], arr["ref"]
+
+
 def _rank_main(rank: int, world: int, threads: int, port: int, args: dict, out: str) -> None:
     import torch.distributed as dist
 
@@ -138,27 +162,11 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     from fusedrl.workers.actor import ActorRole, RefRole
 
     path = model_dir(args["preset"])
-    model_cfg = {"path": path}
-    actor_cfg = {
-        "ppo_mini_batch_size": ROWS // 4,
-        "ppo_micro_batch_size_per_gpu": 8,
-        "ppo_epochs": 1,
-        "clip_ratio": 0.2,
-        "loss_agg_mode": "token-mean",
-        "entropy_coeff": 0.0,
-        "use_kl_loss": True,
-        "kl_loss_coef": 0.001,
-        "kl_loss_type": "low_var_kl",
-        "grad_clip": 1.0,
-        "policy_loss": {"loss_mode": "vanilla"},
-        "optim": {"lr": 1e-6},
-        "fsdp_config": {"model_dtype": "float32", "param_dtype": args["param_dtype"]},
-        "log_prob_micro_batch_size_per_gpu": 16,
-    }
-    roles = {"base": (ActorRole(model_cfg, actor_cfg, rollout_n=4), RefRole(model_cfg, actor_cfg))}
+    model_cfg, actor_cfg, ref_cfg = role_settings(path, args["param_dtype"])
+    roles = {"base": (ActorRole(model_cfg, actor_cfg, rollout_n=4), RefRole(model_cfg, ref_cfg))}
     if "bf16" in args["variants"]:  # the same roles under FSDP2 bf16 mixed precision, side by side
-        bf16_cfg = {**actor_cfg, "fsdp_config": {"model_dtype": "float32", "param_dtype": "bfloat16"}}
-        roles["bf16"] = (ActorRole(model_cfg, bf16_cfg, rollout_n=4), RefRole(model_cfg, bf16_cfg))
+        bm, ba, br = role_settings(path, "bfloat16")
+        roles["bf16"] = (ActorRole(bm, ba, rollout_n=4), RefRole(bm, br))
     actor, ref = roles["base"]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     full = synthetic_batch(args["response_length"])
@@ -193,6 +201,7 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
 
     phases = {"old_log_prob": old, "ref": run_ref, "update": update, "hf_fwd_bwd": hf_pass}
     times: dict[str, dict[str, list[float]]] = {v: {p: [] for p in phases} for v in variants}
+    ceilings: dict[str, list[float]] = {"float32": [], "bfloat16": []}
     for variant in variants:  # warm-up
         apply(variant)
         update()
@@ -205,6 +214,10 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
                 fn()
                 dist.barrier()
                 times[variant][name].append(time.perf_counter() - t0)
+        # The ceiling in the same processes, threads and load as the passes (every rank at once, as they run)
+        for dt_name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            dist.barrier()
+            ceilings[dt_name].append(matmul_ceiling(dt, reps=3))
     profiles = {}
     if args["profile"]:
         from torch.profiler import ProfilerActivity, profile
@@ -225,6 +238,7 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
             "fwd_gflop_per_rank": fwd_flops / 1e9,
             "fwd_bwd_gflop_per_rank": fb_flops / 1e9,
             "times": times,
+            "ceiling_gflops_per_rank": ceilings,
             "profiles": profiles,
         }
         with open(os.path.join(out, "result.json"), "w") as f:
@@ -261,11 +275,11 @@ def main() -> None:
         "profile": a.profile,
         "top": a.top,
     }
-    ceiling = {"float32": matmul_ceiling(torch.float32), "bfloat16": matmul_ceiling(torch.bfloat16)}
     from benchmarks.common import record
     from fusedrl.utils.hardware import native_bf16
 
-    rows, payload, prof_text = [], {"ceiling_gflops_per_thread_1": ceiling, "layouts": {}}, []
+    rows, payload, prof_text = [], {"layouts": {}}, []
+    ceil_text = []
     for layout in a.layouts.split(","):
         world, threads = (int(x) for x in layout.split("x"))
         res = run_layout(world, threads, args)
@@ -273,29 +287,41 @@ def main() -> None:
         payload["layouts"][layout] = res
         flops = {"old_log_prob": res["fwd_gflop_per_rank"], "ref": res["fwd_gflop_per_rank"]}
         flops["update"] = flops["hf_fwd_bwd"] = res["fwd_bwd_gflop_per_rank"]
+        ceil = {k: statistics.median(v) / threads for k, v in res["ceiling_gflops_per_rank"].items()}
+        ceil_text.append(f"{layout}: fp32 {ceil['float32']:.0f}, bf16 {ceil['bfloat16']:.0f}")
         for variant, per_phase in res["times"].items():
             cells = []
             for phase in PHASES:
                 t = statistics.median(per_phase[phase])
                 rate = flops[phase] / t / threads  # GFLOP/s per thread, all ranks run alike
                 cells.append(f"{t:.2f} s ({rate:.0f})")
-            rows.append(f"| {layout} | {variant} | " + " | ".join(cells) + " |")
+            dtype = "bfloat16" if variant == "bf16" else (a.param_dtype or "float32")
+            train = ("old_log_prob", "ref", "update")
+            rate = (
+                sum(flops[p] for p in train) / sum(statistics.median(per_phase[p]) for p in train) / threads
+            )
+            share = f"{rate:.0f} = {100 * rate / ceil[dtype]:.0f}% of {dtype} {ceil[dtype]:.0f}"
+            rows.append(f"| {layout} | {variant} | " + " | ".join(cells) + f" | {share} |")
         for key, table in res["profiles"].items():
             prof_text.append(
                 f"**{layout} {key}** (rank 0, top {a.top} by self CPU time)\n\n```\n{table}\n```"
             )
     dtype = a.param_dtype or "float32"
-    t1 = torch.get_num_threads()
-    header = "| WxT | variant | " + " | ".join(f"{p} s (GFLOP/s/thread)" for p in PHASES) + " |"
+    header = (
+        "| WxT | variant | "
+        + " | ".join(f"{p} s (GFLOP/s/thread)" for p in PHASES)
+        + " | training passes GFLOP/s/thread vs ceiling |"
+    )
     table = "\n".join(
         [
             f"Training passes, {a.preset} model, {ROWS} samples, prompts 15-35 tokens left-padded to {TP}, responses "
             f"<= {a.response_length} ({dtype} compute); median of {a.reps}. FLOPs: real tokens only "
-            f"(torch.utils.flop_counter). Matmul ceiling (2048x512 @ 512x1408, {t1} threads): fp32 "
-            f"{ceiling['float32']:.0f}, bf16 {ceiling['bfloat16']:.0f} GFLOP/s ({native_bf16()[1]}).",
+            f"(torch.utils.flop_counter). Matmul ceiling (2048x512 @ 512x1408), GFLOP/s per thread, "
+            f"measured in the same worker processes between the rounds, all ranks at once: "
+            f"{'; '.join(ceil_text)} ({native_bf16()[1]}).",
             "",
             header,
-            "|" + "---|" * (len(PHASES) + 2),
+            "|" + "---|" * (len(PHASES) + 3),
             *rows,
         ]
     )
