@@ -138,6 +138,15 @@ class StreamStats:
     peak_live_bytes: int = 0
     _live: dict[int, int] = field(default_factory=dict)
 
+    def record(self, full: torch.Tensor, is_new: bool) -> None:
+        """Count one streamed tensor; track it while alive when the stream created it (``is_new``)."""
+        nbytes = full.numel() * full.element_size()
+        self.num_tensors += 1
+        self.total_bytes += nbytes
+        self.largest_bytes = max(self.largest_bytes, nbytes)
+        if is_new:
+            self._track(full)
+
     def _track(self, t: torch.Tensor) -> None:
         key = id(t)
         self._live[key] = t.numel() * t.element_size()
@@ -169,12 +178,7 @@ def stream_full_tensors(
     for name, tensor in model.state_dict().items():
         full, is_new = gather_full(tensor)
         if stats is not None:
-            nbytes = full.numel() * full.element_size()
-            stats.num_tensors += 1
-            stats.total_bytes += nbytes
-            stats.largest_bytes = max(stats.largest_bytes, nbytes)
-            if is_new:
-                stats._track(full)
+            stats.record(full, is_new)
         # state_dict() tensors are already detached; yield the very object we track, so the
         # bookkeeping sees exactly when the consumer lets go of it.
         yield name, full

@@ -111,17 +111,6 @@ class LoraRefView:
             )
 
 
-def _record(stats: StreamStats | None, full: torch.Tensor, is_new: bool) -> None:
-    if stats is None:
-        return
-    nbytes = full.numel() * full.element_size()
-    stats.num_tensors += 1
-    stats.total_bytes += nbytes
-    stats.largest_bytes = max(stats.largest_bytes, nbytes)
-    if is_new:
-        stats._track(full)
-
-
 @torch.no_grad()
 def merged_lora_stream(
     model: nn.Module, *, full: bool, stats: StreamStats | None = None
@@ -152,7 +141,8 @@ def merged_lora_stream(
             out, is_new = _merged(layers[peft_module], tensor, state, peft_module)
         else:
             out, is_new = gather_full(tensor)
-        _record(stats, out, is_new)
+        if stats is not None:
+            stats.record(out, is_new)
         yield hf, out
         del out
 
