@@ -86,10 +86,9 @@ def slot_pool(trainer_cfg: Any) -> ResourcePool:
     """The run's device slots, ``trainer.nnodes x trainer.n_gpus_per_node``: GPUs where CUDA is available,
     else CPU slots that share the free cores (Ray gives each worker ``OMP_NUM_THREADS`` = its CPUs, so one
     worker on a 2-core box trains on 2 threads)."""
-    slots, nnodes = int(trainer_cfg.n_gpus_per_node), int(trainer_cfg.nnodes)
-    use_gpu = torch.cuda.is_available()
-    cpus = 1.0 if use_gpu else float(cpus_for_cpu_slots(slots * nnodes))
-    return ResourcePool(slots_per_node=slots, nnodes=nnodes, use_gpu=use_gpu, cpus_per_slot=cpus)
+    return resource_pool(
+        PoolSpec(nnodes=int(trainer_cfg.nnodes), slots_per_node=int(trainer_cfg.n_gpus_per_node))
+    )
 
 
 class RoleGroups:
@@ -152,25 +151,6 @@ class RoleGroups:
         if self.weight_route is None:
             return self.group_for("actor").run_all(lambda w: w.update_weights.remote())
         return [self.weight_route.sync()]
-
-    @classmethod
-    def start(
-        cls, worker_cls: type, pool: ResourcePool, worker_config: dict[str, Any], groups: list[list[str]]
-    ) -> RoleGroups:
-        """One `WorkerGroup` per entry of ``groups`` (from `check_role_groups`), each building its roles
-        (``init_roles``, collective per group). Groups after the first share the first one's slots."""
-        by_role: dict[str, WorkerGroup] = {}
-        for i, roles in enumerate(groups):
-            group = WorkerGroup.start(
-                worker_cls,
-                pool,
-                worker_config,
-                init=lambda w, addr, port: w.init_roles.remote(addr, port),
-                roles=roles,
-                share_slots=i > 0,
-            )
-            by_role.update(dict.fromkeys(roles, group))
-        return cls(by_role)
 
     def group_for(self, role: str) -> WorkerGroup:
         """The worker group holding ``role``."""
