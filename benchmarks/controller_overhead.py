@@ -39,12 +39,12 @@ def main() -> None:
 
     from benchmarks.common import fmt, record, summary
     from fusedrl.controller import ResourcePool, WorkerGroup
+    from fusedrl.role_config import role_configs_from_overrides
     from fusedrl.workers.worker_dict import WorkerDict
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", object_store_memory=512 << 20)
-    group = WorkerGroup(
-        WorkerDict, ResourcePool(slots_per_node=2), {"trainer": {"nnodes": 1, "n_gpus_per_node": 2}}
-    )
+    config = role_configs_from_overrides(["data.train_files=unused", "actor_rollout_ref.model.path=unused"])
+    group = WorkerGroup(WorkerDict, ResourcePool(slots_per_node=2), config)
     try:
         group.run_all(lambda w: w.ping.remote())
         reps = 20

@@ -259,6 +259,7 @@ def run_model(preset: str, *, dry_run: bool, workdir: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from fusedrl.role_config import TokenIds, build_role_configs
     from fusedrl.utils.tiny_model import build_tiny_model, count_parameters
     from fusedrl.workers.memory import Offloader, allocator_settings, device_free_total, empty_cache
     from fusedrl.workers.worker_dict import WorkerDict
@@ -274,7 +275,7 @@ def run_model(preset: str, *, dry_run: bool, workdir: str) -> dict[str, Any]:
 
     cfg = resolved_config(check_overrides(model_dir, cuda=cuda, response_length=response_length, n=n))
     tok, batch = _prompts(model_dir, n_prompts, n)
-    cfg["_tokens"] = {"eos_token_id": int(tok.eos_token_id), "pad_token_id": int(tok.pad_token_id)}
+    cfg = build_role_configs(cfg, tokens=TokenIds(eos=int(tok.eos_token_id), pad=int(tok.pad_token_id)))
     alloc_before = allocator_settings()
     worker = WorkerDict(cfg, rank=0, world_size=1, roles=("actor", "rollout", "ref"))
     t0 = time.perf_counter()

@@ -25,6 +25,7 @@ import socket
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -117,10 +118,10 @@ def _hf_fwd_bwd(model, batch, micro: int, temperature: float) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def role_settings(path: str, param_dtype: str | None) -> tuple[dict, dict, dict]:
-    """(model, actor, ref) sections as a fused worker gets them: the YAML's defaults (resolved) with the
+def role_settings(path: str, param_dtype: str | None) -> tuple[Any, Any, Any]:
+    """(model, actor, ref) configs as a fused worker gets them (typed): the YAML's defaults with the
     benchmark's shape on top, so every key the roles read is there and has the user's default."""
-    from fusedrl.config import load_config, to_plain_dict
+    from fusedrl.role_config import role_configs_from_overrides
 
     overrides = [
         f"actor_rollout_ref.model.path={path}",
@@ -136,9 +137,8 @@ def role_settings(path: str, param_dtype: str | None) -> tuple[dict, dict, dict]
     if param_dtype:
         for role in ("actor", "ref"):
             overrides.append(f"actor_rollout_ref.{role}.fsdp_config.param_dtype={param_dtype}")
-    cfg = to_plain_dict(load_config(overrides, validate_config=False))
-    arr = cfg["actor_rollout_ref"]
-    return arr["model"], arr["actor"], arr["ref"]
+    cfg = role_configs_from_overrides(overrides)
+    return cfg.model, cfg.actor, cfg.ref
 
 
 def _rank_main(rank: int, world: int, threads: int, port: int, args: dict, out: str) -> None:

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fusedrl.config_sections import (
     FILTER_METRICS,
+    check_number,
     checkpoint_contents_problems,
     rollout_correction_problems,
     schedule_problems,
@@ -208,15 +209,8 @@ def validate(cfg: DictConfig) -> None:
         )
 
     def number(key: str, kind: type = int) -> Any:
-        """``cfg[key]`` as ``kind``, or None (and one problem) when it is not one."""
-        value = _get(cfg, key)
-        try:
-            if isinstance(value, bool) or value is None:
-                raise TypeError
-            return kind(value)
-        except (TypeError, ValueError):
-            problems.append(f"`{key}`={value!r}: must be {'an integer' if kind is int else 'a number'}.")
-            return None
+        """``cfg[key]`` as ``kind``, or None (and one problem) when it is not one (2.5 is no integer)."""
+        return check_number(_get(cfg, key), key, problems, kind)
 
     def positive(key: str) -> int | None:
         value = number(key)
@@ -227,6 +221,7 @@ def validate(cfg: DictConfig) -> None:
 
     # --- batch-size arithmetic (checked only when every number in it is valid)
     slots, nnodes = positive("trainer.n_gpus_per_node"), positive("trainer.nnodes")
+    positive("trainer.total_epochs")
     n = positive("actor_rollout_ref.rollout.n")
     bsz = positive("data.train_batch_size")
     mini = positive("actor_rollout_ref.actor.ppo_mini_batch_size")

@@ -3,7 +3,29 @@ budgets), called by `fusedrl.config.validate`; each appends problems that name t
 
 from __future__ import annotations
 
+from typing import Any
+
 from omegaconf import DictConfig, OmegaConf
+
+
+def check_number(
+    value: Any, key: str, problems: list[str], kind: type = int, *, optional: bool = False
+) -> Any:
+    """``value`` (of ``key``) as ``kind``, or None plus one problem in ``problems``: the one numeric check of
+    the PPO and SFT validators. Booleans and None (unless ``optional``) are refused, and an integer key
+    refuses a fractional number (``2.5``; ``2.0`` is 2) instead of truncating it."""
+    if value is None and optional:
+        return None
+    try:
+        if isinstance(value, bool) or value is None:
+            raise TypeError
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        what = "an integer" if kind is int else "a number"
+        problems.append(f"`{key}`={value!r}: must be {what}{' or null' if optional else ''}.")
+        return None
 
 
 def rollout_correction_problems(cfg: DictConfig, problems: list[str]) -> None:

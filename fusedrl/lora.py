@@ -9,7 +9,6 @@ rollout engine and a Hugging Face export use).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 ALL_LINEAR = "all-linear"
@@ -20,14 +19,15 @@ _BASE_LAYER = ".base_layer"
 ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude")
 
 
-def lora_rank(model_cfg: Mapping[str, Any]) -> int:
-    """``model.lora_rank`` as an int (0: LoRA off)."""
-    return int(model_cfg["lora_rank"])
+def lora_rank(model_cfg: Any) -> int:
+    """``model.lora_rank`` as an int (0: LoRA off); ``model_cfg`` is the typed ``ModelConfig`` (or the
+    driver's DictConfig section)."""
+    return int(model_cfg.lora_rank)
 
 
-def lora_enabled(model_cfg: Mapping[str, Any]) -> bool:
+def lora_enabled(model_cfg: Any) -> bool:
     """Whether the actor trains LoRA adapters (``lora_rank > 0`` or a saved adapter to start from)."""
-    return lora_rank(model_cfg) > 0 or bool(model_cfg["lora_adapter_path"])
+    return lora_rank(model_cfg) > 0 or bool(model_cfg.lora_adapter_path)
 
 
 def target_modules(value: Any) -> str | list[str]:

@@ -35,6 +35,7 @@ from fusedrl.data.dataset import PromptLoader, tokenizer_pad_id
 from fusedrl.lr_schedule import scheduled_lr
 from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
+from fusedrl.role_config import TokenIds, build_role_configs
 from fusedrl.tracking import Tracker, timer
 from fusedrl.trainer import step_plan
 from fusedrl.trainer.data_setup import prompt_data
@@ -107,12 +108,10 @@ class PPOTrainer:
         driver's calls are the same whatever the grouping: each goes to the group holding the role
         (`group_for`). A rollout on a pool of its own gets the weights by broadcast, not in place.
         """
-        worker_config = to_plain_dict(self.config)
-        worker_config["_tokens"] = {
-            "eos_token_id": int(self.tokenizer.eos_token_id),
-            "pad_token_id": tokenizer_pad_id(self.tokenizer),
-        }
-        worker_config["_agent_tools"] = self.agent_tools
+        tokens = TokenIds(eos=int(self.tokenizer.eos_token_id), pad=tokenizer_pad_id(self.tokenizer))
+        worker_config = build_role_configs(
+            to_plain_dict(self.config), tokens=tokens, agent_tools=self.agent_tools
+        )
         self.groups = RoleGroups.start_placed(
             WorkerDict, self.config, worker_config, self.run_roles(), role_groups
         )

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint
 from fusedrl.config import ConfigError, load_config, logger_names, to_plain_dict
+from fusedrl.config_sections import check_number
 from fusedrl.controller import WorkerGroup
 from fusedrl.controller.placement import slot_pool
 from fusedrl.data.sft_dataset import (
@@ -34,6 +35,7 @@ from fusedrl.data.sft_dataset import (
     eval_batches,
     shard_batch,
 )
+from fusedrl.role_config import build_sft_role_configs
 from fusedrl.tracking import KNOWN_LOGGERS, Tracker, format_duration, timer
 from fusedrl.workers.fsdp import DTYPES
 from fusedrl.workers.sft_worker import LR_SCHEDULERS, SFTWorker
@@ -60,22 +62,10 @@ def validate_sft(cfg: DictConfig) -> None:
         problems.append(f"`{key}`: required, not set. Pass `{key}=...` on the command line.")
 
     def number(key: str, kind: type = int, optional: bool = False) -> Any:
-        """``cfg[key]`` as ``kind`` (None when unset and ``optional``), or None plus one problem."""
+        """``key``'s value as ``kind`` (None when unset and ``optional``), or None plus one problem."""
         if key in missing:
             return None
-        value = get(key)
-        if value is None and optional:
-            return None
-        try:
-            if isinstance(value, bool) or value is None:
-                raise TypeError
-            if kind is int and isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return kind(value)
-        except (TypeError, ValueError):
-            what = "an integer" if kind is int else "a number"
-            problems.append(f"`{key}`={value!r}: must be {what}{' or null' if optional else ''}.")
-            return None
+        return check_number(get(key), key, problems, kind, optional=optional)  # PPO's check too
 
     def at_least(key: str, low: int, optional: bool = False) -> int | None:
         value = number(key, int, optional)
@@ -286,8 +276,7 @@ class SFTTrainer:
     def init_workers(self) -> None:
         """Reserve the device slots, start one `SFTWorker` per slot and build the model (collective)."""
         pool = slot_pool(self.config.trainer)
-        worker_config = to_plain_dict(self.config)
-        worker_config["_total_steps"] = self.total_steps
+        worker_config = build_sft_role_configs(to_plain_dict(self.config), total_steps=self.total_steps)
         self.group = WorkerGroup.start(
             SFTWorker, pool, worker_config, init=lambda w, addr, port: w.init.remote(addr, port)
         )

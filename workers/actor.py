@@ -11,6 +11,7 @@ from torch import nn
 from fusedrl.algorithms import agg_loss, get_policy_loss, kl_penalty
 from fusedrl.batch import RolloutBatch
 from fusedrl.lora import lora_enabled
+from fusedrl.role_config import ActorConfig, FsdpConfig, ModelConfig, RefConfig, RefFsdpConfig
 from fusedrl.workers.fsdp import (
     StreamStats,
     build_adamw,
@@ -30,10 +31,11 @@ from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates, set_lr
 from fusedrl.workers.ulysses import check_heads, sp_group
 
 
-def _select(cfg: dict[str, Any], dotted: str) -> Any:
+def _select(cfg: Any, dotted: str) -> Any:
+    """A loss's declared ``config_keys`` entry (dotted under the actor section) from the typed config."""
     node: Any = cfg
     for part in dotted.split("."):
-        node = node[part]
+        node = getattr(node, part)
     return node
 
 
@@ -56,11 +58,13 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
     return 0
 
 
-def _sharded_model(model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any], *, lora: bool = False) -> nn.Module:
+def _sharded_model(
+    model_cfg: ModelConfig, fsdp_cfg: FsdpConfig | RefFsdpConfig, *, lora: bool = False
+) -> nn.Module:
     model = load_causal_lm(
-        model_cfg["path"],
-        fsdp_cfg["model_dtype"],
-        resolve_attn_implementation(model_cfg["attn_implementation"]),
+        model_cfg.path,
+        fsdp_cfg.model_dtype,
+        resolve_attn_implementation(model_cfg.attn_implementation),
     )
     if lora:  # PEFT adapters (only they train), then the same FSDP2 wrap as every other model
         from fusedrl.workers.lora import add_lora
@@ -68,21 +72,21 @@ def _sharded_model(model_cfg: dict[str, Any], fsdp_cfg: dict[str, Any], *, lora:
         model = add_lora(model, model_cfg)
     return shard_for_training(
         model,
-        gradient_checkpointing=bool(model_cfg["enable_gradient_checkpointing"]),
-        param_dtype=fsdp_cfg["param_dtype"],
+        gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
+        param_dtype=fsdp_cfg.param_dtype,
     )
 
 
 class RefRole:
     """Frozen reference policy: same weights as the actor at start, never updated."""
 
-    def __init__(self, model_cfg: dict[str, Any], ref_cfg: dict[str, Any], *, sp: int = 1) -> None:
+    def __init__(self, model_cfg: ModelConfig, ref_cfg: RefConfig, *, sp: int = 1) -> None:
         """``sp``: the actor's ``ulysses_sequence_parallel_size``; the reference splits sequences the same
         way (the driver gives a group's workers the same rows for both)."""
         self.cfg = ref_cfg
-        self.use_remove_padding = bool(model_cfg["use_remove_padding"])
+        self.use_remove_padding = bool(model_cfg.use_remove_padding)
         self.sp_group = sp_group(sp)
-        self.model = _sharded_model(model_cfg, ref_cfg["fsdp_config"])
+        self.model = _sharded_model(model_cfg, ref_cfg.fsdp_config)
         check_heads(self.model, sp)
         self.model.eval()
         for p in self.model.parameters():
@@ -94,9 +98,9 @@ class RefRole:
             self.model,
             batch,
             temperature=temperature,
-            micro_batch_size=self.cfg["log_prob_micro_batch_size_per_gpu"],
+            micro_batch_size=self.cfg.log_prob_micro_batch_size_per_gpu,
             max_token_len=token_budget(
-                self.cfg, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"
+                self.cfg.log_prob_use_dynamic_bsz, self.cfg.log_prob_max_token_len_per_gpu
             ),
             remove_padding=self.use_remove_padding,
             sp_group=self.sp_group,
@@ -106,26 +110,26 @@ class RefRole:
 class ActorRole:
     """The policy being trained: forward/backward under FSDP2, AdamW, grad clipping, micro-batching.
 
-    ``cfg`` is ``actor_rollout_ref.actor``. Batches arriving here are this rank's shard; mini-batch sizes
+    ``cfg`` is ``actor_rollout_ref.actor`` (`fusedrl.role_config.ActorConfig`). Batches arriving here are this rank's shard; mini-batch sizes
     in the config count prompts across all ranks (as in verl), so they are converted to local rows.
     """
 
     def __init__(
-        self, model_cfg: dict[str, Any], cfg: dict[str, Any], *, rollout_n: int, rollout_seed: int = 0
+        self, model_cfg: ModelConfig, cfg: ActorConfig, *, rollout_n: int, rollout_seed: int = 0
     ) -> None:
         self.cfg = cfg
         # Ulysses: the ranks of one sequence-parallel group share rows, so the data-parallel size is W / sp.
-        self.sp_group = sp_group(int(cfg["ulysses_sequence_parallel_size"]))
-        self.world_size = dist.get_world_size() // int(cfg["ulysses_sequence_parallel_size"])
+        self.sp_group = sp_group(int(cfg.ulysses_sequence_parallel_size))
+        self.world_size = dist.get_world_size() // int(cfg.ulysses_sequence_parallel_size)
         self.rollout_n = rollout_n
-        self.use_remove_padding = bool(model_cfg["use_remove_padding"])
+        self.use_remove_padding = bool(model_cfg.use_remove_padding)
         self.lora = lora_enabled(model_cfg)  # the model is a PEFT model: only adapters train
-        self.model = _sharded_model(model_cfg, cfg["fsdp_config"], lora=self.lora)
-        check_heads(self.model, int(cfg["ulysses_sequence_parallel_size"]))
-        self.optimizer = build_adamw(self.model, cfg["optim"])
-        self.policy_loss = get_policy_loss(cfg["policy_loss"]["loss_mode"])
+        self.model = _sharded_model(model_cfg, cfg.fsdp_config, lora=self.lora)
+        check_heads(self.model, int(cfg.ulysses_sequence_parallel_size))
+        self.optimizer = build_adamw(self.model, cfg.optim)
+        self.policy_loss = get_policy_loss(cfg.policy_loss.loss_mode)
         # A loss whose paper fixes the aggregation (GMPO) declares it; every term then uses that mode.
-        self.agg_mode = str(getattr(self.policy_loss, "agg_mode", cfg["loss_agg_mode"]))
+        self.agg_mode = str(getattr(self.policy_loss, "agg_mode", cfg.loss_agg_mode))
         # Extra actor keys a loss reads (SAPO's tau_pos / tau_neg, Clip-Cov's policy_loss.clip_cov_*), passed
         # by their last name.
         self.loss_kwargs = {
@@ -134,7 +138,7 @@ class ActorRole:
         }
         self.loss_seed = loss_seed_base(rollout_seed)
         self._micro_index = 0  # micro-batches since the update began (part of a random loss's seed)
-        self.stepper = GuardedStepper(self.model, self.optimizer, float(cfg["grad_clip"]))
+        self.stepper = GuardedStepper(self.model, self.optimizer, float(cfg.grad_clip))
         self._forward_log_probs: list[torch.Tensor] = []  # detached, per micro-batch, during `update`
         self.forward_log_probs: torch.Tensor | None = None  # [B, Tr] after an update without old_log_probs
 
@@ -170,7 +174,7 @@ class ActorRole:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
         mode = self.agg_mode
-        entropy_coeff = float(cfg["entropy_coeff"])
+        entropy_coeff = float(cfg.entropy_coeff)
         log_prob, entropy = response_log_probs(
             self.model,
             mb,
@@ -179,7 +183,7 @@ class ActorRole:
             remove_padding=self.use_remove_padding,
             sp_group=self.sp_group,
         )  # [b, Tr]
-        clip = float(cfg["clip_ratio"])
+        clip = float(cfg.clip_ratio)
         old_log_prob = mb.old_log_probs  # [b, Tr]
         if old_log_prob is None:
             # The batch is used once, in one mini-batch: the policy before the step is this very forward.
@@ -190,9 +194,9 @@ class ActorRole:
             old_log_prob,
             mb.advantages,
             mb.response_mask,
-            clip_ratio_low=float(clip if cfg["clip_ratio_low"] is None else cfg["clip_ratio_low"]),
-            clip_ratio_high=float(clip if cfg["clip_ratio_high"] is None else cfg["clip_ratio_high"]),
-            clip_ratio_c=float(cfg["clip_ratio_c"]),
+            clip_ratio_low=float(clip if cfg.clip_ratio_low is None else cfg.clip_ratio_low),
+            clip_ratio_high=float(clip if cfg.clip_ratio_high is None else cfg.clip_ratio_high),
+            clip_ratio_c=float(cfg.clip_ratio_c),
             loss_agg_mode=mode,
             global_norm=norm,
             **self.loss_kwargs,
@@ -205,10 +209,10 @@ class ActorRole:
         token_share = mb.response_mask.sum() / max(token_norm, 1e-8)
         entropy_mean = (entropy * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)
         terms = {"pg_loss": pg_loss.detach(), "entropy": (entropy_mean * token_share).detach()}
-        if cfg["use_kl_loss"]:
-            kl = kl_penalty(log_prob, mb.ref_log_probs, cfg["kl_loss_type"])  # [b, Tr]
+        if cfg.use_kl_loss:
+            kl = kl_penalty(log_prob, mb.ref_log_probs, cfg.kl_loss_type)  # [b, Tr]
             kl_loss = agg_loss(kl, mb.response_mask, mode, norm)  # []
-            loss = loss + float(cfg["kl_loss_coef"]) * kl_loss
+            loss = loss + float(cfg.kl_loss_coef) * kl_loss
             terms["kl_loss"] = kl_loss.detach()
         # Ratio diagnostics are per micro-batch means; weight them by this micro-batch's share.
         share = mb.response_mask.sum() / max(token_norm, 1e-8)
@@ -225,8 +229,8 @@ class ActorRole:
         would compute before the step), and `forward_log_probs` holds them afterwards (``[B, Tr]``).
         """
         cfg = self.cfg
-        mini_rows = cfg["ppo_mini_batch_size"] * self.rollout_n // self.world_size
-        epochs = int(cfg["ppo_epochs"])
+        mini_rows = cfg.ppo_mini_batch_size * self.rollout_n // self.world_size
+        epochs = int(cfg.ppo_epochs)
         from_forward = batch.old_log_probs is None
         if from_forward and (epochs != 1 or batch.num_samples > mini_rows):
             raise ValueError(
@@ -245,11 +249,11 @@ class ActorRole:
                 mb, temperature=temperature, norm=norm, token_norm=token_norm
             ),
             mini_rows=mini_rows,
-            micro_rows=cfg["ppo_micro_batch_size_per_gpu"],
+            micro_rows=cfg.ppo_micro_batch_size_per_gpu,
             epochs=epochs,
             loss_agg_mode=self.agg_mode,
             world_size=dist.get_world_size(),  # all ranks: sp replicas count in the normaliser and in FSDP's mean
-            max_token_len=token_budget(cfg, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+            max_token_len=token_budget(cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu),
             on_micro_split=orders.append,
         )
         self.forward_log_probs = (

@@ -9,7 +9,7 @@ the loss normaliser of a mini-batch is summed over ranks so the gradient does no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from torch import nn
 
 from fusedrl.algorithms.value import value_loss
 from fusedrl.batch import RolloutBatch
+from fusedrl.role_config import CriticConfig
 from fusedrl.workers.fsdp import (
     build_adamw,
     device_type,
@@ -78,31 +79,31 @@ class CriticRole:
     by token budget). The process group must already be initialised.
     """
 
-    def __init__(self, critic_cfg: dict[str, Any], *, rollout_n: int) -> None:
+    def __init__(self, critic_cfg: CriticConfig, *, rollout_n: int) -> None:
         self.cfg = critic_cfg
         # Ulysses: a sequence-parallel group's ranks share rows, so the data-parallel size is W / sp.
-        self.sp = int(critic_cfg["ulysses_sequence_parallel_size"])
+        self.sp = int(critic_cfg.ulysses_sequence_parallel_size)
         self.sp_group = sp_group(self.sp)
         self.world_size = dist.get_world_size() // self.sp
         self.rollout_n = rollout_n
-        model_cfg = critic_cfg["model"]
-        self.use_remove_padding = bool(model_cfg["use_remove_padding"])
-        fsdp_cfg = model_cfg["fsdp_config"]
+        model_cfg = critic_cfg.model
+        self.use_remove_padding = bool(model_cfg.use_remove_padding)
+        fsdp_cfg = model_cfg.fsdp_config
         model = load_value_model(
-            model_cfg["path"],
-            fsdp_cfg["model_dtype"],
-            resolve_attn_implementation(model_cfg["attn_implementation"]),
+            model_cfg.path,
+            fsdp_cfg.model_dtype,
+            resolve_attn_implementation(model_cfg.attn_implementation),
         )
         model.to(device_type())
         _broadcast_head(model)  # every rank starts from rank 0's randomly initialised head
         self.model = shard_for_training(
             model,
-            gradient_checkpointing=bool(model_cfg["enable_gradient_checkpointing"]),
-            param_dtype=fsdp_cfg["param_dtype"],
+            gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
+            param_dtype=fsdp_cfg.param_dtype,
         )
         check_heads(self.model, self.sp, "critic.ulysses_sequence_parallel_size")
-        self.optimizer = build_adamw(self.model, critic_cfg["optim"])
-        self.stepper = GuardedStepper(self.model, self.optimizer, float(self.cfg["grad_clip"]))
+        self.optimizer = build_adamw(self.model, critic_cfg.optim)
+        self.stepper = GuardedStepper(self.model, self.optimizer, float(self.cfg.grad_clip))
 
     # ------------------------------------------------------------------ forward
     def _forward_values(self, mb: RolloutBatch) -> torch.Tensor:
@@ -124,8 +125,8 @@ class CriticRole:
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """``V(prefix)`` for every response position of this rank's shard: ``[B, Tr]``, 0 on padding."""
         self.model.eval()
-        size = self.cfg["forward_micro_batch_size_per_gpu"] or self.cfg["ppo_micro_batch_size_per_gpu"]
-        budget = token_budget(self.cfg, "use_dynamic_bsz", "forward_max_token_len_per_gpu")
+        size = self.cfg.forward_micro_batch_size_per_gpu or self.cfg.ppo_micro_batch_size_per_gpu
+        budget = token_budget(self.cfg.use_dynamic_bsz, self.cfg.forward_max_token_len_per_gpu)
         mbs, order = split_micro_batches(batch, rows=int(size), max_token_len=budget)
         parts = [self._forward_values(mb) for mb in mbs]  # [b_i, Tr] each
         return restore_order(parts, order) * batch.response_mask  # [B, Tr]
@@ -142,14 +143,14 @@ class CriticRole:
         cfg = self.cfg
         set_lr(self.optimizer, lr)
         self.model.train()
-        mini_rows = int(cfg["ppo_mini_batch_size"]) * self.rollout_n // self.world_size
+        mini_rows = int(cfg.ppo_mini_batch_size) * self.rollout_n // self.world_size
         if mini_rows < 1:
             raise ValueError(
-                f"critic.ppo_mini_batch_size={cfg['ppo_mini_batch_size']} x rollout.n={self.rollout_n} gives "
+                f"critic.ppo_mini_batch_size={cfg.ppo_mini_batch_size} x rollout.n={self.rollout_n} gives "
                 f"no row per rank with {self.world_size} ranks"
             )
-        mode = self.cfg["loss_agg_mode"]
-        clip = float(self.cfg["cliprange_value"])
+        mode = self.cfg.loss_agg_mode
+        clip = float(self.cfg.cliprange_value)
 
         def micro_loss(mb: RolloutBatch, norm: float, token_norm: float):
             values = self._forward_values(mb)  # [b, Tr]
@@ -172,11 +173,11 @@ class CriticRole:
             stepper=self.stepper,
             micro_loss=micro_loss,
             mini_rows=mini_rows,
-            micro_rows=int(cfg["ppo_micro_batch_size_per_gpu"]),
-            epochs=int(self.cfg["ppo_epochs"]),
+            micro_rows=int(cfg.ppo_micro_batch_size_per_gpu),
+            epochs=int(self.cfg.ppo_epochs),
             loss_agg_mode=mode,
             world_size=dist.get_world_size(),  # all ranks: sp replicas count in the normaliser and in FSDP's mean
-            max_token_len=token_budget(cfg, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+            max_token_len=token_budget(cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu),
         )
         out = {f"critic/{k}": v for k, v in metrics.items()}
         out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])

@@ -64,17 +64,17 @@ def join_process_group(
 class DistributedWorker:
     """What every worker kind shares: who it is, and the two-phase join of its group's process group.
 
-    ``config`` is the run's resolved config as a plain dict (its ``trainer.nnodes`` / ``n_gpus_per_node``
-    decide the rendezvous host and the local device index)."""
+    ``config`` is the run's typed role configs (`fusedrl.role_config.RoleConfigs` / ``SFTRoleConfigs``):
+    its ``trainer.nnodes`` / ``n_gpus_per_node`` decide the rendezvous host and the local device index."""
 
-    def __init__(self, config: dict[str, Any], *, rank: int, world_size: int) -> None:
+    def __init__(self, config: Any, *, rank: int, world_size: int) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
 
     def master_address(self) -> tuple[str, int]:
         """Rank 0 is asked for the rendezvous address of torch.distributed."""
-        return rendezvous_address(int(self.config["trainer"]["nnodes"]))
+        return rendezvous_address(int(self.config.trainer.nnodes))
 
     def _join(self, master_addr: str, master_port: int, **extra_env: str) -> None:
         join_process_group(
@@ -82,6 +82,6 @@ class DistributedWorker:
             world_size=self.world_size,
             master_addr=master_addr,
             master_port=master_port,
-            slots_per_node=int(self.config["trainer"]["n_gpus_per_node"]),
+            slots_per_node=int(self.config.trainer.n_gpus_per_node),
             **extra_env,
         )

@@ -112,14 +112,15 @@ def shard_for_training(
     return apply_fsdp2(model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None)
 
 
-def build_adamw(model: nn.Module, optim_cfg: dict[str, Any], lr: float | None = None) -> torch.optim.AdamW:
-    """AdamW over the model's trainable parameters from an ``optim`` config section (``lr`` overrides
-    ``optim_cfg.lr``, for schedules that start elsewhere)."""
+def build_adamw(model: nn.Module, optim_cfg: Any, lr: float | None = None) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters from an ``optim`` config section (a
+    `fusedrl.role_config.OptimConfig` / ``SFTOptimConfig``; ``lr`` overrides ``optim_cfg.lr``, for
+    schedules that start elsewhere)."""
     return torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
-        lr=float(optim_cfg["lr"] if lr is None else lr),
-        betas=tuple(optim_cfg["betas"]),
-        weight_decay=float(optim_cfg["weight_decay"]),
+        lr=float(optim_cfg.lr if lr is None else lr),
+        betas=(float(optim_cfg.betas[0]), float(optim_cfg.betas[1])),
+        weight_decay=float(optim_cfg.weight_decay),
     )
 
 

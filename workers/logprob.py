@@ -79,9 +79,10 @@ def split_micro_batches(
     return [batch[torch.tensor(b, dtype=torch.long)] for b in bins], order
 
 
-def token_budget(cfg: dict, use_key: str, budget_key: str) -> int | None:
-    """``cfg[budget_key]`` when ``cfg[use_key]`` turns dynamic batch size on, else None (row micro-batches)."""
-    return int(cfg[budget_key]) if cfg.get(use_key) else None
+def token_budget(use_dynamic_bsz: bool, max_token_len: int) -> int | None:
+    """``max_token_len`` when a role's ``use_dynamic_bsz`` key turns token-budget micro-batches on, else
+    None (row micro-batches)."""
+    return int(max_token_len) if use_dynamic_bsz else None
 
 
 def restore_order(parts: list[torch.Tensor], order: torch.Tensor) -> torch.Tensor:

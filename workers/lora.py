@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fusedrl.lora import base_name, is_adapter_name, lora_rank, target_modules
+from fusedrl.role_config import ModelConfig, RefConfig
 from fusedrl.workers.fsdp import StreamStats, gather_full
 
 
@@ -30,7 +31,7 @@ def linear_module_names(model: nn.Module) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
 
 
-def add_lora(model: nn.Module, model_cfg: dict[str, Any]) -> nn.Module:
+def add_lora(model: nn.Module, model_cfg: ModelConfig) -> nn.Module:
     """Wrap a Hugging Face causal LM with trainable LoRA adapters (``peft``), or load the saved adapter
     at ``model.lora_adapter_path``. ``lora_B`` starts at zero (PEFT's default), so the wrapped model
     computes exactly what the base model does until the first update.
@@ -40,16 +41,16 @@ def add_lora(model: nn.Module, model_cfg: dict[str, Any]) -> nn.Module:
     from peft import LoraConfig, PeftModel, get_peft_model
 
     available = linear_module_names(model)
-    path = model_cfg["lora_adapter_path"]
+    path = model_cfg.lora_adapter_path
     try:
         if path:
             peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=True)
         else:
-            exclude = model_cfg["exclude_modules"]
+            exclude = model_cfg.exclude_modules
             config = LoraConfig(
                 r=lora_rank(model_cfg),
-                lora_alpha=model_cfg["lora_alpha"],  # int in PEFT's annotation; a float alpha works too
-                target_modules=target_modules(model_cfg["target_modules"]),
+                lora_alpha=model_cfg.lora_alpha,  # type: ignore[arg-type]  # int in PEFT's annotation; a float works
+                target_modules=target_modules(model_cfg.target_modules),
                 exclude_modules=None if exclude is None else target_modules(exclude),
                 lora_dropout=0.0,
                 bias="none",
@@ -60,13 +61,13 @@ def add_lora(model: nn.Module, model_cfg: dict[str, Any]) -> nn.Module:
         if "not found" not in str(err) and "did not match" not in str(err):
             raise
         raise ValueError(
-            f"actor_rollout_ref.model.target_modules={model_cfg['target_modules']!r} matches no module of "
-            f"{model_cfg['path']}: {err}. Its linear modules are: {', '.join(available)} "
+            f"actor_rollout_ref.model.target_modules={model_cfg.target_modules!r} matches no module of "
+            f"{model_cfg.path}: {err}. Its linear modules are: {', '.join(available)} "
             "(or use all-linear)."
         ) from err
     if not lora_layers(peft_model):
         raise ValueError(
-            f"actor_rollout_ref.model.target_modules={model_cfg['target_modules']!r} adapted no module; "
+            f"actor_rollout_ref.model.target_modules={model_cfg.target_modules!r} adapted no module; "
             f"the model's linear modules are: {', '.join(available)}"
         )
     return peft_model
@@ -84,7 +85,7 @@ class LoraRefView:
 
     ``compute_log_prob`` is the base model's log-prob pass; no weights are copied or loaded."""
 
-    def __init__(self, actor: Any, ref_cfg: dict[str, Any]) -> None:
+    def __init__(self, actor: Any, ref_cfg: RefConfig) -> None:
         self.actor = actor
         self.cfg = ref_cfg
 
@@ -102,9 +103,9 @@ class LoraRefView:
                 self.actor.model,
                 batch,
                 temperature=temperature,
-                micro_batch_size=self.cfg["log_prob_micro_batch_size_per_gpu"],
+                micro_batch_size=self.cfg.log_prob_micro_batch_size_per_gpu,
                 max_token_len=token_budget(
-                    self.cfg, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"
+                    self.cfg.log_prob_use_dynamic_bsz, self.cfg.log_prob_max_token_len_per_gpu
                 ),
                 remove_padding=self.actor.use_remove_padding,
                 sp_group=self.actor.sp_group,

@@ -136,26 +136,6 @@ class Offloader:
         self.offloaded_bytes = 0  # most state bytes offloaded at once
         self.peak_host_bytes = 0  # most host-buffer bytes held at once
 
-    @classmethod
-    def from_fsdp_config(
-        cls,
-        name: str,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        fsdp_cfg: dict[str, Any] | None,
-        events: list[str],
-    ) -> Offloader:
-        """The role's ``fsdp_config.param_offload`` / ``optimizer_offload`` switches (absent: off)."""
-        fsdp_cfg = fsdp_cfg or {}
-        return cls(
-            name,
-            model,
-            optimizer,
-            param_offload=bool(fsdp_cfg.get("param_offload")),
-            optimizer_offload=bool(fsdp_cfg.get("optimizer_offload")),
-            events=events,
-        )
-
     def offload_params(self) -> None:
         if not self.param_offload or not self.params_on_device:
             return

@@ -8,12 +8,11 @@ gathers every shard through the root module's hooks) and a hook on the head keep
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from fusedrl.batch import RolloutBatch
+from fusedrl.role_config import RewardModelConfig
 from fusedrl.workers.fsdp import shard_for_training, to_dtype
 from fusedrl.workers.logprob import micro_batches
 
@@ -34,9 +33,9 @@ def load_reward_model(path: str, dtype: str) -> nn.Module:
 class RewardModelRole:
     """Frozen scorer. ``cfg`` is the ``reward_model`` config section."""
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: RewardModelConfig) -> None:
         self.cfg = cfg
-        model = load_reward_model(cfg["model"]["path"], cfg["fsdp_config"]["model_dtype"])
+        model = load_reward_model(cfg.model.path, cfg.fsdp_config.model_dtype)
         self.model = shard_for_training(model, gradient_checkpointing=False, param_dtype=None)  # frozen
         self.model.eval()
         for p in self.model.parameters():
@@ -46,7 +45,7 @@ class RewardModelRole:
     def compute_scores(self, batch: RolloutBatch) -> torch.Tensor:
         """One scalar per sample: ``[B]``."""
         out = []
-        for mb in micro_batches(batch, int(self.cfg["micro_batch_size_per_gpu"])):
+        for mb in micro_batches(batch, int(self.cfg.micro_batch_size_per_gpu)):
             input_ids, attention_mask, position_ids = mb.sequences()  # [b, T]
             captured: list[torch.Tensor] = []
             handle = self.model.score.register_forward_hook(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedrl.checkpoint import ACTOR_DIR, shard_prefix
+from fusedrl.role_config import SFTRoleConfigs
 from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
 from fusedrl.workers.distributed import DistributedWorker
 from fusedrl.workers.export import export_hf
@@ -82,10 +82,13 @@ def trimmed_micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
 
 
 class SFTWorker(DistributedWorker):
-    """One data-parallel rank of supervised fine-tuning. ``config`` is the resolved SFT config (plain dict)
-    plus ``_total_steps`` (optimizer steps of the run, for the LR schedule) set by the driver."""
+    """One data-parallel rank of supervised fine-tuning. ``config`` is the typed SFT config the driver
+    built (`fusedrl.role_config.SFTRoleConfigs`, with ``total_steps``: the run's optimizer steps, which the
+    LR schedule spans)."""
 
-    def __init__(self, config: dict[str, Any], *, rank: int, world_size: int) -> None:
+    config: SFTRoleConfigs
+
+    def __init__(self, config: SFTRoleConfigs, *, rank: int, world_size: int) -> None:
         super().__init__(config, rank=rank, world_size=world_size)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -100,30 +103,30 @@ class SFTWorker(DistributedWorker):
         self._join(master_addr, master_port)
         if device_type() == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
-        torch.manual_seed(int(self.config["trainer"]["seed"]))
+        torch.manual_seed(int(self.config.trainer.seed))
 
-        model_cfg = self.config["model"]
-        fsdp_cfg = model_cfg["fsdp_config"]
-        model = load_causal_lm(model_cfg["path"], fsdp_cfg["model_dtype"])
+        model_cfg = self.config.model
+        fsdp_cfg = model_cfg.fsdp_config
+        model = load_causal_lm(model_cfg.path, fsdp_cfg.model_dtype)
         self.model = shard_for_training(
             model,
-            gradient_checkpointing=bool(model_cfg["enable_gradient_checkpointing"]),
-            param_dtype=fsdp_cfg["param_dtype"],
+            gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
+            param_dtype=fsdp_cfg.param_dtype,
         )
-        self.optimizer = build_adamw(self.model, self.config["optim"], lr=self.current_lr())
+        self.optimizer = build_adamw(self.model, self.config.optim, lr=self.current_lr())
         return {"timing_s/init": time.perf_counter() - t0}
 
     def current_lr(self) -> float:
         """The learning rate the next optimizer step uses."""
-        optim = self.config["optim"]
-        total = int(self.config.get("_total_steps") or 1)
+        optim = self.config.optim
+        total = int(self.config.total_steps) or 1
         return lr_at(
             self.num_steps,
-            base_lr=float(optim["lr"]),
+            base_lr=float(optim.lr),
             total_steps=total,
-            warmup_steps=int(float(optim["warmup_steps_ratio"]) * total),
-            scheduler=str(optim["lr_scheduler"]),
-            min_lr_ratio=float(optim["min_lr_ratio"]),
+            warmup_steps=int(float(optim.warmup_steps_ratio) * total),
+            scheduler=str(optim.lr_scheduler),
+            min_lr_ratio=float(optim.min_lr_ratio),
         )
 
     def _parts(self) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -163,9 +166,7 @@ class SFTWorker(DistributedWorker):
         lr = self.current_lr()
         for group in optimizer.param_groups:
             group["lr"] = lr
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), float(self.config["optim"]["clip_grad"])
-        )
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(self.config.optim.clip_grad))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         norm = float(grad_norm)
@@ -190,7 +191,7 @@ class SFTWorker(DistributedWorker):
         """Token-mean NLL of the whole (all ranks') batch, plus its sums to pool batches. Collective."""
         model, _ = self._parts()
         model.eval()
-        size = int(micro_batch_size or self.config["data"]["micro_batch_size_per_gpu"])
+        size = int(micro_batch_size or self.config.data.micro_batch_size_per_gpu)
         batch = self._to_device(batch_shard)
         nll = 0.0
         tokens = 0.0
@@ -224,4 +225,4 @@ class SFTWorker(DistributedWorker):
     def export_hf(self, out_dir: str) -> list[str]:
         """Write the model as a Hugging Face folder (rank 0 writes; returns its files). Collective."""
         model, _ = self._parts()
-        return export_hf(model, out_dir, src_model_dir=self.config["model"]["path"], rank=self.rank)
+        return export_hf(model, out_dir, src_model_dir=self.config.model.path, rank=self.rank)

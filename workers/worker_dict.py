@@ -36,6 +36,7 @@ import torch
 from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import shard_prefix
 from fusedrl.lora import lora_enabled
+from fusedrl.role_config import ModelConfig, RefConfig, RoleConfigs
 from fusedrl.workers.actor import ActorRole, RefRole
 from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
 from fusedrl.workers.critic import CriticRole
@@ -77,12 +78,14 @@ def _pin_torch_threads() -> int:
 
 
 class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSyncEndpoint):
-    """The roles of one device slot. ``config`` is the whole resolved run config as a plain dict;
-    ``roles`` the subset of `ROLES` this worker holds (the HF rollout generates with the actor's own
-    module, so it needs the actor in the same worker)."""
+    """The roles of one device slot. ``config`` is the run's typed role configs, built once by the driver
+    (`fusedrl.role_config.build_role_configs`); ``roles`` the subset of `ROLES` this worker holds (the HF
+    rollout generates with the actor's own module, so it needs the actor in the same worker)."""
+
+    config: RoleConfigs
 
     def __init__(
-        self, config: dict[str, Any], *, rank: int, world_size: int, roles: Sequence[str] = ROLES
+        self, config: RoleConfigs, *, rank: int, world_size: int, roles: Sequence[str] = ROLES
     ) -> None:
         unknown = sorted(set(roles) - set(ROLES))
         if unknown:
@@ -106,28 +109,23 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         """Join the process group, then build the roles this worker holds. Collective."""
         t0 = time.perf_counter()
         self._join(master_addr, master_port, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        seed = int(self.config["actor_rollout_ref"]["rollout"]["seed"])
+        cfg = self.config
+        seed = int(cfg.rollout.seed)
         torch.manual_seed(seed)  # identical init on every rank (FSDP2 shards the same weights)
 
-        arr = self.config["actor_rollout_ref"]
-        model_cfg = arr["model"]
-        for module in self.config["algorithm"]["custom_modules"]:
+        for module in cfg.algorithm.custom_modules:
             from fusedrl.config import import_plugin  # only here: the GPU check runs without omegaconf
 
             import_plugin(str(module))  # user losses / estimators must be registered in this process too
-        n = int(arr["rollout"]["n"])
+        n = int(cfg.rollout.n)
         if "actor" in self.roles:
-            self.actor = ActorRole(
-                model_cfg, arr["actor"], rollout_n=n, rollout_seed=int(arr["rollout"]["seed"])
-            )
+            self.actor = ActorRole(cfg.model, cfg.actor, rollout_n=n, rollout_seed=seed)
         if "ref" in self.roles:
-            self.ref = self._build_ref(
-                model_cfg, arr["ref"], sp=int(arr["actor"]["ulysses_sequence_parallel_size"])
-            )
+            self.ref = self._build_ref(cfg.model, cfg.ref, sp=int(cfg.actor.ulysses_sequence_parallel_size))
         if "critic" in self.roles:
-            self.critic = CriticRole(self.config["critic"], rollout_n=n)
+            self.critic = CriticRole(cfg.critic, rollout_n=n)
         if "reward_model" in self.roles:
-            self.reward_model = RewardModelRole(self.config["reward_model"])
+            self.reward_model = RewardModelRole(cfg.reward_model)
         # vLLM refuses to start unless gpu_memory_utilization x total is free: everything the rollout does
         # not use leaves the device first (per the offload flags), and the engine gives its memory back as
         # soon as it is built (at level 2 the driver re-streams before the first rollout).
@@ -148,9 +146,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
             **memory_metrics("init"),
         }
 
-    def _build_ref(
-        self, model_cfg: dict[str, Any], ref_cfg: dict[str, Any], *, sp: int
-    ) -> RefRole | LoraRefView:
+    def _build_ref(self, model_cfg: ModelConfig, ref_cfg: RefConfig, *, sp: int) -> RefRole | LoraRefView:
         """The frozen reference: a model of its own, or under LoRA the actor with its adapters off (``sp``:
         the actor's Ulysses size, which the reference follows)."""
         if not lora_enabled(model_cfg):
@@ -163,38 +159,51 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         return LoraRefView(self.actor, ref_cfg)
 
     def _uses_hf_rollout(self) -> bool:
-        return "rollout" in self.roles and self.config["actor_rollout_ref"]["rollout"]["name"] == "hf"
+        return "rollout" in self.roles and self.config.rollout.name == "hf"
 
     def _sleep_engine(self) -> None:
         """The engine releases its memory (``rollout.free_cache_engine``) at ``rollout.sleep_level``."""
-        rcfg = self.config["actor_rollout_ref"]["rollout"]
-        if self.rollout is None or self.rollout_asleep or not rcfg["free_cache_engine"]:
+        rcfg = self.config.rollout
+        if self.rollout is None or self.rollout_asleep or not rcfg.free_cache_engine:
             return
-        level = int(rcfg["sleep_level"])
+        level = int(rcfg.sleep_level)
         self.events.append(f"rollout.sleep(level={level})")
         self.rollout.sleep(level)
         self.rollout_asleep = True
         empty_cache()
 
     def _build_offloaders(self) -> None:
-        arr = self.config["actor_rollout_ref"]
+        cfg = self.config
         if self.actor is not None:
-            self.actor_mem = Offloader.from_fsdp_config(
-                "actor", self.actor.model, self.actor.optimizer, arr["actor"]["fsdp_config"], self.events
+            fsdp = cfg.actor.fsdp_config
+            self.actor_mem = Offloader(
+                "actor",
+                self.actor.model,
+                self.actor.optimizer,
+                param_offload=fsdp.param_offload,
+                optimizer_offload=fsdp.optimizer_offload,
+                events=self.events,
             )
             # The HF rollout generates with the actor's own parameters: they stay (validated at start-up).
             self.actor_mem.param_offload &= not self._uses_hf_rollout()
         if isinstance(self.ref, RefRole):  # a LoRA reference is the actor: no memory of its own
-            self.ref_mem = Offloader.from_fsdp_config(
-                "ref", self.ref.model, None, arr["ref"]["fsdp_config"], self.events
+            self.ref_mem = Offloader(
+                "ref",
+                self.ref.model,
+                None,
+                param_offload=cfg.ref.fsdp_config.param_offload,
+                optimizer_offload=False,  # a frozen model has no optimizer
+                events=self.events,
             )
         if self.critic is not None:
-            self.critic_mem = Offloader.from_fsdp_config(
+            fsdp = cfg.critic.model.fsdp_config
+            self.critic_mem = Offloader(
                 "critic",
                 self.critic.model,
                 self.critic.optimizer,
-                self.config["critic"]["model"]["fsdp_config"],
-                self.events,
+                param_offload=fsdp.param_offload,
+                optimizer_offload=fsdp.optimizer_offload,
+                events=self.events,
             )
 
     @contextmanager
@@ -212,40 +221,38 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
             yield
 
     def _build_rollout(self) -> Any:
-        arr = self.config["actor_rollout_ref"]
-        rcfg = dict(arr["rollout"])
-        data = self.config["data"]
-        rcfg.setdefault("response_length", data["max_response_length"])
-        tokens = self.config["_tokens"]  # resolved by the driver from the tokenizer
-        if rcfg["name"] == "hf":
+        cfg = self.config
+        rcfg, data, tokens = cfg.rollout, cfg.data, cfg.tokens  # tokens: read by the driver's tokenizer
+        if rcfg.name == "hf":
             if self.actor is None:
                 raise ValueError(
                     "rollout.name=hf generates with the actor's module: place both in one worker"
                 )
             return HFRollout(
                 self.actor.model,
-                max_response_length=int(data["max_response_length"]),
-                eos_token_id=tokens["eos_token_id"],
-                pad_token_id=tokens["pad_token_id"],
+                max_response_length=int(data.max_response_length),
+                eos_token_id=tokens.eos,
+                pad_token_id=tokens.pad,
             )
         from fusedrl.workers.rollout.vllm_rollout import VLLMRollout
 
         rollout_cls: Any = VLLMRollout
         extra: dict[str, Any] = {}
-        if (rcfg.get("multi_turn") or {}).get("enable"):
+        if rcfg.multi_turn.enable:
             from fusedrl.workers.rollout.agent_rollout import AgentRollout
 
             rollout_cls = AgentRollout
-            extra["tools"] = self.config.get("_agent_tools") or []  # tools passed in Python to the trainer
+            extra["tools"] = cfg.agent_tools  # tools passed in Python to the trainer
         return rollout_cls(
             rcfg,
             **extra,
-            model_path=arr["model"]["path"],
+            model_path=cfg.model.path,
             # The ranks of one tensor-parallel engine must sample alike: one seed per rollout (DP) group.
-            seed=int(rcfg["seed"]) + self.rank // int(rcfg["tensor_model_parallel_size"]),
-            max_model_len=int(data["max_prompt_length"]) + int(data["max_response_length"]),
-            eos_token_id=tokens["eos_token_id"],
-            pad_token_id=tokens["pad_token_id"],
+            seed=int(rcfg.seed) + self.rank // int(rcfg.tensor_model_parallel_size),
+            max_model_len=int(data.max_prompt_length) + int(data.max_response_length),
+            max_response_length=int(data.max_response_length),
+            eos_token_id=tokens.eos,
+            pad_token_id=tokens.pad,
         )
 
     def _need(self, role: Any, name: str, method: str) -> Any:
@@ -334,9 +341,11 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         ``with_sum_pi_squared`` the pair ``(log_probs, Σπ² [b, Tr])`` from the same forwards (the optimal
         token baseline reads both)."""
         actor = self._need(self.actor, "actor", "actor_compute_log_prob")
-        rollout_cfg = self.config["actor_rollout_ref"]["rollout"]
-        mbs = int(rollout_cfg["log_prob_micro_batch_size_per_gpu"])
-        budget = token_budget(rollout_cfg, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
+        rollout_cfg = self.config.rollout
+        mbs = int(rollout_cfg.log_prob_micro_batch_size_per_gpu)
+        budget = token_budget(
+            rollout_cfg.log_prob_use_dynamic_bsz, rollout_cfg.log_prob_max_token_len_per_gpu
+        )
         out = actor.compute_log_prob(
             _to_device(batch),
             temperature=temperature,
@@ -472,7 +481,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
             files = export_hf(
                 self.actor.model,
                 out_dir,
-                src_model_dir=self.config["actor_rollout_ref"]["model"]["path"],
+                src_model_dir=self.config.model.path,
                 rank=self.rank,
                 tensors=self.actor.stream_weights() if self.actor.lora else None,
             )

@@ -16,6 +16,7 @@ import torch
 from fusedrl.controller.weight_sync import BroadcastRoute
 from fusedrl.controller.worker_group import ResourcePool, WorkerGroup, cpus_for_cpu_slots
 from fusedrl.placement_config import Placement, PoolSpec, read_placement
+from fusedrl.role_config import RoleConfigs
 
 # Roles that must share the actor's worker when they are on the actor's pool: the in-place weight stream
 # goes from the actor's shards into the engine of the same process, and the run checkpoint saves actor and
@@ -104,7 +105,7 @@ class RoleGroups:
         cls,
         worker_cls: type,
         config: Any,
-        worker_config: dict[str, Any],
+        worker_config: RoleConfigs,
         needed: Sequence[str],
         role_groups: Sequence[Sequence[str]] | None = None,
     ) -> RoleGroups:
@@ -120,15 +121,10 @@ class RoleGroups:
         started: set[str] = set()
         for pool_name, roles in plan:
             spec = placement.pools[pool_name]
-            trainer = {
-                **worker_config["trainer"],
-                "nnodes": spec.nnodes,
-                "n_gpus_per_node": spec.slots_per_node,
-            }
             group = WorkerGroup.start(
                 worker_cls,
                 pools[pool_name],
-                {**worker_config, "trainer": trainer},
+                worker_config.with_slots(nnodes=spec.nnodes, n_gpus_per_node=spec.slots_per_node),
                 init=lambda w, addr, port: w.init_roles.remote(addr, port),
                 roles=roles,
                 share_slots=pool_name in started,

@@ -128,7 +128,7 @@ class WorkerGroup:
         self,
         worker_cls: type,
         pool: ResourcePool,
-        config: dict[str, Any],
+        config: Any,
         *,
         roles: Sequence[str] | None = None,
         share_slots: bool = False,
@@ -141,11 +141,11 @@ class WorkerGroup:
         self.role_names = ", ".join(self.roles)
         role_kw = {} if roles is None else {"roles": self.roles}
         share = 0.0 if share_slots else 1.0
-        trainer = config.get("trainer", {})
-        timeout = trainer.get("step_timeout_s")
+        trainer = config.trainer
+        timeout = getattr(trainer, "step_timeout_s", None)  # SFT's trainer section has no watchdog key
         # Watchdog per remote call (off when null / 0); set-up calls (init_roles) are exempt, see `start`.
         self.step_timeout_s: float | None = float(timeout) if timeout else None
-        self.ckpt_root: str | None = trainer.get("default_local_dir")
+        self.ckpt_root: str | None = trainer.default_local_dir
         self.preemption: PreemptionGuard | None = None
         self.monitored = hasattr(worker_cls, "health_report")
         self.reports: dict[int, dict[str, Any]] = {}  # rank -> its last `health_report`
@@ -175,7 +175,7 @@ class WorkerGroup:
         cls,
         worker_cls: type,
         pool: ResourcePool,
-        config: dict[str, Any],
+        config: Any,
         init: Callable[[Any, str, int], ray.ObjectRef],
         *,
         roles: Sequence[str] | None = None,

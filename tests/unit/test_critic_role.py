@@ -33,25 +33,33 @@ def _full_batch():
     return padded_batch([6, 4, 3, 5], [5, 2, 4, 1], tp=TP, tr=TR, gen=torch.Generator().manual_seed(1))
 
 
-def _critic_cfg(model_dir: str) -> dict:
-    return {
-        "model": {
-            "path": model_dir,
-            "fsdp_config": {"model_dtype": "float32", "param_dtype": None},
-            "use_remove_padding": False,
-            "enable_gradient_checkpointing": False,
-            "attn_implementation": "sdpa",
-        },
-        "optim": {"lr": 1e-2, "betas": [0.9, 0.999], "weight_decay": 0.0},
-        "ppo_mini_batch_size": 2,  # prompts across ranks: the whole batch, one optimizer step
-        "ppo_micro_batch_size_per_gpu": 1,  # gradient accumulation over micro-batches
-        "forward_micro_batch_size_per_gpu": 2,
-        "ppo_epochs": 1,
-        "cliprange_value": 0.5,
-        "grad_clip": 1.0,
-        "loss_agg_mode": "token-mean",
-        "ulysses_sequence_parallel_size": 1,
-    }
+def _critic_cfg(model_dir: str):
+    """The YAML's critic section (typed, as the workers get it) with this test's values."""
+    from fusedrl.role_config import role_configs_from_overrides
+
+    return role_configs_from_overrides(
+        [
+            "data.train_files=unused",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "critic.model.fsdp_config.model_dtype=float32",
+            "critic.model.fsdp_config.param_dtype=null",
+            "critic.model.use_remove_padding=false",
+            "critic.model.enable_gradient_checkpointing=false",
+            "critic.model.attn_implementation=sdpa",
+            "critic.optim.lr=1e-2",
+            "critic.optim.betas=[0.9,0.999]",
+            "critic.optim.weight_decay=0.0",
+            "critic.ppo_mini_batch_size=2",  # prompts across ranks: the whole batch, one optimizer step
+            "critic.ppo_micro_batch_size_per_gpu=1",  # gradient accumulation over micro-batches
+            "critic.forward_micro_batch_size_per_gpu=2",
+            "critic.use_dynamic_bsz=false",
+            "critic.ppo_epochs=1",
+            "critic.cliprange_value=0.5",
+            "critic.grad_clip=1.0",
+            "critic.loss_agg_mode=token-mean",
+            "critic.ulysses_sequence_parallel_size=1",
+        ]
+    ).critic
 
 
 def _worker(rank: int, world_size: int, port: int, model_dir: str, steps: int, out_dir: str) -> None:

@@ -3,6 +3,8 @@ module fail at model build naming the modules that exist; PEFT names map back to
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fusedrl.config import ConfigError, load_config
@@ -86,18 +88,23 @@ def test_verl_critic_lora_is_refused_and_engine_keys_accepted(base):
     assert len(notes) == 1 and "layered_summon" in notes[0] and "load_format" in notes[0]
 
 
+def _model_cfg(path: str, **lora):
+    """``actor_rollout_ref.model`` as the workers get it (typed, the YAML's defaults) with LoRA keys set."""
+    from fusedrl.role_config import role_configs_from_overrides
+
+    base = role_configs_from_overrides(
+        ["data.train_files=unused", f"actor_rollout_ref.model.path={path}"]
+    ).model
+    return dataclasses.replace(base, **lora)
+
+
 def test_targets_matching_no_module_name_the_modules(files):
     from fusedrl.workers.fsdp import load_causal_lm
     from fusedrl.workers.lora import add_lora
 
-    model_cfg = {
-        "path": files["model"],
-        "lora_rank": 4,
-        "lora_alpha": 8,
-        "target_modules": ["query", "value"],
-        "exclude_modules": None,
-        "lora_adapter_path": None,
-    }
+    model_cfg = _model_cfg(
+        files["model"], lora_rank=4, lora_alpha=8, target_modules=("query", "value"), exclude_modules=None
+    )
     with pytest.raises(ValueError) as info:
         add_lora(load_causal_lm(files["model"], "float32"), model_cfg)
     msg = str(info.value)
@@ -115,14 +122,9 @@ def test_adapter_starts_as_the_base_model_and_names_map_back(files):
 
     base = load_causal_lm(files["model"], "float32")
     base_state = {k: v.clone() for k, v in base.state_dict().items()}
-    model_cfg = {
-        "path": files["model"],
-        "lora_rank": 4,
-        "lora_alpha": 8,
-        "target_modules": "all-linear",
-        "exclude_modules": ["down_proj"],
-        "lora_adapter_path": None,
-    }
+    model_cfg = _model_cfg(
+        files["model"], lora_rank=4, lora_alpha=8, target_modules="all-linear", exclude_modules=("down_proj",)
+    )
     peft_model = add_lora(base, model_cfg)
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     assert trainable and all(is_adapter_name(n) for n in trainable)
@@ -162,14 +164,9 @@ def test_saved_adapter_round_trips_through_lora_adapter_path(files, tmp_path):
     from fusedrl.workers.fsdp import load_causal_lm
     from fusedrl.workers.lora import add_lora, save_adapter
 
-    model_cfg = {
-        "path": files["model"],
-        "lora_rank": 4,
-        "lora_alpha": 8,
-        "target_modules": ["q_proj", "v_proj"],
-        "exclude_modules": None,
-        "lora_adapter_path": None,
-    }
+    model_cfg = _model_cfg(
+        files["model"], lora_rank=4, lora_alpha=8, target_modules=("q_proj", "v_proj"), exclude_modules=None
+    )
     trained = add_lora(load_causal_lm(files["model"], "float32"), model_cfg)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -183,7 +180,7 @@ def test_saved_adapter_round_trips_through_lora_adapter_path(files, tmp_path):
     }
     resumed = add_lora(
         load_causal_lm(files["model"], "float32"),
-        {**model_cfg, "lora_adapter_path": str(tmp_path / "adapter")},
+        dataclasses.replace(model_cfg, lora_adapter_path=str(tmp_path / "adapter")),
     )
     assert [n for n, p in resumed.named_parameters() if p.requires_grad] == [
         n for n, p in trained.named_parameters() if p.requires_grad

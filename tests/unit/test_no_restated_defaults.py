@@ -46,3 +46,37 @@ def test_no_get_with_a_default_on_config_sections():
                     continue
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not offenders, "defaults restated outside the YAML:\n" + "\n".join(offenders)
+
+
+# Subscripts whose receiver looks like a config but is another dict: PEFT's adapter configs, a Hugging Face
+# config.json being rewritten.
+NOT_ROLE_CONFIG = {"model.peft_config", "config"}
+ROLE_FOLDERS = ("workers", "fusedrl/rewards")
+
+
+def test_roles_read_typed_configs_not_dicts():
+    """Workers and rewards get `fusedrl.role_config` dataclasses: attributes (``cfg.actor.optim.lr``), no
+    ``config["key"]`` / ``cfg["key"]`` lookups on a config dict, and no ``.get(key)`` on one either."""
+    offenders = []
+    for folder in ROLE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Subscript):
+                    receiver = _receiver(node.value)
+                    keyed = isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)
+                elif (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "get"
+                ):
+                    receiver, keyed = _receiver(node.func.value), True
+                else:
+                    continue
+                last = receiver.rsplit(".", 1)[-1].lower()
+                if (
+                    keyed
+                    and receiver not in NOT_ROLE_CONFIG
+                    and (last.endswith("cfg") or last.endswith("config"))
+                ):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, "config dicts read in the roles:\n" + "\n".join(offenders)

@@ -28,12 +28,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _configs(model_dir: str, dynamic: bool) -> tuple[dict, dict]:
-    """The YAML's model and actor sections with this test's sizes (every key the role reads is there)."""
-    from fusedrl.config import load_config, to_plain_dict
+def _configs(model_dir: str, dynamic: bool):
+    """The YAML's model and actor sections (typed, as the workers get them) with this test's sizes."""
+    from fusedrl.role_config import role_configs_from_overrides
 
     actor = "actor_rollout_ref.actor"
-    cfg = load_config(
+    cfg = role_configs_from_overrides(
         [
             "data.train_files=unused",
             f"actor_rollout_ref.model.path={model_dir}",
@@ -56,10 +56,8 @@ def _configs(model_dir: str, dynamic: bool) -> tuple[dict, dict]:
             f"{actor}.fsdp_config.model_dtype=float32",
             f"{actor}.fsdp_config.param_dtype=null",
         ],
-        validate_config=False,
     )
-    arr = to_plain_dict(cfg)["actor_rollout_ref"]
-    return arr["model"], arr["actor"]
+    return cfg.model, cfg.actor
 
 
 def _batch():
@@ -137,15 +135,18 @@ def test_update_with_forward_old_log_probs_equals_recomputed(tiny_model_dir, tmp
 
 def test_update_without_old_log_probs_refuses_several_steps(tiny_model_dir):
     """Several mini-batches (or epochs) need the old policy's log-probs from before the first step."""
+    import dataclasses
+
     import pytest
 
-    cfg = _configs(tiny_model_dir, False)[1]
-    cfg["ppo_mini_batch_size"] = 1  # 2 rows per mini-batch: three optimizer steps
+    cfg = dataclasses.replace(
+        _configs(tiny_model_dir, False)[1], ppo_mini_batch_size=1
+    )  # three optimizer steps
     with pytest.raises(ValueError, match="one mini-batch"):
         _refusal(tiny_model_dir, cfg)
 
 
-def _refusal(model_dir: str, cfg: dict) -> None:
+def _refusal(model_dir: str, cfg) -> None:
     """ActorRole.update's check runs before any collective; build the role's state without a group."""
     from fusedrl.workers.actor import ActorRole
 

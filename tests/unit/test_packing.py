@@ -53,11 +53,12 @@ def _batch():
     return batch
 
 
-def _config(model_dir: str, loss_agg_mode: str, packed: bool) -> dict:
-    """The trainer YAML's defaults with the test's sizes: padded + rows, or packed + token budget."""
-    from fusedrl.config import load_config, to_plain_dict
+def _config(model_dir: str, loss_agg_mode: str, packed: bool):
+    """The trainer YAML's defaults (typed, as the workers get them) with the test's sizes: padded + rows,
+    or packed + token budget."""
+    from fusedrl.role_config import role_configs_from_overrides
 
-    cfg = load_config(
+    return role_configs_from_overrides(
         [
             "data.train_files=unused",
             f"actor_rollout_ref.model.path={model_dir}",
@@ -80,9 +81,7 @@ def _config(model_dir: str, loss_agg_mode: str, packed: bool) -> dict:
             f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={BUDGET}",
             f"critic.ppo_max_token_len_per_gpu={BUDGET}",
         ],
-        validate_config=False,
     )
-    return to_plain_dict(cfg)
 
 
 def _full_params(model) -> dict[str, torch.Tensor]:
@@ -98,10 +97,9 @@ def _one_rank(model_dir: str, loss_agg_mode: str, out: str) -> None:
     batch = _batch()
     for packed in (False, True):
         cfg = _config(model_dir, loss_agg_mode, packed)
-        arr = cfg["actor_rollout_ref"]
         tag = "packed" if packed else "padded"
         # --- actor: log-probs + entropy of one forward, then the micro-batched no-grad pass
-        actor = ActorRole(arr["model"], arr["actor"], rollout_n=ROLLOUT_N)
+        actor = ActorRole(cfg.model, cfg.actor, rollout_n=ROLLOUT_N)
         assert actor.use_remove_padding is packed
         with torch.no_grad():
             log_probs, entropy = response_log_probs(
@@ -137,7 +135,7 @@ def _one_rank(model_dir: str, loss_agg_mode: str, out: str) -> None:
         del actor
         # --- critic: values, one update towards returns of 1, values again
         torch.manual_seed(0)  # the value head is freshly initialised: the same draw for both paths
-        critic = CriticRole(cfg["critic"], rollout_n=ROLLOUT_N)
+        critic = CriticRole(cfg.critic, rollout_n=ROLLOUT_N)
         assert critic.use_remove_padding is packed
         values = critic.compute_values(batch)  # [B, Tr]
         results[f"{tag}/values"] = values
@@ -154,7 +152,7 @@ def _two_ranks(rank: int, model_dir: str, out: str) -> None:
     from fusedrl.workers.actor import ActorRole
     from fusedrl.workers.logprob import split_micro_batches
 
-    cfg = _config(model_dir, "token-mean", packed=True)["actor_rollout_ref"]
+    cfg = _config(model_dir, "token-mean", packed=True)
     batch = _batch()
     # Rank 0: the four longest rows, 28+18+15+14 tokens: 3 micro-batches at a budget of 30;
     # rank 1: the four shortest, 12+8+4+2 tokens: 1 micro-batch on its own.
@@ -162,7 +160,7 @@ def _two_ranks(rank: int, model_dir: str, out: str) -> None:
     rows = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     mine = sorted(rows[:4] if rank == 0 else rows[4:])[::-1]  # reversed: order restoration is tested
     shard = batch[torch.tensor(mine)]
-    actor = ActorRole(cfg["model"], cfg["actor"], rollout_n=ROLLOUT_N)
+    actor = ActorRole(cfg.model, cfg.actor, rollout_n=ROLLOUT_N)
     local = len(split_micro_batches(shard, rows=3, max_token_len=10**6)[0])  # both ranks need 1
     agreed = len(split_micro_batches(shard, rows=3, max_token_len=BUDGET)[0])
     log_probs = actor.compute_log_prob(shard, temperature=0.7, micro_batch_size=3, max_token_len=BUDGET)

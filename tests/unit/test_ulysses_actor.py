@@ -34,11 +34,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _configs(model_dir: str, sp: int) -> tuple[dict, dict, dict, dict]:
-    from fusedrl.config import load_config, to_plain_dict
+def _configs(model_dir: str, sp: int):
+    """The typed model, actor, ref and critic configs the workers would get, with this test's sizes."""
+    from fusedrl.role_config import role_configs_from_overrides
 
     actor = "actor_rollout_ref.actor"
-    cfg = load_config(
+    cfg = role_configs_from_overrides(
         [
             "data.train_files=unused",
             f"actor_rollout_ref.model.path={model_dir}",
@@ -61,11 +62,8 @@ def _configs(model_dir: str, sp: int) -> tuple[dict, dict, dict, dict]:
             "critic.optim.weight_decay=0.0",
             "critic.grad_clip=1.0",
         ],
-        validate_config=False,
     )
-    plain = to_plain_dict(cfg)
-    arr = plain["actor_rollout_ref"]
-    return arr["model"], arr["actor"], arr["ref"], plain["critic"]
+    return cfg.model, cfg.actor, cfg.ref, cfg.critic
 
 
 def _batch():

@@ -13,12 +13,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from fusedrl.agent import STAT_NAMES, AgentRunner, ChatRenderer, MultiTurnConfig, ToolSet, TurnSampling
 from fusedrl.batch import RolloutBatch
+from fusedrl.role_config import RolloutConfig
 from fusedrl.workers.rollout.base import SamplingConfig, unpadded_prompts
 from fusedrl.workers.rollout.vllm_rollout import VLLMRollout
 
@@ -26,13 +29,13 @@ from fusedrl.workers.rollout.vllm_rollout import VLLMRollout
 class AgentRollout(VLLMRollout):
     """``cfg`` is ``actor_rollout_ref.rollout`` (with ``multi_turn``); ``tools`` are extra Python tools."""
 
-    def __init__(self, cfg: dict[str, Any], *, tools: list[Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, cfg: RolloutConfig, *, tools: Sequence[Any] = (), **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
         from transformers import AutoTokenizer
 
-        mt = dict(cfg.get("multi_turn") or {})
+        mt = dataclasses.asdict(cfg.multi_turn)  # the agent package reads the section as a mapping
         self.multi_turn = MultiTurnConfig.from_dict(mt)
-        self.tools = ToolSet.from_config(mt, extra=tools or [])
+        self.tools = ToolSet.from_config(mt, extra=list(tools))
         tokenizer = AutoTokenizer.from_pretrained(kwargs["model_path"])
         self.renderer = ChatRenderer(tokenizer, self.tools.schemas() or None)
         self.runner = AgentRunner(self.engine, self.renderer, self.tools, self.multi_turn)

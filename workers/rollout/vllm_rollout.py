@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 
 from fusedrl.batch import RolloutBatch
+from fusedrl.role_config import RolloutConfig
 from fusedrl.third_party.vllm import EngineConfig, SampleParams, VLLMEngine
 from fusedrl.workers.rollout.base import (
     SamplingConfig,
@@ -22,40 +22,43 @@ _GIB = 1 << 30
 class VLLMRollout:
     """Data-parallel rollout: each fused worker's engine generates its own shard of the prompts.
 
-    ``cfg`` is ``actor_rollout_ref.rollout``. Must be built after ``torch.distributed`` is initialised.
+    ``cfg`` is ``actor_rollout_ref.rollout`` (`fusedrl.role_config.RolloutConfig`); responses are
+    right-padded to ``max_response_length`` (``data.max_response_length``). Must be built after
+    ``torch.distributed`` is initialised.
     """
 
     def __init__(
         self,
-        cfg: dict[str, Any],
+        cfg: RolloutConfig,
         *,
         model_path: str,
         seed: int,
         max_model_len: int,
+        max_response_length: int,
         eos_token_id: int,
         pad_token_id: int,
     ) -> None:
         self.cfg = cfg
-        self.max_response_length = int(cfg["response_length"])
+        self.max_response_length = int(max_response_length)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.engine = VLLMEngine(
             EngineConfig(
                 model_path=model_path,
-                dtype=rollout_dtype(str(cfg["dtype"]), cuda=torch.cuda.is_available()),
+                dtype=rollout_dtype(str(cfg.dtype), cuda=torch.cuda.is_available()),
                 seed=seed,
-                tensor_parallel_size=int(cfg["tensor_model_parallel_size"]),
-                max_model_len=int(cfg["max_model_len"] or max_model_len),
-                kv_cache_memory_bytes=int(float(cfg["cpu_kv_cache_gb"]) * _GIB),
-                gpu_memory_utilization=float(cfg["gpu_memory_utilization"]),
-                enable_sleep_mode=bool(cfg["free_cache_engine"]),
-                emulate_sleep=bool(cfg["emulate_sleep"]),
-                enable_prefix_caching=bool(cfg["enable_prefix_caching"]),
-                max_num_seqs=int(cfg["max_num_seqs"]),
-                enforce_eager=bool(cfg["enforce_eager"]),
-                enable_chunked_prefill=bool(cfg["enable_chunked_prefill"]),
-                max_num_batched_tokens=int(cfg["max_num_batched_tokens"]),
-                disable_log_stats=bool(cfg["disable_log_stats"]),
+                tensor_parallel_size=int(cfg.tensor_model_parallel_size),
+                max_model_len=int(cfg.max_model_len or max_model_len),
+                kv_cache_memory_bytes=int(float(cfg.cpu_kv_cache_gb) * _GIB),
+                gpu_memory_utilization=float(cfg.gpu_memory_utilization),
+                enable_sleep_mode=bool(cfg.free_cache_engine),
+                emulate_sleep=bool(cfg.emulate_sleep),
+                enable_prefix_caching=bool(cfg.enable_prefix_caching),
+                max_num_seqs=int(cfg.max_num_seqs),
+                enforce_eager=bool(cfg.enforce_eager),
+                enable_chunked_prefill=bool(cfg.enable_chunked_prefill),
+                max_num_batched_tokens=int(cfg.max_num_batched_tokens),
+                disable_log_stats=bool(cfg.disable_log_stats),
             )
         )
 

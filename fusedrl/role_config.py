@@ -1,0 +1,588 @@
+"""The typed configs the roles receive: one keyword-only frozen dataclass per YAML section.
+
+The driver validates the composed config (`fusedrl.config.validate`), then turns it ONCE into a
+`RoleConfigs` (`build_role_configs`; SFT: `build_sft_role_configs`) and hands that to every worker. The
+roles read attributes (``cfg.actor.optim.lr``), never ``config["..."]`` dicts, and values the driver
+derives (the tokenizer's eos / pad ids, Python agent tools, the SFT step count) are fields of their own,
+not keys smuggled into the config.
+
+The field names are the YAML's keys, section by section and recursively, with no defaults here: the YAML
+(``trainer/config/ppo_trainer.yaml`` / ``sft_trainer.yaml``) is the one place defaults live, and
+``tests/unit/test_role_config.py`` checks that every YAML key is a field and every field a YAML key.
+The objects are plain (no OmegaConf inside: lists become tuples, mappings plain dicts), so Ray pickles
+them to the actors, and this module imports nothing heavy (the GPU check builds workers without omegaconf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Section = Mapping[str, Any]
+
+
+# ---------------------------------------------------------------------- shared pieces
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """``actor_rollout_ref.actor.optim`` and ``critic.optim``: AdamW and its learning-rate schedule."""
+
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    lr_warmup_steps: int
+    lr_warmup_steps_ratio: float
+    warmup_style: str | None
+    lr_scheduler_type: str
+    min_lr_ratio: float
+    num_cycles: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpConfig:
+    """A trained model's ``fsdp_config`` (actor, critic): dtypes and the offload switches."""
+
+    model_dtype: str
+    param_dtype: str | None
+    param_offload: bool
+    optimizer_offload: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefFsdpConfig:
+    """``actor_rollout_ref.ref.fsdp_config``: a frozen model has no optimizer to offload."""
+
+    model_dtype: str
+    param_dtype: str | None
+    param_offload: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenIds:
+    """Token ids the driver reads from the tokenizer (the rollouts stop on ``eos`` and pad with ``pad``)."""
+
+    eos: int
+    pad: int
+
+
+# ---------------------------------------------------------------------- actor_rollout_ref
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """``actor_rollout_ref.model``: the policy's checkpoint, its forward, and LoRA (docs/lora.md)."""
+
+    path: str
+    enable_gradient_checkpointing: bool
+    use_remove_padding: bool
+    attn_implementation: str
+    lora_rank: int
+    lora_alpha: float
+    target_modules: str | tuple[str, ...]
+    exclude_modules: str | tuple[str, ...] | None
+    lora_adapter_path: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointContents:
+    """``actor_rollout_ref.actor.checkpoint``."""
+
+    save_contents: tuple[str, ...]
+    load_contents: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyLossConfig:
+    """``actor_rollout_ref.actor.policy_loss``: the loss and the keys some losses read."""
+
+    loss_mode: str
+    clip_cov_ratio: float
+    clip_cov_lb: float
+    clip_cov_ub: float
+    kl_cov_ratio: float
+    ppo_kl_coef: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorConfig:
+    """``actor_rollout_ref.actor``: the PPO update of the policy."""
+
+    strategy: str
+    ppo_mini_batch_size: int
+    ppo_micro_batch_size: int | None
+    ppo_micro_batch_size_per_gpu: int
+    use_dynamic_bsz: bool
+    ppo_max_token_len_per_gpu: int
+    ppo_epochs: int
+    ulysses_sequence_parallel_size: int
+    old_log_prob_from_update: bool
+    clip_ratio: float
+    clip_ratio_low: float | None
+    clip_ratio_high: float | None
+    clip_ratio_c: float
+    tau_pos: float
+    tau_neg: float
+    loss_agg_mode: str
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    grad_clip: float
+    checkpoint: CheckpointContents
+    policy_loss: PolicyLossConfig
+    optim: OptimConfig
+    fsdp_config: FsdpConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefConfig:
+    """``actor_rollout_ref.ref``: the frozen reference's log-prob pass."""
+
+    log_prob_micro_batch_size: int | None
+    log_prob_micro_batch_size_per_gpu: int
+    log_prob_use_dynamic_bsz: bool
+    log_prob_max_token_len_per_gpu: int
+    fsdp_config: RefFsdpConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultiTurnSection:
+    """``actor_rollout_ref.rollout.multi_turn`` as written (``fusedrl.agent.MultiTurnConfig`` reads it)."""
+
+    enable: bool
+    default_agent_name: str
+    tool_config_path: str | None
+    max_assistant_turns: int | None
+    max_user_turns: int | None
+    max_tokens_per_turn: int | None
+    max_parallel_calls: int
+    max_tool_response_length: int
+    tool_response_truncate_side: str
+    tool_timeout_s: float
+    tool_workers: int
+    tokenization_check: str | bool
+    schedule: str
+    env_config: Mapping[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValKwargs:
+    """``actor_rollout_ref.rollout.val_kwargs``: sampling for validation."""
+
+    do_sample: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    n: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """``actor_rollout_ref.rollout``: the engine, its sampling and its old-log-prob pass."""
+
+    name: str
+    mode: str
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    dtype: str
+    seed: int
+    log_prob_micro_batch_size: int | None
+    log_prob_micro_batch_size_per_gpu: int
+    log_prob_use_dynamic_bsz: bool
+    log_prob_max_token_len_per_gpu: int
+    tensor_model_parallel_size: int
+    gpu_memory_utilization: float
+    cpu_kv_cache_gb: float
+    free_cache_engine: bool
+    sleep_level: int
+    emulate_sleep: bool
+    enable_prefix_caching: bool
+    max_num_seqs: int
+    enforce_eager: bool
+    enable_chunked_prefill: bool
+    max_num_batched_tokens: int
+    max_model_len: int | None
+    disable_log_stats: bool
+    multi_turn: MultiTurnSection
+    val_kwargs: ValKwargs
+
+
+# ---------------------------------------------------------------------- critic
+@dataclass(frozen=True, kw_only=True)
+class CriticModelConfig:
+    """``critic.model``."""
+
+    path: str
+    enable_gradient_checkpointing: bool
+    use_remove_padding: bool
+    attn_implementation: str
+    fsdp_config: FsdpConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticConfig:
+    """``critic``: the value model (built only for estimators that need one)."""
+
+    model: CriticModelConfig
+    optim: OptimConfig
+    ppo_mini_batch_size: int
+    ppo_micro_batch_size: int | None
+    ppo_micro_batch_size_per_gpu: int
+    forward_micro_batch_size: int | None
+    forward_micro_batch_size_per_gpu: int | None
+    ulysses_sequence_parallel_size: int
+    use_dynamic_bsz: bool
+    ppo_max_token_len_per_gpu: int
+    forward_max_token_len_per_gpu: int
+    ppo_epochs: int
+    cliprange_value: float
+    grad_clip: float
+    loss_agg_mode: str
+
+
+# ---------------------------------------------------------------------- algorithm
+@dataclass(frozen=True, kw_only=True)
+class KLControlConfig:
+    """``algorithm.kl_ctrl``."""
+
+    type: str
+    kl_coef: float
+    target_kl: float
+    horizon: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction``."""
+
+    rollout_is: str | None
+    rollout_is_threshold: float
+    rollout_is_batch_normalize: bool
+    rollout_rs: str | None
+    rollout_rs_threshold: float | str | None
+    bypass_mode: bool
+    loss_type: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class FilterGroupsConfig:
+    """``algorithm.filter_groups`` (DAPO's dynamic sampling)."""
+
+    enable: bool
+    metric: str
+    max_num_gen_batches: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    """``algorithm``: the estimator, KL in reward, rollout correction, dynamic sampling."""
+
+    custom_modules: tuple[str, ...]
+    adv_estimator: str
+    norm_adv_by_std_in_grpo: bool
+    gamma: float
+    lam: float
+    use_kl_in_reward: bool
+    kl_penalty: str
+    kl_ctrl: KLControlConfig
+    rollout_correction: RolloutCorrectionConfig
+    filter_groups: FilterGroupsConfig
+
+
+# ---------------------------------------------------------------------- reward
+@dataclass(frozen=True, kw_only=True)
+class OverlongBufferConfig:
+    """``reward_model.overlong_buffer`` (DAPO's soft overlong penalty)."""
+
+    enable: bool
+    len: int
+    penalty_factor: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardModelPath:
+    """``reward_model.model``."""
+
+    path: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardModelFsdpConfig:
+    """``reward_model.fsdp_config``."""
+
+    model_dtype: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardModelConfig:
+    """``reward_model``: the reward manager (function scoring) and the optional reward-model role."""
+
+    reward_manager: str
+    num_workers: int
+    timeout_s: float | None
+    on_error: str
+    mp_context: str
+    reward_kwargs: Mapping[str, Any]
+    overlong_buffer: OverlongBufferConfig
+    enable: bool
+    model: RewardModelPath
+    fsdp_config: RewardModelFsdpConfig
+    micro_batch_size_per_gpu: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CustomRewardFunctionConfig:
+    """``custom_reward_function``: a user's scoring function file and name."""
+
+    path: str | None
+    name: str
+
+
+# ---------------------------------------------------------------------- data, trainer
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """``data`` (PPO): prompts and their lengths."""
+
+    train_files: str | tuple[str, ...]
+    val_files: str | tuple[str, ...] | None
+    prompt_key: str
+    train_batch_size: int
+    val_batch_size: int | None
+    max_prompt_length: int
+    max_response_length: int
+    filter_overlong_prompts: bool
+    truncation: str
+    gen_batch_size: int
+    return_raw_chat: bool
+    shuffle: bool
+    seed: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementSection:
+    """``trainer.placement`` as written (``fusedrl.placement_config`` reads it into pools)."""
+
+    pools: Mapping[str, Any] | None
+    roles: Mapping[str, Any] | None
+    weight_sync_bucket_mb: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """``trainer`` (PPO): the run's size, schedule, checkpoints and guards."""
+
+    project_name: str
+    experiment_name: str
+    nnodes: int
+    n_gpus_per_node: int
+    placement: PlacementSection
+    total_epochs: int
+    total_training_steps: int | None
+    balance_batch: bool
+    test_freq: int
+    val_before_train: bool
+    log_val_generations: int
+    critic_warmup: int
+    logger: tuple[str, ...]
+    default_local_dir: str
+    save_freq: int
+    resume_mode: str
+    resume_from_path: str | None
+    max_actor_ckpt_to_keep: int | None
+    max_consecutive_skipped_steps: int
+    rollout_check_tol: float | str | None
+    step_timeout_s: float | None
+    preemption_save_timeout_s: float | None
+    ray_num_cpus: int | None
+    emulated_bf16: str
+    ray_object_store_gb: float
+
+
+# ---------------------------------------------------------------------- what a worker receives
+@dataclass(frozen=True, kw_only=True)
+class RoleConfigs:
+    """Everything a PPO-family worker's roles read: the YAML's sections (``actor_rollout_ref`` split into
+    ``model`` / ``actor`` / ``ref`` / ``rollout``) plus the values the driver derives."""
+
+    model: ModelConfig
+    actor: ActorConfig
+    ref: RefConfig
+    rollout: RolloutConfig
+    critic: CriticConfig
+    reward_model: RewardModelConfig
+    custom_reward_function: CustomRewardFunctionConfig
+    data: DataConfig
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig
+    tokens: TokenIds
+    agent_tools: tuple[Any, ...]  # tools passed in Python to the trainer (agentic rollouts)
+
+    def with_slots(self, *, nnodes: int, n_gpus_per_node: int) -> RoleConfigs:
+        """The same configs for a pool of another size (its workers' rendezvous and device index)."""
+        trainer = dataclasses.replace(self.trainer, nnodes=nnodes, n_gpus_per_node=n_gpus_per_node)
+        return dataclasses.replace(self, trainer=trainer)
+
+
+# The top-level YAML sections of `RoleConfigs` other than ``actor_rollout_ref`` (split by role above).
+_PPO_SECTIONS = {
+    "critic": CriticConfig,
+    "reward_model": RewardModelConfig,
+    "custom_reward_function": CustomRewardFunctionConfig,
+    "data": DataConfig,
+    "algorithm": AlgorithmConfig,
+    "trainer": TrainerConfig,
+}
+_ARR_SECTIONS = {"model": ModelConfig, "actor": ActorConfig, "ref": RefConfig, "rollout": RolloutConfig}
+
+
+def _plain(value: Any) -> Any:
+    """Lists (at any depth outside a mapping) become tuples: the configs are immutable values."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def build_section(cls: type, node: Section, where: str) -> Any:
+    """``cls`` from one YAML section ``node`` (a plain mapping, interpolations resolved), recursively for
+    nested sections. Raises KeyError naming ``where.key`` for a key the section lacks; keys the dataclass
+    does not know are ignored here (``fusedrl.config.validate`` has reported them already)."""
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in node:
+            raise KeyError(f"`{where}.{field.name}` is missing from the config given to the workers")
+        value = node[field.name]
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[field.name] = build_section(hint, value, f"{where}.{field.name}")  # type: ignore[arg-type]
+        elif isinstance(value, Mapping):
+            kwargs[field.name] = dict(value)  # a free-form mapping (reward_kwargs, env_config, pools)
+        else:
+            kwargs[field.name] = _plain(value)
+    return cls(**kwargs)
+
+
+def build_role_configs(config: Section, *, tokens: TokenIds, agent_tools: Any = ()) -> RoleConfigs:
+    """The workers' `RoleConfigs` from the resolved PPO config as a plain dict
+    (``fusedrl.config.to_plain_dict``), the tokenizer's ids and any Python agent tools."""
+    arr = config["actor_rollout_ref"]
+    sections = {
+        name: build_section(cls, arr[name], f"actor_rollout_ref.{name}")
+        for name, cls in _ARR_SECTIONS.items()
+    }
+    sections.update({name: build_section(cls, config[name], name) for name, cls in _PPO_SECTIONS.items()})
+    return RoleConfigs(**sections, tokens=tokens, agent_tools=tuple(agent_tools or ()))
+
+
+# ---------------------------------------------------------------------- SFT
+@dataclass(frozen=True, kw_only=True)
+class SFTDataConfig:
+    """``data`` (SFT): conversations and batch sizes."""
+
+    train_files: str | tuple[str, ...]
+    val_files: str | tuple[str, ...] | None
+    messages_key: str
+    prompt_key: str
+    response_key: str
+    max_length: int
+    truncation: str
+    train_batch_size: int
+    val_batch_size: int | None
+    micro_batch_size_per_gpu: int
+    shuffle: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTFsdpConfig:
+    """``model.fsdp_config`` (SFT)."""
+
+    model_dtype: str
+    param_dtype: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTModelConfig:
+    """``model`` (SFT)."""
+
+    path: str
+    enable_gradient_checkpointing: bool
+    fsdp_config: SFTFsdpConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTOptimConfig:
+    """``optim`` (SFT): AdamW, its schedule and gradient clipping."""
+
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    warmup_steps_ratio: float
+    lr_scheduler: str
+    min_lr_ratio: float
+    clip_grad: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTTrainerConfig:
+    """``trainer`` (SFT)."""
+
+    project_name: str
+    experiment_name: str
+    nnodes: int
+    n_gpus_per_node: int
+    total_epochs: int
+    total_training_steps: int | None
+    save_freq: int
+    test_freq: int
+    val_before_train: bool
+    logger: tuple[str, ...]
+    seed: int
+    default_local_dir: str
+    export_dir: str | None
+    resume_mode: str
+    resume_from_path: str | None
+    max_ckpt_to_keep: int | None
+    ray_num_cpus: int | None
+    ray_object_store_gb: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTRoleConfigs:
+    """What an `SFTWorker` reads: the SFT YAML's sections plus the run's optimizer-step count (which the
+    learning-rate schedule spans), counted by the driver from the data."""
+
+    data: SFTDataConfig
+    model: SFTModelConfig
+    optim: SFTOptimConfig
+    trainer: SFTTrainerConfig
+    total_steps: int
+
+
+_SFT_SECTIONS = {
+    "data": SFTDataConfig,
+    "model": SFTModelConfig,
+    "optim": SFTOptimConfig,
+    "trainer": SFTTrainerConfig,
+}
+
+
+def build_sft_role_configs(config: Section, *, total_steps: int) -> SFTRoleConfigs:
+    """The SFT workers' configs from the resolved SFT config as a plain dict."""
+    sections = {name: build_section(cls, config[name], name) for name, cls in _SFT_SECTIONS.items()}
+    return SFTRoleConfigs(**sections, total_steps=int(total_steps))
+
+
+def role_configs_from_overrides(
+    overrides: Any = (), *, tokens: TokenIds | None = None, config_name: str = "ppo_trainer"
+) -> Any:
+    """The YAML + ``key=value`` overrides (not validated) as the typed configs a worker receives: for tests
+    and benchmarks that build roles or workers without the trainer. ``config_name`` ``sft_trainer`` gives
+    `SFTRoleConfigs` (``total_steps`` 1)."""
+    from fusedrl.config import load_config, to_plain_dict  # omegaconf/hydra: only here
+
+    plain = to_plain_dict(load_config(list(overrides), config_name=config_name, validate_config=False))
+    if config_name == "sft_trainer":
+        return build_sft_role_configs(plain, total_steps=1)
+    return build_role_configs(plain, tokens=tokens or TokenIds(eos=0, pad=0))
