@@ -111,54 +111,52 @@ def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..
     from omegaconf import DictConfig, OmegaConf
 
     from fusedrl.rewards.manager import BatchRewardManager, DAPORewardManager, NaiveRewardManager
+    from fusedrl.role_config import CustomRewardFunctionConfig, RewardModelConfig, build_section
 
     cfg = config if isinstance(config, DictConfig) else OmegaConf.create(config or {})
-    raw_kwargs = OmegaConf.select(cfg, "reward_model.reward_kwargs", default=None)
+    raw_kwargs = OmegaConf.select(cfg, "reward_model.reward_kwargs")
     if raw_kwargs is not None and not isinstance(raw_kwargs, DictConfig):
         raise ValueError(f"reward_model.reward_kwargs={raw_kwargs!r}: use a mapping of keyword arguments")
     # A partial config (tests, library use) takes its missing reward keys from the YAML: one set of defaults.
     merged = OmegaConf.merge(_yaml_reward_defaults(), cfg)
     assert isinstance(merged, DictConfig)
-    cfg = merged
+    # The two sections as the typed configs the roles get (attributes below, no key lookups with defaults).
+    rm_section: Any = OmegaConf.to_container(merged.reward_model, resolve=True)
+    custom_section: Any = OmegaConf.to_container(merged.custom_reward_function, resolve=True)
+    rm = build_section(RewardModelConfig, rm_section, "reward_model")
+    custom = build_section(CustomRewardFunctionConfig, custom_section, "custom_reward_function")
 
-    def get(key: str, default: Any = None) -> Any:
-        value = OmegaConf.select(cfg, key, default=default)
-        return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
-
-    kind = str(get("reward_model.reward_manager"))
+    kind = str(rm.reward_manager)
     if kind not in _MANAGER_KINDS:
         raise ValueError(f"reward_model.reward_manager={kind!r}: use one of {list(_MANAGER_KINDS)}")
-    on_error = str(get("reward_model.on_error"))
+    on_error = str(rm.on_error)
     if on_error not in _ON_ERROR:
         raise ValueError(f"reward_model.on_error={on_error!r}: use one of {list(_ON_ERROR)}")
-    num_workers = get("reward_model.num_workers")
+    num_workers = rm.num_workers
     if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
         raise ValueError(f"reward_model.num_workers={num_workers!r}: use an integer >= 0 (0 scores inline)")
-    timeout_s = get("reward_model.timeout_s")
+    timeout_s = rm.timeout_s
     if timeout_s is not None and (
         isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0
     ):
         raise ValueError(
             f"reward_model.timeout_s={timeout_s!r}: use a number of seconds > 0 (or null: no limit)"
         )
-    mp_context = str(get("reward_model.mp_context"))
+    mp_context = str(rm.mp_context)
     from fusedrl.rewards.pool import START_METHODS
 
     if mp_context not in START_METHODS:
         raise ValueError(f"reward_model.mp_context={mp_context!r}: use one of {list(START_METHODS)}")
-    reward_kwargs = get("reward_model.reward_kwargs") or {}
-    if not isinstance(reward_kwargs, dict):
-        raise ValueError(f"reward_model.reward_kwargs={reward_kwargs!r}: use a mapping of keyword arguments")
+    reward_kwargs = dict(rm.reward_kwargs or {})
 
     fn = compute_score
-    path = get("custom_reward_function.path")
-    if fn is None and path:
-        file_fn = FileRewardFunction(path, get("custom_reward_function.name"))
+    if fn is None and custom.path:
+        file_fn = FileRewardFunction(custom.path, custom.name)
         file_fn.load()  # fail now, naming the file and function, rather than at the first step
         fn = file_fn
 
-    overlong = get("reward_model.overlong_buffer")
-    if kind != "dapo" and overlong["enable"]:
+    overlong = rm.overlong_buffer
+    if kind != "dapo" and overlong.enable:
         raise ValueError(
             f"reward_model.overlong_buffer.enable=true needs reward_model.reward_manager=dapo (got {kind!r})"
         )
@@ -175,10 +173,10 @@ def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..
         return DAPORewardManager(
             tokenizer,
             fn,
-            overlong_buffer_enable=bool(overlong["enable"]),
-            overlong_buffer_len=int(overlong["len"]),
-            overlong_penalty_factor=float(overlong["penalty_factor"]),
-            max_response_length=get("data.max_response_length"),
+            overlong_buffer_enable=bool(overlong.enable),
+            overlong_buffer_len=int(overlong.len),
+            overlong_penalty_factor=float(overlong.penalty_factor),
+            max_response_length=OmegaConf.select(cfg, "data.max_response_length"),  # None: the batch's width
             **common,
         )
     return NaiveRewardManager(tokenizer, fn, **common)
