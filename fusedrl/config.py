@@ -229,6 +229,7 @@ def validate(cfg: DictConfig) -> None:
     for sp_key in (
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
         "critic.ulysses_sequence_parallel_size",
+        "reward_model.ulysses_sequence_parallel_size",
     ):
         sp = positive(sp_key)
         if slots is not None and nnodes is not None and sp is not None:

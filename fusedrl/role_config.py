@@ -330,6 +330,7 @@ class RewardModelConfig:
     model: RewardModelPath
     fsdp_config: RewardModelFsdpConfig
     micro_batch_size_per_gpu: int
+    ulysses_sequence_parallel_size: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 # (glob over dotted keys, reason). The first matching pattern wins; keep the reasons short (they are
 # printed on the console).
 _PROFILING = "profiling is not built in (run torch.profiler or py-spy around main_ppo)"
-_ULYSSES = "the reward model holds whole sequences per rank (sequence parallelism: actor, reference, critic)"
+_ULYSSES = "set the role's own ulysses_sequence_parallel_size (actor, critic, reward_model; the reference follows the actor)"
 _FSDP_TUNING = "FSDP2 is applied per decoder layer with fixed settings"
 _CRITIC_LORA = "the critic has no LoRA (actor LoRA runs with critic-free estimators)"
 _KERNELS = "fused / Liger / tiled kernels are not used: Hugging Face modules as they are"

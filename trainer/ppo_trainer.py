@@ -412,8 +412,8 @@ class PPOTrainer:
     def compute_reward_model_scores(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Sequence scores from the reward-model role, placed on each response's last sampled token."""
         inputs = self._model_inputs(batch)
-        rm = self.group_for("reward_model")
-        parts = rm.run_split(lambda w, shard: w.reward_model_compute_scores.remote(shard), inputs)
+        rm, sp = self.group_for("reward_model"), int(self.config.reward_model.ulysses_sequence_parallel_size)
+        parts = rm.run_split(lambda w, s: w.reward_model_compute_scores.remote(s), inputs, replicas=sp)
         seq_scores = rm.gather_tensors(parts, inputs)  # [B]
         batch.token_level_scores = on_last_sampled_token(seq_scores, batch.response_mask)  # [B, Tr]
         batch.token_level_rewards = batch.token_level_scores.clone()
