@@ -48,9 +48,8 @@ def test_no_get_with_a_default_on_config_sections():
     assert not offenders, "defaults restated outside the YAML:\n" + "\n".join(offenders)
 
 
-# Subscripts whose receiver looks like a config but is another dict: PEFT's adapter configs, a Hugging Face
-# config.json being rewritten.
-NOT_ROLE_CONFIG = {"model.peft_config", "config"}
+# Subscripts whose receiver looks like a config but is another dict: PEFT's adapter configs.
+NOT_ROLE_CONFIG = {"model.peft_config"}
 ROLE_FOLDERS = ("workers", "fusedrl/rewards")
 
 
