@@ -21,6 +21,7 @@ from fusedrl.role_config import CriticConfig
 from fusedrl.workers.fsdp import (
     build_adamw,
     device_type,
+    gathered_for_pass,
     resolve_attn_implementation,
     shard_for_training,
     to_dtype,
@@ -128,7 +129,8 @@ class CriticRole:
         size = self.cfg.forward_micro_batch_size_per_gpu or self.cfg.ppo_micro_batch_size_per_gpu
         budget = token_budget(self.cfg.use_dynamic_bsz, self.cfg.forward_max_token_len_per_gpu)
         mbs, order = split_micro_batches(batch, rows=int(size), max_token_len=budget)
-        parts = [self._forward_values(mb) for mb in mbs]  # [b_i, Tr] each
+        with gathered_for_pass(self.model):  # one all-gather per layer for the whole pass
+            parts = [self._forward_values(mb) for mb in mbs]  # [b_i, Tr] each
         return restore_order(parts, order) * batch.response_mask  # [B, Tr]
 
     # ------------------------------------------------------------------ training

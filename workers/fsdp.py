@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 DTYPES = {
@@ -87,17 +88,59 @@ def apply_fsdp2(
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
-    reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Shard ``model`` in place with FSDP2: one unit per decoder layer, then the root."""
+    """Shard ``model`` in place with FSDP2: one unit per decoder layer, then the root. Units reshard
+    after forward (memory first); `gathered_for_pass` keeps them gathered for a whole pass where that pays."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     # A PEFT model's root unit is the wrapped model: its own forward runs under generate() too (PEFT's
     # generate skips the wrapper's forward), and the wrapper forwards FSDP's methods to it.
     root = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
-    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     return model
+
+
+# On CPU, keep every FSDP2 unit gathered for a whole pass (see `gathered_for_pass`). A module-level switch
+# so that benchmarks can measure the per-micro-batch regather it replaces.
+GATHER_ONCE_PER_PASS = True
+
+
+def fsdp_units(model: nn.Module) -> list[FSDPModule]:
+    """The ``fully_shard`` units inside ``model`` (decoder layers and the root), outermost first."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def keeps_gathered(model: nn.Module) -> bool:
+    """Whether `gathered_for_pass` keeps ``model``'s parameters gathered: on CPU, for a sharded model.
+
+    On CPU memory is plentiful and every gloo all-gather is a synchronous round trip that the compute
+    cannot hide, so gathering each layer once per pass instead of once per micro-batch forward (and again
+    for its backward) is pure gain. On GPU the default stays: NCCL gathers overlap compute, and a
+    resident full model would cost the memory FSDP exists to save.
+    """
+    return GATHER_ONCE_PER_PASS and not torch.cuda.is_available() and bool(fsdp_units(model))
+
+
+@contextmanager
+def gathered_for_pass(model: nn.Module) -> Iterator[None]:
+    """Inside: FSDP2 units gathered by the first forward stay gathered through every later forward and
+    backward (no reshard after forward or backward); on exit all units are resharded and set back to
+    resharding, so the optimizer and the weight stream see the sharded parameters again. Gradient
+    reduction is untouched (see `fusedrl.workers.optim_step.defer_grad_sync`). A no-op where
+    `keeps_gathered` is false. Not reentrant: callers wrap one pass."""
+    units = fsdp_units(model) if keeps_gathered(model) else []
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.set_reshard_after_backward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(True, recurse=False)
+            unit.set_reshard_after_backward(True, recurse=False)
+        for unit in units:
+            unit.reshard()
 
 
 def shard_for_training(

@@ -23,6 +23,7 @@ from torch import nn
 from fusedrl.algorithms import entropy_from_logits
 from fusedrl.balance import sequence_lengths, token_budget_bins
 from fusedrl.batch import RolloutBatch
+from fusedrl.workers.fsdp import gathered_for_pass
 from fusedrl.workers.packing import pack_batch
 
 B = TypeVar("B", RolloutBatch, dict)
@@ -227,17 +228,18 @@ def batched_log_probs_and_sum_pi_squared(
     """`batched_log_probs` and, from the same forwards, Σπ² ``[B, Tr]`` (None unless
     ``with_sum_pi_squared``); both 0 on padding."""
     mbs, order = split_micro_batches(batch, rows=micro_batch_size, max_token_len=max_token_len)
-    outs = [
-        response_log_probs(
-            model,
-            mb,
-            temperature=temperature,
-            remove_padding=remove_padding,
-            with_sum_pi_squared=with_sum_pi_squared,
-            sp_group=sp_group,
-        )
-        for mb in mbs
-    ]  # ([b_i, Tr], [b_i, Tr] | None) each
+    with gathered_for_pass(model):  # one all-gather per layer for the whole pass, not per micro-batch
+        outs = [
+            response_log_probs(
+                model,
+                mb,
+                temperature=temperature,
+                remove_padding=remove_padding,
+                with_sum_pi_squared=with_sum_pi_squared,
+                sp_group=sp_group,
+            )
+            for mb in mbs
+        ]  # ([b_i, Tr], [b_i, Tr] | None) each
     mask = batch.response_mask
     log_probs = restore_order([o[0] for o in outs], order) * mask  # [B, Tr], 0 on padding
     if not with_sum_pi_squared:

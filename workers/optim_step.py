@@ -14,6 +14,7 @@ from torch import nn
 
 from fusedrl.algorithms import agg_denominator
 from fusedrl.batch import RolloutBatch
+from fusedrl.workers.fsdp import gathered_for_pass
 from fusedrl.workers.logprob import micro_batches, split_micro_batches
 
 # (micro-batch, loss normaliser, token normaliser) -> (loss to backprop, metric terms)
@@ -64,7 +65,7 @@ def defer_grad_sync(model: nn.Module, world_size: int) -> bool:
 
 
 @contextmanager
-def _grad_sync(model: nn.Module, *, last: bool, defer: bool) -> Iterator[None]:
+def grad_sync(model: nn.Module, *, last: bool, defer: bool) -> Iterator[None]:
     """The backward inside: with ``defer``, FSDP2 communicates only on the ``last`` micro-batch."""
     if not defer:
         yield
@@ -117,12 +118,15 @@ def minibatch_updates(
             mbs, order = split_micro_batches(mini, rows=micro_rows, max_token_len=max_token_len)
             if on_micro_split is not None:
                 on_micro_split(order)
-            for i, mb in enumerate(mbs):
-                loss, terms = micro_loss(mb, norm, token_norm)
-                with _grad_sync(stepper.model, last=i == len(mbs) - 1, defer=defer):
-                    loss.backward()
-                for key, value in terms.items():
-                    mini_terms[key] = mini_terms.get(key, 0.0) + value
+            # Layers stay gathered across the mini-batch's forwards and backwards; resharded before the
+            # optimizer step, which works on the shards.
+            with gathered_for_pass(stepper.model):
+                for i, mb in enumerate(mbs):
+                    loss, terms = micro_loss(mb, norm, token_norm)
+                    with grad_sync(stepper.model, last=i == len(mbs) - 1, defer=defer):
+                        loss.backward()
+                    for key, value in terms.items():
+                        mini_terms[key] = mini_terms.get(key, 0.0) + value
             grad_norm = stepper()
             # Each rank holds 1/W of every mini-batch quantity (normalised by W * norm): sum over ranks.
             keys = sorted(mini_terms)

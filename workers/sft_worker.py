@@ -26,8 +26,15 @@ from fusedrl.role_config import SFTRoleConfigs
 from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
 from fusedrl.workers.distributed import DistributedWorker
 from fusedrl.workers.export import export_hf
-from fusedrl.workers.fsdp import build_adamw, device_type, load_causal_lm, shard_for_training
+from fusedrl.workers.fsdp import (
+    build_adamw,
+    device_type,
+    gathered_for_pass,
+    load_causal_lm,
+    shard_for_training,
+)
 from fusedrl.workers.logprob import micro_batches
+from fusedrl.workers.optim_step import defer_grad_sync, grad_sync
 
 Batch = dict[str, torch.Tensor]
 LR_SCHEDULERS = ("constant", "cosine")
@@ -159,10 +166,16 @@ class SFTWorker(DistributedWorker):
         denom = max(global_tokens, 1.0) / self.world_size
         optimizer.zero_grad(set_to_none=True)
         nll_total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb in trimmed_micro_batches(batch, int(micro_batch_size)):
-            nll_sum, _ = masked_nll(model, mb)
-            (nll_sum / denom).backward()
-            nll_total += nll_sum.detach().double()
+        mbs = list(trimmed_micro_batches(batch, int(micro_batch_size)))
+        defer = defer_grad_sync(model, self.world_size)
+        with gathered_for_pass(
+            model
+        ):  # layers gathered once for all micro-batches; resharded before the step
+            for i, mb in enumerate(mbs):
+                nll_sum, _ = masked_nll(model, mb)
+                with grad_sync(model, last=i == len(mbs) - 1, defer=defer):
+                    (nll_sum / denom).backward()
+                nll_total += nll_sum.detach().double()
         lr = self.current_lr()
         for group in optimizer.param_groups:
             group["lr"] = lr
