@@ -10,8 +10,9 @@ top operators by self CPU time (``torch.profiler``) on rank 0.
 
 ``--variants`` measures switches of the implementation side by side in one process, alternating, so a
 shared machine's load falls on all alike: ``base`` (everything on, float32), ``no_trim`` (micro-batches
-keep their all-padding columns, the behaviour before the trim), ``bf16`` (the same roles under FSDP2 bf16
-mixed precision).
+keep their all-padding columns, the behaviour before the trim), ``regather`` (FSDP2 re-gathers every unit
+for each micro-batch's forward and backward, its default, instead of once per pass), ``bf16`` (the same roles
+under FSDP2 bf16 mixed precision).
 
     python -m benchmarks.train_passes [--layouts 1x2,2x1] [--preset small] [--reps 3] [--variants base,no_trim]
 """
@@ -157,6 +158,7 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    import fusedrl.workers.fsdp as fsdp
     import fusedrl.workers.logprob as logprob
     from benchmarks.common import model_dir
     from fusedrl.workers.actor import ActorRole, RefRole
@@ -192,11 +194,12 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
 
     old_lp, ref_lp = old(), run_ref()
     variants = args["variants"]
-    defaults = {"trim": logprob.TRIM_PADDING}
+    defaults = {"trim": logprob.TRIM_PADDING, "once": fsdp.GATHER_ONCE_PER_PASS}
 
     def apply(variant: str) -> None:
         nonlocal actor, ref
         logprob.TRIM_PADDING = defaults["trim"] and variant != "no_trim"
+        fsdp.GATHER_ONCE_PER_PASS = defaults["once"] and variant != "regather"
         actor, ref = roles["bf16" if variant == "bf16" else "base"]
 
     phases = {"old_log_prob": old, "ref": run_ref, "update": update, "hf_fwd_bwd": hf_pass}

@@ -1,6 +1,7 @@
 """fusedrl vs TRL's GRPOTrainer on the same GRPO work and the same cores, measured in one run.
 
-The work: the random-init ``small`` Qwen2 preset (18M parameters), 16 prompts x 4 samples, <= 64 response
+The work: a random-init Qwen2 preset (``--preset``: ``small``, 18M parameters, the default; ``tiny``, 0.56M,
+where fixed costs per phase and micro-batch dominate), 16 prompts x 4 samples, <= 64 response
 tokens, one optimizer step per generation batch, a KL term against a reference model (fusedrl
 ``use_kl_loss=true``, TRL ``beta=0.04``), the arithmetic rule reward, float32 or bfloat16.
 
@@ -8,7 +9,7 @@ TRL is not a fusedrl dependency: install it into a scratch folder and name it wi
 
     pip install --target /tmp/trlpkgs --no-deps trl accelerate datasets multiprocess
     python -m benchmarks.trl_side_by_side --trl-path /tmp/trlpkgs [--rounds 2] [--steps 4]
-        [--variants fusedrl-1,fusedrl-2,trl] [--dtype float32]
+        [--variants fusedrl-1,fusedrl-2,trl] [--dtype float32] [--preset small]
 
 Each (variant, round) runs in its own process; the variants alternate (A B C A B C ...), so a shared
 machine's load falls on all of them alike. The first step of every run is warm-up and is not counted.
@@ -29,7 +30,7 @@ import time
 PROMPTS, SAMPLES, RESPONSE = 16, 4, 64
 
 
-def run_fusedrl(workers: int, steps: int, dtype: str) -> dict:
+def run_fusedrl(workers: int, steps: int, dtype: str, preset: str) -> dict:
     from benchmarks.step_breakdown import measure
 
     extra = [
@@ -41,7 +42,7 @@ def run_fusedrl(workers: int, steps: int, dtype: str) -> dict:
         f"actor_rollout_ref.ref.fsdp_config.param_dtype={dtype}",
         "trainer.emulated_bf16=allow",
     ]
-    res = measure("small", workers, steps, RESPONSE, extra)
+    res = measure(preset, workers, steps, RESPONSE, extra)
     return {
         "step_s": [s["timing_s/step"] for s in res["steps"]],
         "phases": {
@@ -53,7 +54,7 @@ def run_fusedrl(workers: int, steps: int, dtype: str) -> dict:
     }
 
 
-def run_trl(steps: int, dtype: str) -> dict:
+def run_trl(steps: int, dtype: str, preset: str) -> dict:
     import pandas as pd
     import torch
     from datasets import Dataset
@@ -75,7 +76,7 @@ def run_trl(steps: int, dtype: str) -> dict:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [compute_score(t, g) for t, g in zip(texts, ground_truth, strict=True)]
 
-    path = model_dir("small")
+    path = model_dir(preset)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     times: list[float] = []
@@ -124,12 +125,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--preset", default="small", choices=["tiny", "small"])
     args = ap.parse_args()
     if args.one:
         if args.one == "trl":
-            res = run_trl(args.steps, args.dtype)
+            res = run_trl(args.steps, args.dtype, args.preset)
         else:
-            res = run_fusedrl(int(args.one.split("-")[1]), args.steps, args.dtype)
+            res = run_fusedrl(int(args.one.split("-")[1]), args.steps, args.dtype, args.preset)
         print("RESULT " + json.dumps(res), flush=True)
         return
 
@@ -142,7 +144,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for v in variants:
             env = {"PYTHONPATH": args.trl_path} if v == "trl" else None
-            cli = ["--one", v, "--steps", str(args.steps), "--dtype", args.dtype]
+            cli = ["--one", v, "--steps", str(args.steps), "--dtype", args.dtype, "--preset", args.preset]
             runs[v].append(run_in_subprocess("benchmarks.trl_side_by_side", cli, timeout=3600, env=env))
     steps = {v: [t for r in rs for t in r["step_s"]] for v, rs in runs.items()}
     best_trl = statistics.median(steps["trl"]) if "trl" in steps else None
@@ -163,7 +165,7 @@ def main() -> None:
         )
     table = "\n".join(
         [
-            f"GRPO step, small model (18M), {PROMPTS} prompts x {SAMPLES} samples, <= {RESPONSE} tokens, "
+            f"GRPO step, {args.preset} model, {PROMPTS} prompts x {SAMPLES} samples, <= {RESPONSE} tokens, "
             f"KL against a reference, {args.dtype}; median step time over {args.rounds} alternating rounds "
             f"x {args.steps - 1} measured steps; load average at the end: {os.getloadavg()[0]:.1f}",
             "",
@@ -174,7 +176,7 @@ def main() -> None:
     )
     cmd = (
         f"python -m benchmarks.trl_side_by_side --trl-path <scratch> --variants {args.variants} "
-        f"--rounds {args.rounds} --steps {args.steps} --dtype {args.dtype}"
+        f"--rounds {args.rounds} --steps {args.steps} --dtype {args.dtype} --preset {args.preset}"
     )
     record("fusedrl vs TRL GRPOTrainer, side by side", cmd, table, {v: runs[v] for v in variants})
 
