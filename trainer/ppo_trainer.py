@@ -220,12 +220,7 @@ class PPOTrainer:
     def check_health(self, metrics: Metrics) -> None:
         """Stop the run, with a report, on non-finite updates or a rollout that diverges from the actor
         (`fusedrl.trainer.health_checks.check_step`)."""
-        check_step(self.config, self.global_step, metrics, self.rollout_check_tol)
-
-    @property
-    def rollout_check_tol(self) -> float | None:
-        """``trainer.rollout_check_tol`` as a number (``auto``: `rollout_check_bound`); None when off."""
-        return rollout_check_bound(self.config)
+        check_step(self.config, self.global_step, metrics, rollout_check_bound(self.config))
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> str:
@@ -236,14 +231,16 @@ class PPOTrainer:
             "dataloader": self.train_loader.state_dict(),
             "kl_coef": self.kl_ctrl.value,
         }
-        path = save_run_checkpoint(
-            self.ckpt_root, self.global_step, self.workers, state, max_to_keep=tr.max_actor_ckpt_to_keep
-        )
+        keep, extra = tr.max_actor_ckpt_to_keep, self.save_driver_files
+        path = save_run_checkpoint(self.ckpt_root, self.global_step, self.workers, state, keep, extra)
         # verl's actor.checkpoint.save_contents=[..., hf_model]: also a Hugging Face folder of the policy.
         if "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
             self.export_hf(os.path.join(path, "huggingface"))
         self.rollout_stale |= self.rollout_discards_weights  # the engines slept while the state was resident
         return path
+
+    def save_driver_files(self, folder: str) -> None:
+        """A hook: files of the driver's own into a checkpoint ``folder`` before it is committed."""
 
     def load_checkpoint(self) -> str | None:
         """Resume per ``trainer.resume_mode``; then re-sync the engine to the restored actor."""
@@ -269,14 +266,9 @@ class PPOTrainer:
 
     def next_prompts(self) -> RolloutBatch:
         """The next batch of prompts; epochs roll over (the loader's position is checkpointed)."""
-        if self._data_iter is None:
-            self._data_iter = self._endless(self.train_loader)
+        if self._data_iter is None:  # one pass of the loader per epoch, endlessly
+            self._data_iter = itertools.chain.from_iterable(itertools.repeat(self.train_loader))
         return next(self._data_iter)
-
-    @staticmethod
-    def _endless(loader: PromptLoader) -> Iterator[RolloutBatch]:
-        while True:
-            yield from loader
 
     def collect_batch(self, metrics: Metrics) -> RolloutBatch:
         """Generate and score one step's samples. With ``algorithm.filter_groups.enable`` (DAPO's dynamic
@@ -363,17 +355,9 @@ class PPOTrainer:
         the engine sleeps -> the actor's parameters come back for the log-prob passes. Each row gets its
         own sampling seed (`step_plan.sample_seeds`), so a resumed run regenerates the same samples.
         """
-        r = self.config.actor_rollout_ref.rollout
-        n = int(r.val_kwargs.n) if validate else int(r.n)
-        batch = prompts.repeat_samples(n)
-        batch.sample_seeds = sample_seeds(int(r.seed), self.global_step, seed_offset, batch.num_samples)
-        # Group ids unique to this generation call, so groups never merge across rounds or epochs.
-        batch.uid = [f"{u}@{self.global_step}.{seed_offset}" for u in batch.field_list("uid")]
-        fields = ["prompts", "prompt_mask", "sample_seeds"]
-        if self.multi_turn:  # agent loops read the row: agent_name, tools_kwargs, prompt messages
-            fields += ["uid", "data_source", "ground_truth", "extra_info"]
-        to_send = batch.select_fields(*fields)
-        tp, rollout = int(r.tensor_model_parallel_size), self.group_for("rollout")
+        batch, to_send = self.generation_request(prompts, validate, seed_offset, self.global_step)
+        tp = int(self.config.actor_rollout_ref.rollout.tensor_model_parallel_size)
+        rollout = self.group_for("rollout")
         if self.rollout_stale:
             self.sync_weights()
         rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
@@ -383,11 +367,26 @@ class PPOTrainer:
         rollout.run_all(lambda w: w.rollout_sleep.remote())
         self.rollout_stale = self.rollout_discards_weights
         self.group_for("actor").run_all(lambda w: w.load_actor.remote())
-        out = rollout.gather_batches(shards, to_send)
-        names = ["responses", "response_mask", "rollout_log_probs"]
-        if self.multi_turn:
-            names += ["response_attention_mask", "agent_stats"]
-        return batch.update_from(out, *names)
+        return batch.update_from(rollout.gather_batches(shards, to_send), *self.response_fields)
+
+    def generation_request(
+        self, prompts: RolloutBatch, validate: bool, seed_offset: int, step: int
+    ) -> tuple[RolloutBatch, RolloutBatch]:
+        """One generation call's rows (prompts ``n`` times, seeds of ``step``) and the fields sent."""
+        r = self.config.actor_rollout_ref.rollout
+        batch = prompts.repeat_samples(int(r.val_kwargs.n) if validate else int(r.n))
+        batch.sample_seeds = sample_seeds(int(r.seed), step, seed_offset, batch.num_samples)
+        # Group ids unique to this generation call, so groups never merge across rounds or epochs.
+        batch.uid = [f"{u}@{step}.{seed_offset}" for u in batch.field_list("uid")]
+        fields = ["prompts", "prompt_mask", "sample_seeds"]
+        if self.multi_turn:  # agent loops read the row: agent_name, tools_kwargs, prompt messages
+            fields += ["uid", "data_source", "ground_truth", "extra_info"]
+        return batch, batch.select_fields(*fields)
+
+    @property
+    def response_fields(self) -> list[str]:
+        extra = ["response_attention_mask", "agent_stats"] if self.multi_turn else []
+        return ["responses", "response_mask", "rollout_log_probs", *extra]
 
     def compute_rewards(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Score responses: the rule / custom reward on the driver, or the fused reward model when enabled."""
