@@ -75,6 +75,8 @@ class InFlight:
 class AsyncPPOTrainer(PPOTrainer):
     """`PPOTrainer` whose generation of the next step overlaps this step's training (module docstring)."""
 
+    rollout_stale: bool  # (set by PPOTrainer.__init__; declared for mypy)
+
     def __init__(self, config: DictConfig, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.max_staleness = max_staleness(config)
@@ -252,5 +254,6 @@ def load_in_flight(path: str) -> InFlight:
     with open(os.path.join(path, BATCH_META), encoding="utf-8") as f:
         meta = json.load(f)
     rows = int(tensors["prompts"].shape[0])
-    batch = RolloutBatch(**tensors, **{name: meta[name] for name in NON_TENSOR_FIELDS}, batch_size=[rows])
+    fields: dict[str, Any] = {**tensors, **{name: meta[name] for name in NON_TENSOR_FIELDS}}
+    batch = RolloutBatch(**fields, batch_size=[rows])
     return InFlight(step=int(meta["step"]), batch=batch, result=batch)
