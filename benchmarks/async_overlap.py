@@ -33,7 +33,7 @@ POOLS = [
     "trainer.placement.roles={rollout: gen}",
 ]
 LAYOUTS = {
-    "fused (1 slot)": [],
+    "fused (1 slot)": ["algorithm.rollout_correction.rollout_is=token"],  # the same passes as the others
     "rollout pool, sync (1 + 1 slots)": [*POOLS, "algorithm.rollout_correction.rollout_is=token"],
     "rollout pool, async max_staleness=1 (1 + 1 slots)": [
         *POOLS,
