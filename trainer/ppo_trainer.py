@@ -24,7 +24,7 @@ from fusedrl.algorithms import get_adv_estimator, get_adv_traits
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
 from fusedrl.algorithms.rollout_correction import correct_advantages
 from fusedrl.balance import apply_order, balanced_rank_order, rank_token_loads, sequence_lengths
-from fusedrl.batch import RolloutBatch, on_last_sampled_token
+from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import WorkerGroup
@@ -41,13 +41,14 @@ from fusedrl.trainer import step_plan
 from fusedrl.trainer.data_setup import prompt_data
 from fusedrl.trainer.dynamic_sampling import GroupCollector, group_metric, informative_groups
 from fusedrl.trainer.health_checks import check_step, rollout_check_bound
+from fusedrl.trainer.reward_scoring import RewardModelScoring
 from fusedrl.trainer.step_plan import due, sample_seeds
 from fusedrl.trainer.validation import print_generations, validation_metrics
 from fusedrl.workers.rollout.base import SamplingConfig
 from fusedrl.workers.worker_dict import WorkerDict
 
 
-class PPOTrainer:
+class PPOTrainer(RewardModelScoring):
     """GRPO / PPO-family RL over a group of fused workers. See the module docstring for the lifecycle."""
 
     def __init__(
@@ -188,6 +189,8 @@ class PPOTrainer:
         with timer("step", metrics):
             batch = self.collect_batch(metrics)  # generate + reward (+ dynamic sampling)
             batch = self.balance_batch(batch, metrics)
+            if self.reward_model_overlaps:  # it scores while the actor computes log-probs
+                self.submit_reward_model_scores(batch)
             reuse = self.old_log_probs_from_update(batch)
             metrics["actor/old_log_prob_from_update"] = float(reuse)
             if not reuse:
@@ -196,6 +199,7 @@ class PPOTrainer:
             if self.use_reference:
                 with timer("ref", metrics):
                     batch = self.compute_ref_log_probs(batch)
+            batch = self.await_reward_model_scores(batch, metrics)
             if self.config.algorithm.use_kl_in_reward:
                 batch = self.apply_kl_penalty(batch, metrics)
             if self.use_critic:
@@ -390,8 +394,8 @@ class PPOTrainer:
 
     def compute_rewards(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Score responses: the rule / custom reward on the driver, or the fused reward model when enabled."""
-        if self.config.reward_model.enable:
-            return self.compute_reward_model_scores(batch, metrics)
+        if self.config.reward_model.enable:  # on a pool of its own: sent in `train_step`, after balancing
+            return batch if self.reward_model_overlaps else self.compute_reward_model_scores(batch, metrics)
         scores, reward_metrics = self.score(batch)  # [B, Tr]
         batch.token_level_scores = scores
         batch.token_level_rewards = scores.clone()
@@ -407,17 +411,6 @@ class PPOTrainer:
 
             scores = add_agent_rewards(scores, batch.response_mask, batch.agent_stats)
         return scores, metrics
-
-    def compute_reward_model_scores(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
-        """Sequence scores from the reward-model role, placed on each response's last sampled token."""
-        inputs = self._model_inputs(batch)
-        rm, sp = self.group_for("reward_model"), int(self.config.reward_model.ulysses_sequence_parallel_size)
-        parts = rm.run_split(lambda w, s: w.reward_model_compute_scores.remote(s), inputs, replicas=sp)
-        seq_scores = rm.gather_tensors(parts, inputs)  # [B]
-        batch.token_level_scores = on_last_sampled_token(seq_scores, batch.response_mask)  # [B, Tr]
-        batch.token_level_rewards = batch.token_level_scores.clone()
-        metrics["reward/rm_score/mean"] = float(seq_scores.mean())
-        return batch
 
     def compute_reward_baselines(self, prompts: RolloutBatch, batch: RolloutBatch) -> RolloutBatch:
         """ReMax: score one greedy response per prompt and use it as every sample's baseline."""
