@@ -241,7 +241,8 @@ class AsyncPPOTrainer(PPOTrainer):
         self.actor_version = sum(step_plan.actor_trains(self.config, s) for s in steps)
         self.engine_version = self.actor_version  # the engine was re-synced to the restored actor
         self.in_flight = None
-        if os.path.exists(os.path.join(path, BATCH_META)):
+        # A saved next batch is one update old: used when the run is one-step-off, else regenerated.
+        if self.max_staleness > 0 and os.path.exists(os.path.join(path, BATCH_META)):
             self.in_flight = load_in_flight(path)
         return path
 
