@@ -39,6 +39,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -469,14 +470,22 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_run_checkpoint(
-    root: str, step: int, workers: Any, state: dict[str, Any], max_to_keep: int | None = None
+    root: str,
+    step: int,
+    workers: Any,
+    state: dict[str, Any],
+    max_to_keep: int | None = None,
+    extra: Callable[[str], None] | None = None,
 ) -> str:
     """One trainer checkpoint: every worker writes its shards (``w.save_checkpoint``) into a temp folder,
-    the driver adds ``state`` plus its RNG, then the folder is committed atomically. Returns its path."""
+    the driver adds ``state`` plus its RNG (and ``extra(folder)`` writes its own files there, e.g. the
+    async trainer's batch in flight), then the folder is committed atomically. Returns its path."""
     tmp: str | None = None
     try:
         tmp = begin_checkpoint(root, step)
         workers.run_all(lambda w: w.save_checkpoint.remote(tmp))
+        if extra is not None:
+            extra(tmp)
         save_trainer_state(tmp, {**state, "rng": capture_rng_state()})
         return commit_checkpoint(root, step, tmp, max_to_keep=max_to_keep)
     except Exception as err:

@@ -496,7 +496,10 @@ def validate(cfg: DictConfig) -> None:
 
     problems.extend(lora_problems(cfg))
     roles = ["actor", "rollout", *[r for r, on in needed_roles(cfg).items() if on]]
-    placement_problems(cfg, roles, problems)
+    placement = placement_problems(cfg, roles, problems)
+    from fusedrl.async_config import async_problems
+
+    async_problems(cfg, placement, problems)
     from fusedrl.cpu_dtype import POLICIES
 
     policy = _get(cfg, "trainer.emulated_bf16")

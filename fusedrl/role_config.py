@@ -291,6 +291,13 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig
 
 
+@dataclass(frozen=True, kw_only=True)
+class AsyncTrainingConfig:
+    """``async_training``: one-step-off-policy asynchronous training (``trainer/async_trainer.py``)."""
+
+    max_staleness: int
+
+
 # ---------------------------------------------------------------------- reward
 @dataclass(frozen=True, kw_only=True)
 class OverlongBufferConfig:
@@ -416,6 +423,7 @@ class RoleConfigs:
     custom_reward_function: CustomRewardFunctionConfig
     data: DataConfig
     algorithm: AlgorithmConfig
+    async_training: AsyncTrainingConfig
     trainer: TrainerConfig
     tokens: TokenIds
     agent_tools: tuple[Any, ...]  # tools passed in Python to the trainer (agentic rollouts)
@@ -433,6 +441,7 @@ _PPO_SECTIONS = {
     "custom_reward_function": CustomRewardFunctionConfig,
     "data": DataConfig,
     "algorithm": AlgorithmConfig,
+    "async_training": AsyncTrainingConfig,
     "trainer": TrainerConfig,
 }
 _ARR_SECTIONS = {"model": ModelConfig, "actor": ActorConfig, "ref": RefConfig, "rollout": RolloutConfig}

@@ -24,7 +24,7 @@ from fusedrl.algorithms import get_adv_estimator, get_adv_traits
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
 from fusedrl.algorithms.rollout_correction import correct_advantages
 from fusedrl.balance import apply_order, balanced_rank_order, rank_token_loads, sequence_lengths
-from fusedrl.batch import RolloutBatch, on_last_sampled_token
+from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
 from fusedrl.controller import WorkerGroup
@@ -41,13 +41,14 @@ from fusedrl.trainer import step_plan
 from fusedrl.trainer.data_setup import prompt_data
 from fusedrl.trainer.dynamic_sampling import GroupCollector, group_metric, informative_groups
 from fusedrl.trainer.health_checks import check_step, rollout_check_bound
+from fusedrl.trainer.reward_scoring import RewardModelScoring
 from fusedrl.trainer.step_plan import due, sample_seeds
 from fusedrl.trainer.validation import print_generations, validation_metrics
 from fusedrl.workers.rollout.base import SamplingConfig
 from fusedrl.workers.worker_dict import WorkerDict
 
 
-class PPOTrainer:
+class PPOTrainer(RewardModelScoring):
     """GRPO / PPO-family RL over a group of fused workers. See the module docstring for the lifecycle."""
 
     def __init__(
@@ -188,6 +189,8 @@ class PPOTrainer:
         with timer("step", metrics):
             batch = self.collect_batch(metrics)  # generate + reward (+ dynamic sampling)
             batch = self.balance_batch(batch, metrics)
+            if self.reward_model_overlaps:  # it scores while the actor computes log-probs
+                self.submit_reward_model_scores(batch)
             reuse = self.old_log_probs_from_update(batch)
             metrics["actor/old_log_prob_from_update"] = float(reuse)
             if not reuse:
@@ -196,6 +199,7 @@ class PPOTrainer:
             if self.use_reference:
                 with timer("ref", metrics):
                     batch = self.compute_ref_log_probs(batch)
+            batch = self.await_reward_model_scores(batch, metrics)
             if self.config.algorithm.use_kl_in_reward:
                 batch = self.apply_kl_penalty(batch, metrics)
             if self.use_critic:
@@ -220,12 +224,7 @@ class PPOTrainer:
     def check_health(self, metrics: Metrics) -> None:
         """Stop the run, with a report, on non-finite updates or a rollout that diverges from the actor
         (`fusedrl.trainer.health_checks.check_step`)."""
-        check_step(self.config, self.global_step, metrics, self.rollout_check_tol)
-
-    @property
-    def rollout_check_tol(self) -> float | None:
-        """``trainer.rollout_check_tol`` as a number (``auto``: `rollout_check_bound`); None when off."""
-        return rollout_check_bound(self.config)
+        check_step(self.config, self.global_step, metrics, rollout_check_bound(self.config))
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> str:
@@ -236,14 +235,16 @@ class PPOTrainer:
             "dataloader": self.train_loader.state_dict(),
             "kl_coef": self.kl_ctrl.value,
         }
-        path = save_run_checkpoint(
-            self.ckpt_root, self.global_step, self.workers, state, max_to_keep=tr.max_actor_ckpt_to_keep
-        )
+        keep, extra = tr.max_actor_ckpt_to_keep, self.save_driver_files
+        path = save_run_checkpoint(self.ckpt_root, self.global_step, self.workers, state, keep, extra)
         # verl's actor.checkpoint.save_contents=[..., hf_model]: also a Hugging Face folder of the policy.
         if "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
             self.export_hf(os.path.join(path, "huggingface"))
         self.rollout_stale |= self.rollout_discards_weights  # the engines slept while the state was resident
         return path
+
+    def save_driver_files(self, folder: str) -> None:
+        """A hook: files of the driver's own into a checkpoint ``folder`` before it is committed."""
 
     def load_checkpoint(self) -> str | None:
         """Resume per ``trainer.resume_mode``; then re-sync the engine to the restored actor."""
@@ -269,14 +270,9 @@ class PPOTrainer:
 
     def next_prompts(self) -> RolloutBatch:
         """The next batch of prompts; epochs roll over (the loader's position is checkpointed)."""
-        if self._data_iter is None:
-            self._data_iter = self._endless(self.train_loader)
+        if self._data_iter is None:  # one pass of the loader per epoch, endlessly
+            self._data_iter = itertools.chain.from_iterable(itertools.repeat(self.train_loader))
         return next(self._data_iter)
-
-    @staticmethod
-    def _endless(loader: PromptLoader) -> Iterator[RolloutBatch]:
-        while True:
-            yield from loader
 
     def collect_batch(self, metrics: Metrics) -> RolloutBatch:
         """Generate and score one step's samples. With ``algorithm.filter_groups.enable`` (DAPO's dynamic
@@ -363,17 +359,9 @@ class PPOTrainer:
         the engine sleeps -> the actor's parameters come back for the log-prob passes. Each row gets its
         own sampling seed (`step_plan.sample_seeds`), so a resumed run regenerates the same samples.
         """
-        r = self.config.actor_rollout_ref.rollout
-        n = int(r.val_kwargs.n) if validate else int(r.n)
-        batch = prompts.repeat_samples(n)
-        batch.sample_seeds = sample_seeds(int(r.seed), self.global_step, seed_offset, batch.num_samples)
-        # Group ids unique to this generation call, so groups never merge across rounds or epochs.
-        batch.uid = [f"{u}@{self.global_step}.{seed_offset}" for u in batch.field_list("uid")]
-        fields = ["prompts", "prompt_mask", "sample_seeds"]
-        if self.multi_turn:  # agent loops read the row: agent_name, tools_kwargs, prompt messages
-            fields += ["uid", "data_source", "ground_truth", "extra_info"]
-        to_send = batch.select_fields(*fields)
-        tp, rollout = int(r.tensor_model_parallel_size), self.group_for("rollout")
+        batch, to_send = self.generation_request(prompts, validate, seed_offset, self.global_step)
+        tp = int(self.config.actor_rollout_ref.rollout.tensor_model_parallel_size)
+        rollout = self.group_for("rollout")
         if self.rollout_stale:
             self.sync_weights()
         rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
@@ -383,16 +371,31 @@ class PPOTrainer:
         rollout.run_all(lambda w: w.rollout_sleep.remote())
         self.rollout_stale = self.rollout_discards_weights
         self.group_for("actor").run_all(lambda w: w.load_actor.remote())
-        out = rollout.gather_batches(shards, to_send)
-        names = ["responses", "response_mask", "rollout_log_probs"]
-        if self.multi_turn:
-            names += ["response_attention_mask", "agent_stats"]
-        return batch.update_from(out, *names)
+        return batch.update_from(rollout.gather_batches(shards, to_send), *self.response_fields)
+
+    def generation_request(
+        self, prompts: RolloutBatch, validate: bool, seed_offset: int, step: int
+    ) -> tuple[RolloutBatch, RolloutBatch]:
+        """One generation call's rows (prompts ``n`` times, seeds of ``step``) and the fields sent."""
+        r = self.config.actor_rollout_ref.rollout
+        batch = prompts.repeat_samples(int(r.val_kwargs.n) if validate else int(r.n))
+        batch.sample_seeds = sample_seeds(int(r.seed), step, seed_offset, batch.num_samples)
+        # Group ids unique to this generation call, so groups never merge across rounds or epochs.
+        batch.uid = [f"{u}@{step}.{seed_offset}" for u in batch.field_list("uid")]
+        fields = ["prompts", "prompt_mask", "sample_seeds"]
+        if self.multi_turn:  # agent loops read the row: agent_name, tools_kwargs, prompt messages
+            fields += ["uid", "data_source", "ground_truth", "extra_info"]
+        return batch, batch.select_fields(*fields)
+
+    @property
+    def response_fields(self) -> list[str]:
+        extra = ["response_attention_mask", "agent_stats"] if self.multi_turn else []
+        return ["responses", "response_mask", "rollout_log_probs", *extra]
 
     def compute_rewards(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Score responses: the rule / custom reward on the driver, or the fused reward model when enabled."""
-        if self.config.reward_model.enable:
-            return self.compute_reward_model_scores(batch, metrics)
+        if self.config.reward_model.enable:  # on a pool of its own: sent in `train_step`, after balancing
+            return batch if self.reward_model_overlaps else self.compute_reward_model_scores(batch, metrics)
         scores, reward_metrics = self.score(batch)  # [B, Tr]
         batch.token_level_scores = scores
         batch.token_level_rewards = scores.clone()
@@ -408,17 +411,6 @@ class PPOTrainer:
 
             scores = add_agent_rewards(scores, batch.response_mask, batch.agent_stats)
         return scores, metrics
-
-    def compute_reward_model_scores(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
-        """Sequence scores from the reward-model role, placed on each response's last sampled token."""
-        inputs = self._model_inputs(batch)
-        rm, sp = self.group_for("reward_model"), int(self.config.reward_model.ulysses_sequence_parallel_size)
-        parts = rm.run_split(lambda w, s: w.reward_model_compute_scores.remote(s), inputs, replicas=sp)
-        seq_scores = rm.gather_tensors(parts, inputs)  # [B]
-        batch.token_level_scores = on_last_sampled_token(seq_scores, batch.response_mask)  # [B, Tr]
-        batch.token_level_rewards = batch.token_level_scores.clone()
-        metrics["reward/rm_score/mean"] = float(seq_scores.mean())
-        return batch
 
     def compute_reward_baselines(self, prompts: RolloutBatch, batch: RolloutBatch) -> RolloutBatch:
         """ReMax: score one greedy response per prompt and use it as every sample's baseline."""

@@ -29,14 +29,12 @@ def started_trainer(
     is shut down if this call started it."""
     import ray
 
-    from fusedrl.trainer.ppo_trainer import PPOTrainer
-
     owns_ray = not ray.is_initialized()
     init_ray(config)
     kwargs: dict[str, Any] = {} if compute_score is None else {"compute_score": compute_score}
     if tools:
         kwargs["tools"] = tools  # multi-turn agent rollouts: tools given in Python
-    trainer = (trainer_cls or PPOTrainer)(config, **kwargs)
+    trainer = trainer_class(config, trainer_cls)(config, **kwargs)
     try:
         trainer.init_workers(role_groups)
         yield trainer
@@ -44,6 +42,25 @@ def started_trainer(
         trainer.close()
         if owns_ray:
             ray.shutdown()
+
+
+def trainer_class(config: DictConfig, trainer_cls: type | None) -> type:
+    """The trainer to build: ``trainer_cls`` (a user subclass) if given, else `AsyncPPOTrainer` when
+    ``async_training.max_staleness`` > 0 and `PPOTrainer` otherwise. A given class must be an async one
+    when the config asks for asynchronous training (ValueError naming the key)."""
+    from fusedrl.trainer.async_trainer import AsyncPPOTrainer
+    from fusedrl.trainer.ppo_trainer import PPOTrainer
+
+    staleness = int(config.async_training.max_staleness)
+    if trainer_cls is None:
+        return AsyncPPOTrainer if staleness > 0 else PPOTrainer
+    if staleness > 0 and not issubclass(trainer_cls, AsyncPPOTrainer):
+        raise ValueError(
+            f"async_training.max_staleness={staleness} needs a subclass of AsyncPPOTrainer "
+            f"(fusedrl.trainer.async_trainer), got {trainer_cls.__name__}; derive from AsyncPPOTrainer or set "
+            "async_training.max_staleness=0."
+        )
+    return trainer_cls
 
 
 def run_slots(config: DictConfig) -> int:

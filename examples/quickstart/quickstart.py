@@ -229,12 +229,11 @@ def grpo_overrides(
 def run_grpo_stage(overrides: list[str], export_to: str) -> tuple[str, float]:
     """GRPO with fused workers; returns (exported HF dir, seconds in the training loop)."""
     from fusedrl.config import load_config
-    from fusedrl.trainer.ppo_trainer import PPOTrainer
-    from fusedrl.trainer.runtime import init_ray
+    from fusedrl.trainer.runtime import init_ray, trainer_class
 
     config = load_config(overrides)
     init_ray(config)
-    trainer = PPOTrainer(config)
+    trainer = trainer_class(config, None)(config)  # AsyncPPOTrainer with async_training.max_staleness > 0
     try:
         trainer.init_workers()
         t0 = time.monotonic()

@@ -60,6 +60,20 @@ class CallRecorder:
 
 
 @dataclass
+class Submitted:
+    """Calls sent to every rank of a group whose answers are not awaited yet (`WorkerGroup.submit_split`)."""
+
+    refs: list[ray.ObjectRef]
+    phase: str
+    replicas: int = 1
+
+    def done(self) -> bool:
+        """Whether every rank has answered (without waiting)."""
+        ready, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+
+@dataclass
 class ResourcePool:
     """``nnodes x slots_per_node`` device slots as one Ray placement group.
 
@@ -330,6 +344,30 @@ class WorkerGroup:
         shards, _ = split_for_ranks(batch, self.world_size // replicas)
         results = self.run_shards(call, [shards[r // replicas] for r in range(self.world_size)])
         return results[::replicas]
+
+    def submit_split(
+        self, call: Callable[[Any, RolloutBatch], ray.ObjectRef], batch: RolloutBatch, *, replicas: int = 1
+    ) -> Submitted:
+        """`run_split` without waiting: the calls are sent and run while the driver does other work;
+        `wait` gives the same results. Calls sent later to the same workers run after these (Ray keeps
+        one caller's calls to an actor in order)."""
+        if self.world_size % replicas:
+            raise ValueError(f"replicas={replicas} does not divide the world size {self.world_size}")
+        shards, _ = split_for_ranks(batch, self.world_size // replicas)
+        recorders = [CallRecorder(w) for w in self.workers]
+        refs = [call(w, shards[r // replicas]) for r, w in enumerate(recorders)]
+        return Submitted(refs=refs, phase=recorders[0].method if recorders else "?", replicas=replicas)
+
+    def submit_all(self, call: Callable[[Any], ray.ObjectRef]) -> Submitted:
+        """`run_all` without waiting (see `submit_split`)."""
+        recorders = [CallRecorder(w) for w in self.workers]
+        refs = [call(r) for r in recorders]
+        return Submitted(refs=refs, phase=recorders[0].method if recorders else "?")
+
+    def wait(self, submitted: Submitted) -> list[Any]:
+        """The results of submitted calls, failing fast as `run_all` does (one per engine with replicas)."""
+        results = self._get(submitted.refs, list(range(len(submitted.refs))), submitted.phase)
+        return results[:: submitted.replicas]
 
     def run_shards(self, call: Callable[[Any, Any], ray.ObjectRef], shards: Sequence[Any]) -> list[Any]:
         """Call rank ``r`` with ``shards[r]`` (one per rank, already split); results in rank order."""

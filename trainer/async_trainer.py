@@ -1,0 +1,260 @@
+"""One-step-off-policy asynchronous RL (``async_training.max_staleness``; docs/placement.md).
+
+With the rollout on a pool of its own, the generation of step k+1's samples is sent to the rollout workers
+(Ray object refs, not awaited) before step k's training phases run, so the engine generates while the actor
+scores, updates and checkpoints:
+
+    step k:   take batch k  ->  send generation k+1  ->  reward, log-probs, advantages, update (version k)
+              ->  wait for generation k+1  ->  sync version k into the engine  ->  (save, validate)
+
+Generation k+1 runs on the weights the engine holds when it starts (version k-1, synced after step k-1's
+update); the sync after step k's update reaches the engine after generation k+1 and before generation k+2
+(the driver waits for k+1 first, and Ray runs one caller's calls to a worker in order). Every sample carries
+``policy_version``, the number of actor updates behind the weights that generated it; each step checks that
+``actor version - policy_version`` is within ``[0, max_staleness]`` and raises otherwise.
+
+The loss: ``old_log_probs`` come from the actor's own pass (the policy before this step's update), and
+``algorithm.rollout_correction.rollout_is`` (required by the config check) weighs every token by the
+truncated ratio ``min(pi_old / pi_rollout, threshold)`` against the rollout's own log-probs (the behaviour
+policy, one update older) before the PPO update.
+
+With ``max_staleness=0`` the same code sends each step's generation and waits for it at once: the run is
+the synchronous one, step for step. A checkpoint saves the finished next batch with its policy version
+(``async_batch.safetensors`` / ``async_batch.json``); a resumed run trains on it instead of regenerating it
+(the weights that generated it are gone), so a resumed run equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from fusedrl.async_config import max_staleness
+from fusedrl.batch import NON_TENSOR_FIELDS, RolloutBatch
+from fusedrl.controller.worker_group import Submitted
+from fusedrl.metrics import Metrics
+from fusedrl.tracking import timer
+from fusedrl.trainer import step_plan
+from fusedrl.trainer.ppo_trainer import PPOTrainer
+
+BATCH_TENSORS = "async_batch.safetensors"
+BATCH_META = "async_batch.json"
+# The fields a finished generation holds (single-turn: async training refuses multi-turn agent loops).
+SAVED_TENSORS = (
+    "prompts",
+    "prompt_mask",
+    "responses",
+    "response_mask",
+    "rollout_log_probs",
+    "sample_seeds",
+    "policy_version",
+)
+
+
+@dataclass
+class InFlight:
+    """One step's generation sent to the rollout workers: the rows, and the calls not awaited yet (or,
+    once finished, the generated batch)."""
+
+    step: int
+    batch: RolloutBatch
+    to_send: RolloutBatch | None = None
+    calls: list[Submitted] = field(default_factory=list)
+    submitted_at: float = 0.0
+    done_at: list[float] = field(default_factory=list)  # when each generate call answered (driver clock)
+    result: RolloutBatch | None = None
+
+
+class AsyncPPOTrainer(PPOTrainer):
+    """`PPOTrainer` whose generation of the next step overlaps this step's training (module docstring)."""
+
+    rollout_stale: bool  # (set by PPOTrainer.__init__; declared for mypy)
+
+    def __init__(self, config: DictConfig, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.max_staleness = max_staleness(config)
+        self.actor_version = 0  # actor updates so far
+        self.engine_version = 0  # the actor version whose weights the engine holds
+        self.in_flight: InFlight | None = None
+        self.last_staleness_max = 0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ generation in flight
+    def submit_generation(self, prompts: RolloutBatch, step: int) -> InFlight:
+        """Send step ``step``'s generation (seeds of that step) to the rollout workers without waiting."""
+        batch, to_send = self.generation_request(prompts, False, 0, step)
+        if self.rollout_stale:  # level-2 sleep threw the engine's weights away: restore the current ones
+            self.sync_weights()
+        batch.policy_version = torch.full((batch.num_samples,), self.engine_version, dtype=torch.long)  # [B]
+        rollout = self.group_for("rollout")
+        tp = int(self.config.actor_rollout_ref.rollout.tensor_model_parallel_size)
+        sampling = self.sampling(False)
+        flight = InFlight(step=step, batch=batch, to_send=to_send, submitted_at=time.monotonic())
+        wake = rollout.submit_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
+        gen = rollout.submit_split(lambda w, s: w.rollout_generate.remote(s, sampling), to_send, replicas=tp)
+        sleep = rollout.submit_all(lambda w: w.rollout_sleep.remote())
+        flight.calls = [wake, gen, sleep]
+        for ref in gen.refs:
+            ref.future().add_done_callback(lambda _f, fl=flight: self._answered(fl))
+        self.rollout_stale = self.rollout_discards_weights
+        return flight
+
+    def _answered(self, flight: InFlight) -> None:
+        with self._lock:
+            flight.done_at.append(time.monotonic())
+
+    def finish_in_flight(self) -> Metrics:
+        """Wait for the generation in flight (if any) and keep its batch; the overlap metrics: how long it
+        ran (``async/gen_s``), how much of it the driver spent on other phases (``async/overlap_s``) and
+        how long the driver then waited for it (``async/gen_wait_s``)."""
+        flight = self.in_flight
+        if flight is None or flight.result is not None:
+            return {}
+        assert flight.to_send is not None
+        rollout = self.group_for("rollout")
+        wait_from = time.monotonic()
+        rollout.wait(flight.calls[0])
+        shards = rollout.wait(flight.calls[1])
+        rollout.wait(flight.calls[2])
+        waited = time.monotonic()
+        if rollout is self.group_for("actor"):  # a fused engine: the actor's parameters come back
+            rollout.run_all(lambda w: w.load_actor.remote())
+        flight.result = flight.batch.update_from(
+            rollout.gather_batches(shards, flight.to_send), *self.response_fields
+        )
+        with self._lock:  # the answer callbacks run on Ray's thread; one may not have run yet
+            answered = list(flight.done_at)
+        complete = len(answered) == len(flight.calls[1].refs)
+        done = min(max(answered), waited) if complete else waited
+        flight.calls, flight.to_send = [], None
+        return {
+            "async/gen_s": done - flight.submitted_at,
+            "async/overlap_s": max(0.0, min(done, wait_from) - flight.submitted_at),
+            "async/gen_wait_s": waited - wait_from,
+        }
+
+    def take_in_flight(self, metrics: Metrics) -> RolloutBatch:
+        """This step's generated batch (waiting for it if needed); nothing is in flight afterwards."""
+        metrics.update(self.finish_in_flight())
+        assert self.in_flight is not None and self.in_flight.result is not None
+        if self.in_flight.step != self.global_step:
+            raise RuntimeError(
+                f"step {self.global_step}: the batch in flight was generated for step {self.in_flight.step}"
+            )
+        batch, self.in_flight = self.in_flight.result, None
+        return batch
+
+    # ------------------------------------------------------------------ the step's phases
+    def collect_batch(self, metrics: Metrics) -> RolloutBatch:
+        """This step's samples (generated during the previous step, or now on the first step and with
+        ``max_staleness=0``); then the next step's generation is sent before this step trains."""
+        if self.in_flight is None:
+            self.in_flight = self.submit_generation(self.next_prompts(), self.global_step)
+        with timer("gen", metrics):
+            batch = self.take_in_flight(metrics)
+        if self.max_staleness > 0 and self.global_step < self.total_steps:
+            self.in_flight = self.submit_generation(self.next_prompts(), self.global_step + 1)
+        metrics.update(self.check_staleness(batch))
+        with timer("reward", metrics):
+            batch = self.compute_rewards(batch, metrics)
+        return batch
+
+    def check_staleness(self, batch: RolloutBatch) -> Metrics:
+        """Raise unless every sample's policy is at most ``max_staleness`` updates behind the actor that
+        trains on it (and not ahead of it); the staleness metrics."""
+        assert batch.policy_version is not None
+        staleness = self.actor_version - batch.policy_version  # [B]
+        low, high = int(staleness.min()), int(staleness.max())
+        if low < 0 or high > self.max_staleness:
+            raise RuntimeError(
+                f"step {self.global_step}: samples generated by policy versions "
+                f"{sorted(set(batch.policy_version.tolist()))} for the actor at version {self.actor_version}: "
+                f"staleness {low}..{high} is outside [0, async_training.max_staleness={self.max_staleness}]."
+            )
+        self.last_staleness_max = high
+        return {
+            "async/staleness_max": float(high),
+            "async/staleness_mean": float(staleness.float().mean()),
+            "async/policy_version_min": float(batch.policy_version.min()),
+            "async/actor_version": float(self.actor_version),
+        }
+
+    def update_actor(self, batch: RolloutBatch) -> Metrics:
+        metrics = super().update_actor(batch)
+        self.actor_version += 1
+        return metrics
+
+    def sync_weights(self) -> Metrics:
+        """The generation in flight finishes on the weights it started with; then the actor's new weights
+        go into the engine (``engine_version`` follows)."""
+        metrics = self.finish_in_flight()
+        metrics.update(super().sync_weights())
+        self.engine_version = self.actor_version
+        return metrics
+
+    def batch_metrics(self, batch: RolloutBatch, step_time: float) -> Metrics:
+        """As the synchronous trainer's; on a stale batch the rollout-vs-actor log-prob gap measures the
+        policy's move, not the sync, so it is reported as ``async/behaviour_log_prob_abs_diff_*`` and the
+        sync health check (``trainer.rollout_check_tol``) only judges fresh batches."""
+        metrics = super().batch_metrics(batch, step_time)
+        if self.last_staleness_max > 0:
+            for stat in ("mean", "max"):
+                value = metrics.pop(f"rollout/log_prob_abs_diff_{stat}")
+                metrics[f"async/behaviour_log_prob_abs_diff_{stat}"] = value
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> str:
+        self.finish_in_flight()  # the next batch is saved finished, with its policy version
+        return super().save_checkpoint()
+
+    def save_driver_files(self, folder: str) -> None:
+        """The finished next batch (tensors as safetensors, per-row strings as JSON), if there is one."""
+        flight = self.in_flight
+        if flight is None:
+            return
+        from safetensors.torch import save_file
+
+        batch = flight.result
+        assert batch is not None
+        save_file(
+            {name: getattr(batch, name).contiguous() for name in SAVED_TENSORS},
+            os.path.join(folder, BATCH_TENSORS),
+        )
+        meta = {"step": flight.step, **{name: batch.field_list(name) for name in NON_TENSOR_FIELDS}}
+        with open(os.path.join(folder, BATCH_META), "w", encoding="utf-8") as f:
+            json.dump(meta, f)
+
+    def load_checkpoint(self) -> str | None:
+        """Resume as the synchronous trainer does, then the actor version and the saved next batch."""
+        path = super().load_checkpoint()
+        if path is None:
+            return None
+        steps = range(1, self.global_step + 1)
+        self.actor_version = sum(step_plan.actor_trains(self.config, s) for s in steps)
+        self.engine_version = self.actor_version  # the engine was re-synced to the restored actor
+        self.in_flight = None
+        # A saved next batch is one update old: used when the run is one-step-off, else regenerated.
+        if self.max_staleness > 0 and os.path.exists(os.path.join(path, BATCH_META)):
+            self.in_flight = load_in_flight(path)
+        return path
+
+
+def load_in_flight(path: str) -> InFlight:
+    """The finished batch a checkpoint saved (`AsyncPPOTrainer.save_driver_files`)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(path, BATCH_TENSORS))
+    with open(os.path.join(path, BATCH_META), encoding="utf-8") as f:
+        meta = json.load(f)
+    rows = int(tensors["prompts"].shape[0])
+    fields: dict[str, Any] = {**tensors, **{name: meta[name] for name in NON_TENSOR_FIELDS}}
+    batch = RolloutBatch(**fields, batch_size=[rows])
+    return InFlight(step=int(meta["step"]), batch=batch, result=batch)
