@@ -16,6 +16,8 @@ import pytest
 import torch
 from support import started_trainer, varied_score
 
+from fusedrl.trainer.health_checks import rollout_check_bound
+
 pytestmark = pytest.mark.integration
 
 vllm = pytest.importorskip("vllm")
@@ -56,7 +58,7 @@ def test_bf16_mixed_precision_trains(tiny_model_dir, arithmetic_data, tmp_path):
         "trainer.emulated_bf16=allow",
     ]
     with started_trainer(overrides) as trainer:
-        assert trainer.rollout_check_tol == 0.1  # the bf16 bound of `auto`
+        assert rollout_check_bound(trainer.config) == 0.1  # the bf16 bound of `auto`
         (dtypes,) = trainer.workers.run_all(lambda w: w.compute_dtypes.remote())
         assert dtypes == {"actor": "bfloat16", "rollout": "bfloat16"}
         if "OMP_NUM_THREADS" not in os.environ:  # one worker trains on every core Ray has (not Ray's 1)
@@ -109,7 +111,7 @@ def test_no_native_bf16_runs_float32_with_one_line(
         assert str(OmegaConf.select(cfg, key)) == "float32"
 
     with runtime.started_trainer(cfg, compute_score=varied_score) as trainer:
-        assert trainer.rollout_check_tol == 1e-3  # float32 on both sides: the tight bound
+        assert rollout_check_bound(trainer.config) == 1e-3  # float32 on both sides: the tight bound
         (dtypes,) = trainer.workers.run_all(lambda w: w.compute_dtypes.remote())
         assert dtypes == {"actor": "float32", "rollout": "float32"}
         metrics = trainer.fit()
