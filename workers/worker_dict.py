@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from fusedrl.batch import RolloutBatch
-from fusedrl.checkpoint import shard_prefix
+from fusedrl.checkpoint import seed_rng, shard_prefix
 from fusedrl.lora import lora_enabled
 from fusedrl.role_config import ModelConfig, RefConfig, RoleConfigs
 from fusedrl.workers.actor import ActorRole, RefRole
@@ -111,7 +111,10 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         self._join(master_addr, master_port, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         cfg = self.config
         seed = int(cfg.rollout.seed)
-        torch.manual_seed(seed)  # identical init on every rank (FSDP2 shards the same weights)
+        # Identical init on every rank (FSDP2 shards the same weights), and Python's and numpy's generators
+        # seeded too: a worker without an engine (vLLM seeds them) would otherwise start them from OS entropy,
+        # and their states, saved in every checkpoint, would differ from run to run.
+        seed_rng(seed)
 
         for module in cfg.algorithm.custom_modules:
             from fusedrl.config import import_plugin  # only here: the GPU check runs without omegaconf
