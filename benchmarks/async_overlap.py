@@ -77,28 +77,20 @@ def main() -> None:
     ap.add_argument("--sim-steps", type=int, default=100)
     args = ap.parse_args()
 
-    from benchmarks.common import record, run_in_subprocess
+    from benchmarks.common import record
+    from benchmarks.step_breakdown import measure_in_subprocess
 
-    rows, payload, medians = [], {}, {}
+    rows: list[str] = []
+    payload: dict[str, object] = {}
+    medians: dict[str, tuple[float, float, float]] = {}
     for name, extra in LAYOUTS.items():
-        res = run_in_subprocess(
-            "benchmarks.step_breakdown",
-            [
-                "--one",
-                "1",
-                "--preset",
-                args.preset,
-                "--steps",
-                str(args.steps),
-                "--response-length",
-                str(args.response_length),
-                "--extra",
-                "actor_rollout_ref.actor.use_kl_loss=false",
-                *extra,
-            ],
-            timeout=1800,
+        steps = measure_in_subprocess(
+            1,
+            args.preset,
+            args.steps,
+            args.response_length,
+            ["actor_rollout_ref.actor.use_kl_loss=false", *extra],
         )
-        steps = res["steps"]
         payload[name] = steps
 
         def med(key: str, steps=steps) -> float:

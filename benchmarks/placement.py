@@ -38,28 +38,18 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     args = ap.parse_args()
 
-    from benchmarks.common import record, run_in_subprocess
+    from benchmarks.common import record
+    from benchmarks.step_breakdown import measure_in_subprocess
 
     rows, payload = [], {}
     for name, extra in layouts(args.bucket_mb).items():
-        res = run_in_subprocess(
-            "benchmarks.step_breakdown",
-            [
-                "--one",
-                "1",
-                "--preset",
-                args.preset,
-                "--steps",
-                str(args.steps),
-                "--response-length",
-                str(args.response_length),
-                "--extra",
-                "actor_rollout_ref.actor.use_kl_loss=false",
-                *extra,
-            ],
-            timeout=1800,
+        steps = measure_in_subprocess(
+            1,
+            args.preset,
+            args.steps,
+            args.response_length,
+            ["actor_rollout_ref.actor.use_kl_loss=false", *extra],
         )
-        steps = res["steps"]
         payload[name] = steps
 
         def med(key: str, steps=steps) -> float:

@@ -49,6 +49,22 @@ def measure(preset: str, workers: int, steps: int, response_length: int, more: l
     return {"workers": workers, "threads": os.environ.get("OMP_NUM_THREADS", "auto"), "steps": measured}
 
 
+def measure_in_subprocess(
+    workers: int | str,
+    preset: str,
+    steps: int,
+    response_length: int,
+    overrides: list[str],
+    env: dict[str, str] | None = None,
+) -> list[dict]:
+    """`measure` in a process of its own (one engine per process); the per-step metrics."""
+    from benchmarks.common import run_in_subprocess
+
+    cli = ["--one", str(workers), "--preset", preset, "--steps", str(steps)]
+    cli += ["--response-length", str(response_length), "--extra", *overrides]
+    return run_in_subprocess("benchmarks.step_breakdown", cli, timeout=1800, env=env)["steps"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--one", type=int, metavar="WORKERS")
@@ -71,9 +87,9 @@ def main() -> None:
         print("RESULT " + json.dumps(res), flush=True)
         return
 
-    from benchmarks.common import record, run_in_subprocess
+    from benchmarks.common import record
 
-    variants = {"": []}
+    variants: dict[str, list[str]] = {"": []}
     if args.variant:
         variants = {}
         for spec in args.variant:
@@ -86,25 +102,15 @@ def main() -> None:
     for _ in range(args.rounds):
         for layout, name in cases:
             workers, _, threads = layout.partition("x")
-            res = run_in_subprocess(
-                "benchmarks.step_breakdown",
-                [
-                    "--one",
-                    workers,
-                    "--preset",
-                    args.preset,
-                    "--steps",
-                    str(args.steps),
-                    "--response-length",
-                    str(args.response_length),
-                    "--extra",
-                    *args.extra,
-                    *variants[name],
-                ],
-                timeout=1800,
+            steps = measure_in_subprocess(
+                workers,
+                args.preset,
+                args.steps,
+                args.response_length,
+                [*args.extra, *variants[name]],
                 env={"OMP_NUM_THREADS": threads} if threads else None,
             )
-            runs[f"{layout} {name}".strip()].extend(res["steps"])
+            runs[f"{layout} {name}".strip()].extend(steps)
 
     rows, payload = [], {}
     for layout, steps in runs.items():

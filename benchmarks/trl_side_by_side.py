@@ -15,6 +15,15 @@ Each (variant, round) runs in its own process; the variants alternate (A B C A B
 machine's load falls on all of them alike. The first step of every run is warm-up and is not counted.
 TRL generates with Hugging Face ``generate`` (its best mode on a CPU: its vLLM mode needs a server or a
 colocated engine on CUDA). fusedrl variants: ``fusedrl-W`` = W fused workers on the machine's cores.
+A variant may name its own dtype after ``@`` (``trl@float32``, ``fusedrl-2@bfloat16``); a fusedrl variant
+may give the rollout's after a ``/`` (``fusedrl-2@bfloat16/float32``: bf16 training, float32 engine).
+"vs TRL" divides by the fastest TRL variant's median (TRL's best mode in this run).
+
+``--isa avx2`` emulates an AVX2-only CPU on a newer one: every process runs with
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``, so PyTorch's kernels,
+oneDNN and MKL use AVX2 only and bf16 matmuls are emulated (measured on an AVX-512 BF16 EPYC: fp32 73 vs
+75 GFLOP/s per thread, bf16 2.6 vs 411). vLLM's own compiled CPU kernels (attention, cache ops) still
+pick their ISA from the CPU flags, so the rollout's non-matmul part keeps AVX-512: an approximation.
 """
 
 from __future__ import annotations
@@ -28,16 +37,24 @@ import tempfile
 import time
 
 PROMPTS, SAMPLES, RESPONSE = 16, 4, 64
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
-def run_fusedrl(workers: int, steps: int, dtype: str, preset: str) -> dict:
+def split_variant(variant: str, default_dtype: str) -> tuple[str, str, str]:
+    """``name[@dtype[/rollout_dtype]]`` -> (name, training dtype, rollout dtype)."""
+    name, _, dtypes = variant.partition("@")
+    train, _, rollout = (dtypes or default_dtype).partition("/")
+    return name, train, rollout or train
+
+
+def run_fusedrl(workers: int, steps: int, dtype: str, preset: str, rollout_dtype: str) -> dict:
     from benchmarks.step_breakdown import measure
 
     extra = [
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
-        f"actor_rollout_ref.rollout.dtype={dtype}",
+        f"actor_rollout_ref.rollout.dtype={rollout_dtype}",
         f"actor_rollout_ref.actor.fsdp_config.param_dtype={dtype}",
         f"actor_rollout_ref.ref.fsdp_config.param_dtype={dtype}",
         "trainer.emulated_bf16=allow",
@@ -126,28 +143,38 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--preset", default="small", choices=["tiny", "small"])
+    ap.add_argument(
+        "--isa", default="native", choices=["native", "avx2"], help="avx2: emulate an AVX2-only CPU"
+    )
     args = ap.parse_args()
     if args.one:
-        if args.one == "trl":
-            res = run_trl(args.steps, args.dtype, args.preset)
+        name, train, rollout = split_variant(args.one, args.dtype)
+        if name == "trl":
+            res = run_trl(args.steps, train, args.preset)
         else:
-            res = run_fusedrl(int(args.one.split("-")[1]), args.steps, args.dtype, args.preset)
+            res = run_fusedrl(int(name.split("-")[1]), args.steps, train, args.preset, rollout)
+        import torch
+
+        res["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         print("RESULT " + json.dumps(res), flush=True)
         return
 
     from benchmarks.common import record, run_in_subprocess
 
-    if "trl" in args.variants and not args.trl_path:
-        sys.exit("--trl-path: the folder TRL was installed into (see the module docstring)")
     variants = args.variants.split(",")
+    trl_variants = [v for v in variants if split_variant(v, args.dtype)[0] == "trl"]
+    if trl_variants and not args.trl_path:
+        sys.exit("--trl-path: the folder TRL was installed into (see the module docstring)")
+    isa_env = AVX2_ENV if args.isa == "avx2" else {}
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(args.rounds):
         for v in variants:
-            env = {"PYTHONPATH": args.trl_path} if v == "trl" else None
+            env = {**isa_env, **({"PYTHONPATH": args.trl_path} if v in trl_variants else {})}
             cli = ["--one", v, "--steps", str(args.steps), "--dtype", args.dtype, "--preset", args.preset]
             runs[v].append(run_in_subprocess("benchmarks.trl_side_by_side", cli, timeout=3600, env=env))
     steps = {v: [t for r in rs for t in r["step_s"]] for v, rs in runs.items()}
-    best_trl = statistics.median(steps["trl"]) if "trl" in steps else None
+    best_trl = min((statistics.median(steps[v]) for v in trl_variants), default=None)
+    capability = sorted({r.get("cpu_capability", "?") for rs in runs.values() for r in rs})
     rows = []
     for v in variants:
         med = statistics.median(steps[v])
@@ -166,8 +193,10 @@ def main() -> None:
     table = "\n".join(
         [
             f"GRPO step, {args.preset} model, {PROMPTS} prompts x {SAMPLES} samples, <= {RESPONSE} tokens, "
-            f"KL against a reference, {args.dtype}; median step time over {args.rounds} alternating rounds "
-            f"x {args.steps - 1} measured steps; load average at the end: {os.getloadavg()[0]:.1f}",
+            f"KL against a reference, default dtype {args.dtype}; median step time over {args.rounds} "
+            f"alternating rounds x {args.steps - 1} measured steps; vs TRL = / the fastest TRL variant; "
+            f"ISA: {args.isa} (torch CPU capability in the runs: {', '.join(capability)}); "
+            f"load average at the end: {os.getloadavg()[0]:.1f}",
             "",
             "| variant | step s | vs TRL | mean response tokens | fusedrl phases s (first round, median) |",
             "|---|---|---|---|---|",
@@ -176,7 +205,8 @@ def main() -> None:
     )
     cmd = (
         f"python -m benchmarks.trl_side_by_side --trl-path <scratch> --variants {args.variants} "
-        f"--rounds {args.rounds} --steps {args.steps} --dtype {args.dtype} --preset {args.preset}"
+        f"--rounds {args.rounds} --steps {args.steps} --dtype {args.dtype} --preset {args.preset} "
+        f"--isa {args.isa}"
     )
     record("fusedrl vs TRL GRPOTrainer, side by side", cmd, table, {v: runs[v] for v in variants})
 
