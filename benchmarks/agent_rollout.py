@@ -3,14 +3,17 @@
 N trajectories, each with its own number of turns (1..K) and its own turn length; between turns a tool
 call that sleeps a latency of mean t ms drawn per call (``--latency``): ``fixed`` (exactly t), ``uniform``
 (within t x (1 +- jitter)), ``exp`` (exponential) or ``lognormal`` (log-sd ``--sigma``), seeded per
-trajectory so both schedules and every repetition wait the same times. ``continuous`` (fusedrl's default) queues each trajectory's next turn on the
-engine as soon as its tool answers; ``turn_sync`` runs a turn only once every live trajectory has queued it
-and hands results out when the whole batch is done, so each turn waits for the longest generation and the
-slowest tool of the batch, as a loop that batches each turn across trajectories does. Both run in one
+trajectory so both schedules and every repetition wait the same times. ``continuous`` (fusedrl's default)
+queues each trajectory's next turn on the engine as soon as its tool answers; ``turn_sync`` runs a turn
+only once every live trajectory has queued it and hands results out when the whole batch is done, so each
+turn waits for the longest generation and the slowest tool of the batch, as a loop that batches each turn
+across trajectories does. Both run in one
 process on one in-process vLLM engine and the real tool path (thread pool, timeouts), with the same seeds,
 so the same tokens. Also measured: the engine's step time with the whole batch in flight and with one
 request (how much a step's cost depends on the batch: the regime that decides how much overlapping tool
-waits with generation can save), and the load average before and after::
+waits with generation can save), and the load average before and after. The engine runs on ``--threads``
+torch threads (default 1: on a small shared CPU, an engine on every core starves the tool threads and the
+event loop that continuous scheduling runs beside it, as a GPU engine does not; RESULTS.md, 2026-12-02)::
 
     python -m benchmarks.agent_rollout                      # tiny model, N=32, K=4, t=200 ms; RESULTS.md
     python -m benchmarks.agent_rollout --sleep-ms 50,200 --latency fixed,uniform --jitter 0.5
@@ -332,19 +335,6 @@ def render_table(
         span = f"{steps[0]}" if steps[0] == steps[-1] else f"{steps[0]}-{steps[-1]}"
         return f"{span} steps, busy {busy:.0%}"
 
-    def at_equal_steps(by: dict) -> float:
-        """Speed-up with every engine step at this condition's mean step cost (both schedules, all runs):
-        steps x cost + idle (wall - busy: tool waits nothing overlapped). Load mostly moves the step cost,
-        which this holds equal, so it travels better than the wall-time ratio."""
-        runs = [by["turn_sync"], by["continuous"]]
-        cost = sum(sum(r["engine_busy_s"]) for r in runs) / sum(sum(r["engine_steps"]) for r in runs)
-        est = [
-            statistics.median(r["engine_steps"]) * cost
-            + statistics.median(w - b for w, b in zip(r["wall_s"], r["engine_busy_s"], strict=True))
-            for r in runs
-        ]
-        return est[0] / est[1]
-
     rows, tokens = [], 0
     for ms in sleeps:
         for latency, spread in conds:
@@ -363,7 +353,7 @@ def render_table(
                 f"{by['turn_sync']['turn_sync_tool_wait_s']:.1f} s | {fmt(s, ' s', 2)} | "
                 f"{fmt(c, ' s', 2)} | {engine(by['turn_sync'])} | {engine(by['continuous'])} | "
                 f"{tokens / s['median']:.0f} / {tokens / c['median']:.0f} | {s['median'] / c['median']:.2f}x | "
-                f"{s['min'] / c['min']:.2f}x | {at_equal_steps(by):.2f}x | {modelled_speedup(infos, step_n):.2f}x | "
+                f"{s['min'] / c['min']:.2f}x | {modelled_speedup(infos, step_n):.2f}x | "
                 f"{modelled_speedup(infos, GPU_STEP):.2f}x | {modelled_speedup(infos, 0.0):.2f}x | "
                 f"{load[0]:.1f} / {load[1]:.1f} |"
             )
@@ -376,15 +366,14 @@ def render_table(
             f"Engine decode step: {1000 * step_n:.0f} ms with {n} requests in flight, "
             f"{1000 * step['batch_1']:.0f} ms with 1. Modelled: the speed-up if every step cost "
             f"{1000 * step_n:.0f} ms (this run), {1000 * GPU_STEP:.0f} ms (a GPU-like step, assumed) or 0 "
-            "(tools only) whatever the batch (`modelled_speedup`). Speed-up at equal step cost: median engine steps x "
-            "the condition's mean step cost + median idle time (wall - engine busy), per schedule.",
+            "(tools only) whatever the batch (`modelled_speedup`).",
             "",
             "| tool t (ms) | latency | drawn mean / max (ms) | turn-sync tool wait | turn-synchronous wall | "
             "continuous wall | turn-sync engine | continuous engine | sampled tok/s (sync / cont.) | "
-            "speed-up (medians) | speed-up (best runs) | speed-up at equal step cost | "
+            "speed-up (medians) | speed-up (best runs) | "
             f"modelled, {1000 * step_n:.0f} ms step | "
             f"modelled, {1000 * GPU_STEP:.0f} ms step | modelled, tools only | load avg 1 min before / after |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
         ]
     )
@@ -403,6 +392,9 @@ def main() -> None:
     ap.add_argument("--jitter", default="0,0.5", help="uniform spread(s): t x (1 +- jitter)")
     ap.add_argument("--sigma", default="1.0", help="lognormal log-sd(s)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads of the engine (0: every core); see RESULTS.md"
+    )
     ap.add_argument("--turn-tokens", default="8,48", help="min,max sampled tokens of one turn")
     args = ap.parse_args()
     sleeps = [int(x) for x in args.sleep_ms.split(",")]
@@ -429,13 +421,13 @@ def main() -> None:
         "benchmarks.agent_rollout",
         [*argv, "--sleep-ms", args.sleep_ms, "--reps", str(args.reps)],
         timeout=3600,
-        env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)},
+        env={"OMP_NUM_THREADS": str(args.threads or os.cpu_count() or 1)},
     )
     table = render_table(res, args.preset, args.n, args.k, sleeps, conds, (lo, hi))
     cmd = (
         f"python -m benchmarks.agent_rollout --n {args.n} --k {args.k} --sleep-ms {args.sleep_ms} "
         f"--latency {args.latency} --jitter {args.jitter} --sigma {args.sigma} "
-        f"--turn-tokens {args.turn_tokens} --reps {args.reps}"
+        f"--turn-tokens {args.turn_tokens} --reps {args.reps} --threads {args.threads}"
     )
     record("Multi-turn rollout: continuous vs turn-synchronous", cmd, table, res)
 
