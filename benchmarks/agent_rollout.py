@@ -80,6 +80,7 @@ def workload(
     spread: float,
     turn_range: tuple[int, int],
     latency: str = "uniform",
+    seed: int = 1000,
 ) -> list[dict]:
     """Each trajectory's ``extra_info``: its turns (1..k), its tokens per turn and its tool latencies
     (``tool_latencies``: mean ``ms``, distribution ``latency``, ``spread`` its jitter or log-sd)."""
@@ -89,7 +90,7 @@ def workload(
             "turns": 1 + (i * 7) % k,
             # Lengths vary per turn, as responses do: a turn-synchronous batch waits for the longest.
             "turn_tokens": [lo + (i * 13 + turn * 29) % (hi - lo + 1) for turn in range(k)],
-            "sleep_ms": tool_latencies(ms, spread, i, k, latency),
+            "sleep_ms": tool_latencies(ms, spread, i, k, latency, seed),
         }
         for i in range(n)
     ]
@@ -125,12 +126,14 @@ def modelled_speedup(infos: list[dict], step_s: float) -> float:
     return sync / cont if cont > 0 else 1.0
 
 
-def tool_latencies(ms: int, spread: float, index: int, k: int, latency: str = "uniform") -> list[int]:
+def tool_latencies(
+    ms: int, spread: float, index: int, k: int, latency: str = "uniform", seed: int = 1000
+) -> list[int]:
     """Trajectory ``index``'s tool latency (ms) after each turn, mean ``ms``: ``fixed``; ``uniform`` in
     ``ms x (1 +- spread)``; ``exp`` exponential; ``lognormal`` with log-sd ``spread`` (log-mean
     ``ln ms - spread^2 / 2``, so the mean stays ``ms``). Seeded by the trajectory, so both schedules and
-    every repetition see the same latencies."""
-    rng = random.Random(1000 + index)
+    every repetition see the same latencies (``seed`` picks another draw set)."""
+    rng = random.Random(seed + index)
     if latency == "fixed" or ms <= 0:
         return [ms] * k
     if latency == "uniform":

@@ -64,6 +64,7 @@ def test_fixed_latency_gains_nothing_in_the_tool_bound_limit():
 def test_heavy_tailed_latencies_are_seeded_with_mean_t(latency, spread):
     a = tool_latencies(200, spread, 3, 8, latency)
     assert a == tool_latencies(200, spread, 3, 8, latency) and a != tool_latencies(200, spread, 4, 8, latency)
+    assert a != tool_latencies(200, spread, 3, 8, latency, seed=7)
     draws = [x for i in range(4000) for x in tool_latencies(200, spread, i, 8, latency)]
     assert min(draws) >= 0
     assert statistics.mean(draws) == pytest.approx(200, rel=0.05)
