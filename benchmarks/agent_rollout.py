@@ -216,6 +216,7 @@ def measure(
     conds: list[tuple[str, float]],
     reps: int,
     turn_range: tuple[int, int],
+    seed: int = 1000,
 ) -> dict:
     import torch.distributed as dist
     from transformers import AutoTokenizer
@@ -246,7 +247,7 @@ def measure(
         for latency, spread in conds:
             rows = [
                 dict(prompt_ids=prompt, seed=i, extra_info=info)
-                for i, info in enumerate(workload(n, k, ms, spread, turn_range, latency))
+                for i, info in enumerate(workload(n, k, ms, spread, turn_range, latency, seed))
             ]
             runners = {}
             counting = CountingEngine(engine)
@@ -303,14 +304,16 @@ def measure(
 GPU_STEP = 0.010  # a typical decode step of a small model on a GPU: an assumption, not measured here
 
 
-def model_table(n: int, k: int, sleeps: list[int], conds: list[tuple[str, float]], turn_range, step_s) -> str:
+def model_table(
+    n: int, k: int, sleeps: list[int], conds: list[tuple[str, float]], turn_range, step_s, seed: int = 1000
+) -> str:
     """The modelled bounds alone (no engine): speed-up at CPU-like, GPU-like and free engine steps."""
     steps = [step_s, GPU_STEP, 0.0]
     head = " | ".join(f"modelled, {1000 * x:.0f} ms step" for x in steps)
     rows = []
     for ms in sleeps:
         for latency, spread in conds:
-            infos = workload(n, k, ms, spread, turn_range, latency)
+            infos = workload(n, k, ms, spread, turn_range, latency, seed)
             cells = " | ".join(f"{modelled_speedup(infos, x):.2f}x" for x in steps)
             rows.append(f"| {ms} | {label(latency, spread)} | {cells} |")
     return "\n".join([f"| tool t (ms) | latency | {head} |", "|---|---|---|---|---|", *rows])
@@ -324,6 +327,7 @@ def render_table(
     sleeps: list[int],
     conds: list[tuple[str, float]],
     turn_range: tuple[int, int],
+    seed: int = 1000,
 ) -> str:
     """The RESULTS.md table of one ``measure`` result."""
     from benchmarks.common import fmt, summary
@@ -350,7 +354,7 @@ def render_table(
             tokens = by["continuous"]["sampled_tokens"]
             load = by["continuous"]["load_avg_1m"]
             mean_ms, max_ms = by["continuous"]["tool_ms_mean_max"]
-            infos = workload(n, k, ms, spread, turn_range, latency)
+            infos = workload(n, k, ms, spread, turn_range, latency, seed)
             rows.append(
                 f"| {ms} | {label(latency, spread)} | {mean_ms:.0f} / {max_ms:.0f} | "
                 f"{by['turn_sync']['turn_sync_tool_wait_s']:.1f} s | {fmt(s, ' s', 2)} | "
@@ -399,6 +403,7 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads of the engine (0: every core); see RESULTS.md"
     )
     ap.add_argument("--turn-tokens", default="8,48", help="min,max sampled tokens of one turn")
+    ap.add_argument("--seed", type=int, default=1000, help="base seed of the tool latency draws")
     args = ap.parse_args()
     sleeps = [int(x) for x in args.sleep_ms.split(",")]
     conds = conditions(
@@ -408,10 +413,10 @@ def main() -> None:
     )
     lo, hi = (int(x) for x in args.turn_tokens.split(","))
     if args.model_only:
-        print(model_table(args.n, args.k, sleeps, conds, (lo, hi), args.model_step_ms / 1000.0))
+        print(model_table(args.n, args.k, sleeps, conds, (lo, hi), args.model_step_ms / 1000.0, args.seed))
         return
     if args.one:
-        result = measure(args.preset, args.n, args.k, sleeps, conds, args.reps, (lo, hi))
+        result = measure(args.preset, args.n, args.k, sleeps, conds, args.reps, (lo, hi), args.seed)
         print("RESULT " + json.dumps(result), flush=True)
         return
 
@@ -419,18 +424,18 @@ def main() -> None:
 
     argv = ["--one", "--preset", args.preset, "--n", str(args.n), "--k", str(args.k)]
     argv += ["--turn-tokens", args.turn_tokens, "--latency", args.latency]
-    argv += ["--jitter", args.jitter, "--sigma", args.sigma]
+    argv += ["--jitter", args.jitter, "--sigma", args.sigma, "--seed", str(args.seed)]
     res = run_in_subprocess(
         "benchmarks.agent_rollout",
         [*argv, "--sleep-ms", args.sleep_ms, "--reps", str(args.reps)],
         timeout=3600,
         env={"OMP_NUM_THREADS": str(args.threads or os.cpu_count() or 1)},
     )
-    table = render_table(res, args.preset, args.n, args.k, sleeps, conds, (lo, hi))
+    table = render_table(res, args.preset, args.n, args.k, sleeps, conds, (lo, hi), args.seed)
     cmd = (
         f"python -m benchmarks.agent_rollout --n {args.n} --k {args.k} --sleep-ms {args.sleep_ms} "
         f"--latency {args.latency} --jitter {args.jitter} --sigma {args.sigma} "
-        f"--turn-tokens {args.turn_tokens} --reps {args.reps} --threads {args.threads}"
+        f"--turn-tokens {args.turn_tokens} --reps {args.reps} --threads {args.threads} --seed {args.seed}"
     )
     record("Multi-turn rollout: continuous vs turn-synchronous", cmd, table, res)
 
