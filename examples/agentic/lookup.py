@@ -10,9 +10,7 @@ import string
 def is_room(room: object) -> bool:
     """Rooms are named by three capital letters, ``AAA``-``ZZZ`` (no digits: a code is the only number a
     conversation holds)."""
-    return (
-        isinstance(room, str) and len(room) == 3 and all(ch in string.ascii_uppercase for ch in room)
-    )
+    return isinstance(room, str) and len(room) == 3 and all(ch in string.ascii_uppercase for ch in room)
 
 
 def room_code(room: str) -> int:

@@ -99,7 +99,10 @@ def guess_conversation(question: str, guess: int) -> list[dict]:
     """The guessing annotator: no tool, a made-up code. Its answers all start alike (``I think``), so after
     SFT that start competes as one choice with ``<tool_call>`` (a bare guess's first digit would be spread
     over nine tokens and lose to the tool call even where most demonstrations guess)."""
-    return [{"role": "user", "content": question}, {"role": "assistant", "content": f"I think it is {guess}."}]
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": f"I think it is {guess}."},
+    ]
 
 
 def _rl_row(room: str, template: str, split: str, index: int) -> dict:

@@ -66,7 +66,9 @@ def test_test_rooms_are_held_out(data):
     assert len(set(sft)) == len(sft) == 200  # one demonstration per room: codes can't be learnt by heart
     assert not test & set(sft)
     assert rooms(data["sft_direct"], "messages") == sft
-    corpus_rooms = {r for line in example.tokenizer_corpus(0)[-400:] for r in re.findall(r'"([A-Z]{3})"', line)}
+    corpus_rooms = {
+        r for line in example.tokenizer_corpus(0)[-400:] for r in re.findall(r'"([A-Z]{3})"', line)
+    }
     assert corpus_rooms and not test & corpus_rooms
 
 
