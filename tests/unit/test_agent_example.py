@@ -54,7 +54,7 @@ def test_tool_loads_and_refuses_bad_rooms(example):
             tools["lookup"].execute("t", {"room": bad})
 
 
-def test_test_rooms_are_held_out(data):
+def test_test_rooms_are_held_out(example, data):
     def rooms(path, column):
         df = pd.read_parquet(path)
         return [room_of(m[0]["content"]) for m in df[column]]
