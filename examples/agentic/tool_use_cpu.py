@@ -240,7 +240,7 @@ def greedy_tool_accuracy(
             seqs[i] = seqs[i] + new + obs
             still.append(i)
         active = still
-    texts = [tok.decode(s, skip_special_tokens=True) for s in sampled]
+    texts = [str(tok.decode(s, skip_special_tokens=True)) for s in sampled]  # decode is typed str | list[str]
     truths = [rm["ground_truth"] for rm in df["reward_model"]]
     scores = [compute_score(t, g) for t, g in zip(texts, truths)]
     return sum(scores) / len(scores), sum(first_call) / len(first_call), texts
