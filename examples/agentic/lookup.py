@@ -4,19 +4,26 @@ run_tiny_cpu.sh; listed in lookup_tools.yaml as ``lookup.py:lookup``)."""
 from __future__ import annotations
 
 import random
+import string
 
 
-def room_code(room: int) -> int:
-    """The hidden table: a fixed pseudo-random 3-digit code per room 100-999 (no pattern to learn)."""
+def is_room(room: object) -> bool:
+    """Rooms are named by three capital letters, ``AAA``-``ZZZ`` (no digits: a code is the only number a
+    conversation holds)."""
+    return isinstance(room, str) and len(room) == 3 and all(ch in string.ascii_uppercase for ch in room)
+
+
+def room_code(room: str) -> int:
+    """The hidden table: a fixed pseudo-random 3-digit code per room (no pattern to learn)."""
     return random.Random(f"room-{room}").randint(100, 999)
 
 
-def lookup(room: int) -> str:
+def lookup(room: str) -> str:
     """Look up the door code of a room.
 
     Args:
-        room: the room number, 100-999.
+        room: the room's name, three capital letters.
     """
-    if isinstance(room, bool) or not isinstance(room, int) or not 100 <= room <= 999:
-        raise ValueError(f"room must be an integer from 100 to 999, got {room!r}")
+    if not is_room(room):
+        raise ValueError(f"room must be three capital letters, got {room!r}")
     return str(room_code(room))

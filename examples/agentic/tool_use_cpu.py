@@ -1,26 +1,28 @@
 """Agentic RL on 2 CPU cores: a tiny model learns to use a lookup tool (SFT warm start, then GRPO with the
 ``tool`` agent loop), beside a same-model no-tool baseline.
 
-The task: ``What is the code of room 482?``. Every room 100-999 has a 3-digit door code from a fixed
+The task: ``What is the code of room "KQZ"?``. Every room AAA-ZZZ has a 3-digit door code from a fixed
 pseudo-random table (examples/agentic/lookup.py) that no prompt shows; the verifier (the built-in
 ``arithmetic`` rule) gives reward 1 when the LAST integer the model sampled is the room's code (tool
-responses are observations, never scored). Held-out test rooms never occur in training, so no model can
-answer them from memory; with the tool it only has to copy: the room number into the call, the tool's
-answer into its final turn::
+responses are observations, never scored). Held-out test rooms never occur in training, and every SFT
+demonstration is about a different room, so no model can answer from memory; with the tool it only has to
+copy: the room's three letters into the call, the tool's answer into its final turn (rooms are named by
+letters, so the code is the only number in the conversation)::
 
-    user:      What is the code of room 482?
-    assistant: <tool_call>{"name": "lookup", "arguments": {"room": 482}}</tool_call>
+    user:      What is the code of room "KQZ"?
+    assistant: <tool_call>{"name": "lookup", "arguments": {"room": "KQZ"}}</tool_call>
     tool:      736
     assistant: 736.
 
 The SFT demonstrations (a few hundred) come from two "annotators": one uses the tool as above, the other
-answers at once with a made-up code, which the verifier rejects. Which one wrote a demonstration depends on
-the phrasing: two phrasings use the tool 80% of the time, the other two 20%. The SFT model imitates that
-mix, so greedy decoding calls the tool on about half the phrasings and guesses on the rest (the quickstart's
-device, examples/quickstart/quickstart.py). GRPO samples 8 trajectories per prompt through the fused
-workers' engines and the ``tool`` loop; the ones that look the code up win, and the policy learns to call the
-tool on every phrasing. The no-tool baseline is the same model trained by SFT, for the same number of steps,
-on the same rooms answered directly with their true codes: it can learn the training rooms, not unseen ones.
+answers at once with a made-up code (``I think it is 512.``), which the verifier rejects. Which one wrote a
+demonstration depends on the phrasing: two phrasings use the tool 80% of the time, the other two 20%. The
+SFT model imitates that mix, so greedy decoding calls the tool on about half the phrasings and guesses on
+the rest (the quickstart's device, examples/quickstart/quickstart.py). GRPO samples 8 trajectories per
+prompt through the fused workers' engines and the ``tool`` loop; the ones that look the code up win, and the
+policy learns to call the tool on every phrasing. The no-tool baseline is the same model trained by SFT, for
+the same number of steps, on the same rooms answered directly with their true codes: it can learn the
+training rooms, not unseen ones.
 
 Stages (all local, nothing downloaded): 1. data, 2. model + tokenizer, 3. SFT warm start (2 FSDP2 workers),
 4. GRPO (2 fused workers, multi-turn tool rollouts), 5. the no-tool baseline (SFT), 6. greedy held-out
@@ -32,10 +34,12 @@ evaluation of the three models with one multi-turn evaluator (Hugging Face gener
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
 import shutil
+import string
 import subprocess
 import sys
 import time
@@ -50,21 +54,35 @@ from lookup import room_code  # noqa: E402 - the hidden table, to write ground t
 
 TOOLS_YAML = os.path.join(HERE, "lookup_tools.yaml")  # lists lookup.py:lookup
 DATA_SOURCE = "arithmetic"  # the reward rule: last integer in the (sampled) response == ground truth
-# (phrasing, probability that the demonstration uses the tool rather than guessing)
+# (phrasing, probability that the demonstration uses the tool rather than guessing). The room's name is
+# quoted as in the call's JSON, so it is the same tokens in the question and in the call.
 TEMPLATES = (
-    ("What is the code of room {k}?", 0.8),
-    ("Room {k}: what is its code?", 0.8),
-    ("Tell me the code for room {k}.", 0.2),
-    ("Code of room {k}?", 0.2),
+    ('What is the code of room "{k}"?', 0.8),
+    ('Room "{k}": what is its code?', 0.8),
+    ('Tell me the code for room "{k}".', 0.2),
+    ('Code of room "{k}"?', 0.2),
 )
+N_TEST = 64
 
 
 # ---------------------------------------------------------------------- 1. data
-def call_text(room: int) -> str:
-    return f'<tool_call>{{"name": "lookup", "arguments": {{"room": {room}}}}}</tool_call>'
+def all_rooms() -> list[str]:
+    """Every room name, AAA-ZZZ (17,576)."""
+    return ["".join(t) for t in itertools.product(string.ascii_uppercase, repeat=3)]
 
 
-def tool_conversation(question: str, room: int) -> list[dict]:
+def split_rooms(seed: int, n_test: int = N_TEST) -> tuple[list[str], list[str]]:
+    """(held-out test rooms, training rooms): a seeded shuffle of all rooms."""
+    rooms = all_rooms()
+    random.Random(seed).shuffle(rooms)
+    return rooms[:n_test], rooms[n_test:]
+
+
+def call_text(room: str) -> str:
+    return f'<tool_call>{{"name": "lookup", "arguments": {{"room": "{room}"}}}}</tool_call>'
+
+
+def tool_conversation(question: str, room: str) -> list[dict]:
     return [
         {"role": "user", "content": question},
         {"role": "assistant", "content": call_text(room)},
@@ -77,7 +95,17 @@ def direct_conversation(question: str, answer: int) -> list[dict]:
     return [{"role": "user", "content": question}, {"role": "assistant", "content": f"{answer}."}]
 
 
-def _rl_row(room: int, template: str, split: str, index: int) -> dict:
+def guess_conversation(question: str, guess: int) -> list[dict]:
+    """The guessing annotator: no tool, a made-up code. Its answers all start alike (``I think``), so after
+    SFT that start competes as one choice with ``<tool_call>`` (a bare guess's first digit would be spread
+    over nine tokens and lose to the tool call even where most demonstrations guess)."""
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": f"I think it is {guess}."},
+    ]
+
+
+def _rl_row(room: str, template: str, split: str, index: int) -> dict:
     return {
         "data_source": DATA_SOURCE,
         "agent_name": "tool",
@@ -88,16 +116,15 @@ def _rl_row(room: int, template: str, split: str, index: int) -> dict:
     }
 
 
-def write_data(out_dir: str, seed: int, n_sft: int, n_test: int = 64) -> dict[str, str]:
+def write_data(out_dir: str, seed: int, n_sft: int, n_rl: int = 1024) -> dict[str, str]:
     """Tool SFT demos (messages), direct-answer SFT demos (the no-tool baseline), RL train/test (verl schema).
 
-    Test rooms are held out of the SFT demonstrations and the RL prompts alike."""
+    Every SFT demonstration is about a different room (so the codes cannot be learnt by heart, only copied
+    from the tool), and the test rooms are held out of the SFT demonstrations and the RL prompts alike."""
     import pandas as pd
 
-    rng = random.Random(seed)
-    rooms = list(range(100, 1000))
-    rng.shuffle(rooms)
-    test, train = rooms[:n_test], rooms[n_test:]
+    test, train = split_rooms(seed)
+    rng = random.Random(seed + 2)
     tool_rows, direct_rows = [], []
     for room in rng.sample(train, n_sft):
         template, p_tool = rng.choice(TEMPLATES)
@@ -105,10 +132,11 @@ def write_data(out_dir: str, seed: int, n_sft: int, n_test: int = 64) -> dict[st
         made_up = rng.choice([c for c in range(100, 1000) if c != room_code(room)])
         use_tool = rng.random() < p_tool
         tool_rows.append(
-            {"messages": tool_conversation(q, room) if use_tool else direct_conversation(q, made_up)}
+            {"messages": tool_conversation(q, room) if use_tool else guess_conversation(q, made_up)}
         )
         direct_rows.append({"messages": direct_conversation(q, room_code(room))})
-    rl_train = [_rl_row(room, rng.choice(TEMPLATES)[0], "train", i) for i, room in enumerate(train)]
+    rl_rooms = rng.sample(train, n_rl)
+    rl_train = [_rl_row(room, rng.choice(TEMPLATES)[0], "train", i) for i, room in enumerate(rl_rooms)]
     # Test: every phrasing equally often.
     rl_test = [_rl_row(room, TEMPLATES[i % len(TEMPLATES)][0], "test", i) for i, room in enumerate(test)]
     os.makedirs(out_dir, exist_ok=True)
@@ -129,13 +157,15 @@ def write_data(out_dir: str, seed: int, n_sft: int, n_test: int = 64) -> dict[st
 
 
 def tokenizer_corpus(seed: int) -> list[str]:
-    """The tiny tokenizer's default corpus plus tool-call text, so the call syntax gets BPE merges."""
+    """The tiny tokenizer's default corpus plus tool-call text (training rooms only), so the call syntax gets
+    BPE merges."""
     from fusedrl.utils.tiny_model import default_corpus
 
+    _, train = split_rooms(seed)
     rng = random.Random(seed + 1)
     extra = []
     for _ in range(400):
-        room = rng.randint(100, 999)
+        room = rng.choice(train)
         template = rng.choice(TEMPLATES)[0]
         extra.append(
             f"user\n{template.format(k=room)}\nassistant\n{call_text(room)}\ntool\n{room_code(room)}"
@@ -210,7 +240,7 @@ def greedy_tool_accuracy(
             seqs[i] = seqs[i] + new + obs
             still.append(i)
         active = still
-    texts = [tok.decode(s, skip_special_tokens=True) for s in sampled]
+    texts = [str(tok.decode(s, skip_special_tokens=True)) for s in sampled]  # decode is typed str | list[str]
     truths = [rm["ground_truth"] for rm in df["reward_model"]]
     scores = [compute_score(t, g) for t, g in zip(texts, truths)]
     return sum(scores) / len(scores), sum(first_call) / len(first_call), texts
