@@ -10,10 +10,9 @@ import os
 
 import pytest
 from driver_runs import (
-    assert_resumed_run_equals_reference,
     driver_args,
+    kill_in_step_3_then_resume,
     metrics,
-    run_and_kill_at,
     run_to_end,
 )
 
@@ -44,12 +43,5 @@ def test_agentic_sigkill_mid_step_then_resume_equals_uninterrupted(
     turns = [m["agent/assistant_turns/mean"] for m in metrics(reference)]
     assert turns == [3.0] * 4, turns  # really multi-turn: the environment asks twice, then ends
     assert all(m["agent/observation_tokens/mean"] > 0 for m in metrics(reference))
-    out = tmp_path / "run"
-    args = _args(tiny_model_dir, arithmetic_data[0], out, reward_file)
-    # Killed inside step 3, after the actor's update, before the engine's weight sync.
-    run_and_kill_at(args, {"HANG_IN_STEP_AT": "3"}, "HANGING_IN_STEP 3", tmp_path / "run1.log")
-    names = sorted(os.listdir(out))
-    assert "global_step_2" in names and "global_step_3" not in names, names
-    text = run_to_end(args, tmp_path / "run2.log")
-    assert "global_step_2 at step 2" in text, text[-3000:]
-    assert_resumed_run_equals_reference(reference, out, [1, 2, 3, 4])
+    args = _args(tiny_model_dir, arithmetic_data[0], tmp_path / "run", reward_file)
+    kill_in_step_3_then_resume(args, reference, tmp_path)

@@ -5,10 +5,8 @@ model), so a resume that forgot the adapters' merged stream would change the sam
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from driver_runs import assert_resumed_run_equals_reference, driver_args, run_and_kill_at, run_to_end
+from driver_runs import driver_args, kill_in_step_3_then_resume, run_to_end
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("vllm")
@@ -30,13 +28,6 @@ def test_lora_sigkill_mid_step_then_resume_equals_uninterrupted(
         [*driver_args(tiny_model_dir, arithmetic_data[0], reference, reward_file), *LORA],
         tmp_path / "reference.log",
     )
-    out = tmp_path / "run"
-    args = [*driver_args(tiny_model_dir, arithmetic_data[0], out, reward_file), *LORA]
-    # Killed inside step 3 after the adapters' update, before the engine's sync: checkpoint 2 is the last.
-    run_and_kill_at(args, {"HANG_IN_STEP_AT": "3"}, "HANGING_IN_STEP 3", tmp_path / "run1.log")
-    names = sorted(os.listdir(out))
-    assert "global_step_2" in names and "global_step_3" not in names, names
-    text = run_to_end(args, tmp_path / "run2.log")
-    assert "global_step_2 at step 2" in text, text[-3000:]
-    # Steps 1-2 were logged by the killed run, 3-4 by the resumed one.
-    assert_resumed_run_equals_reference(reference, out, [1, 2, 3, 4])
+    args = [*driver_args(tiny_model_dir, arithmetic_data[0], tmp_path / "run", reward_file), *LORA]
+    # Killed inside step 3 after the adapters' update, before the engine's sync.
+    kill_in_step_3_then_resume(args, reference, tmp_path)
