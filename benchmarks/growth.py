@@ -23,8 +23,9 @@ import statistics
 import tempfile
 
 
-def measure(preset: str, samples: int, length: int, steps: int, workers: int) -> dict:
-    """One cell, in this process: median step time and the workers' peak RSS after ``steps`` steps."""
+def measure(preset: str, samples: int, length: int, steps: int, workers: int, more: list[str]) -> dict:
+    """One cell, in this process: median step time and the workers' peak RSS after ``steps`` steps
+    (``more``: further config overrides, e.g. gradient checkpointing for cells that do not fit)."""
     from benchmarks.trainer_harness import trainer_for
 
     prompts = samples // 4
@@ -38,6 +39,7 @@ def measure(preset: str, samples: int, length: int, steps: int, workers: int) ->
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
         f"trainer.total_training_steps={steps}",
+        *more,
     ]
     with tempfile.TemporaryDirectory() as out, trainer_for(preset, workers, extra, out) as trainer:
         per_step = []
@@ -110,10 +112,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--plot", default="benchmarks/growth.png")
+    ap.add_argument("--extra", nargs="*", default=[], help="more config overrides (key=value) for every cell")
     args = ap.parse_args()
     if args.one:
         preset, samples, length = args.one[0], int(args.one[1]), int(args.one[2])
-        res = measure(preset, samples, length, args.steps, args.workers)
+        res = measure(preset, samples, length, args.steps, args.workers, args.extra)
         print("RESULT " + json.dumps(res), flush=True)
         return
 
@@ -127,7 +130,7 @@ def main() -> None:
     )
     results, rows = [], []
     for preset, samples, length in todo:
-        one = ["--one", preset, str(samples), str(length), "--steps", str(args.steps)]
+        one = ["--one", preset, str(samples), str(length), "--steps", str(args.steps), "--extra", *args.extra]
         try:
             res = run_in_subprocess("benchmarks.growth", [*one, "--workers", str(args.workers)], timeout=3600)
         except (RuntimeError, OSError) as err:  # a cell that fails (e.g. out of memory) is named, not hidden
@@ -158,6 +161,7 @@ def main() -> None:
     cmd = (
         f"python -m benchmarks.growth --presets {args.presets} --lengths {args.lengths} --batches {args.batches}"
         f"{' --full' if args.full else ''} --steps {args.steps} --workers {args.workers}"
+        + (f" --extra {' '.join(args.extra)}" if args.extra else "")
     )
     record("GRPO step growth", cmd, table, {"cells": results})
 
