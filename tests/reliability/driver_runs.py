@@ -206,12 +206,11 @@ def assert_resumed_run_equals_reference(reference, run, steps) -> None:
     assert_same_checkpoint(reference / "global_step_4", run / "global_step_4")
 
 
-def kill_in_step_3_then_resume(args, reference, tmp_path, check_killed=None) -> None:
-    """SIGKILL a run of ``args`` inside step 3 (after the update, before the engine's weight sync: checkpoint 2
+def kill_in_step_3_then_resume(args, out, reference, tmp_path, check_killed=None) -> None:
+    """SIGKILL a run of ``args`` (writing into ``out``) inside step 3 (after the update, before the engine's weight sync: checkpoint 2
     is the last; ``check_killed(out_dir)`` may look at it then), resume it from there, and check it equals the
     uninterrupted ``reference`` run at every step (steps 1-2 logged by the killed run, 3-4 by the resumed one)
     and in its final checkpoint."""
-    out = _arg_value(args, "trainer.default_local_dir")
     run_and_kill_at(args, {"HANG_IN_STEP_AT": "3"}, "HANGING_IN_STEP 3", tmp_path / "run1.log")
     names = sorted(os.listdir(out))
     assert "global_step_2" in names and "global_step_3" not in names, names
@@ -220,10 +219,3 @@ def kill_in_step_3_then_resume(args, reference, tmp_path, check_killed=None) -> 
     text = run_to_end(args, tmp_path / "run2.log")
     assert "global_step_2 at step 2" in text, text[-3000:]
     assert_resumed_run_equals_reference(reference, out, [1, 2, 3, 4])
-
-
-def _arg_value(args, key):
-    from pathlib import Path
-
-    (value,) = [a.split("=", 1)[1] for a in args if a.startswith(f"{key}=")]
-    return Path(value)

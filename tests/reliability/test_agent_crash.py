@@ -43,5 +43,6 @@ def test_agentic_sigkill_mid_step_then_resume_equals_uninterrupted(
     turns = [m["agent/assistant_turns/mean"] for m in metrics(reference)]
     assert turns == [3.0] * 4, turns  # really multi-turn: the environment asks twice, then ends
     assert all(m["agent/observation_tokens/mean"] > 0 for m in metrics(reference))
-    args = _args(tiny_model_dir, arithmetic_data[0], tmp_path / "run", reward_file)
-    kill_in_step_3_then_resume(args, reference, tmp_path)
+    out = tmp_path / "run"
+    args = _args(tiny_model_dir, arithmetic_data[0], out, reward_file)
+    kill_in_step_3_then_resume(args, out, reference, tmp_path)

@@ -40,10 +40,11 @@ def test_async_sigkill_mid_step_then_resume_equals_uninterrupted(
     run_to_end(_args(tiny_model_dir, arithmetic_data[0], reference, reward_file), tmp_path / "ref.log")
     staleness = [m["async/staleness_max"] for m in metrics(reference)]
     assert staleness == [0.0, 1.0, 1.0, 1.0], staleness  # really one step off from step 2 on
-    args = _args(tiny_model_dir, arithmetic_data[0], tmp_path / "run", reward_file)
+    out = tmp_path / "run"
+    args = _args(tiny_model_dir, arithmetic_data[0], out, reward_file)
 
     def holds_the_next_batch(out_dir) -> None:  # generated during step 2 by policy version 1
         assert os.path.isfile(out_dir / "global_step_2" / "async_batch.safetensors")
 
     # Killed inside step 3, after the update and after the next batch was generated, before the sync.
-    kill_in_step_3_then_resume(args, reference, tmp_path, check_killed=holds_the_next_batch)
+    kill_in_step_3_then_resume(args, out, reference, tmp_path, check_killed=holds_the_next_batch)

@@ -28,6 +28,7 @@ def test_lora_sigkill_mid_step_then_resume_equals_uninterrupted(
         [*driver_args(tiny_model_dir, arithmetic_data[0], reference, reward_file), *LORA],
         tmp_path / "reference.log",
     )
-    args = [*driver_args(tiny_model_dir, arithmetic_data[0], tmp_path / "run", reward_file), *LORA]
+    out = tmp_path / "run"
+    args = [*driver_args(tiny_model_dir, arithmetic_data[0], out, reward_file), *LORA]
     # Killed inside step 3 after the adapters' update, before the engine's sync.
-    kill_in_step_3_then_resume(args, reference, tmp_path)
+    kill_in_step_3_then_resume(args, out, reference, tmp_path)
