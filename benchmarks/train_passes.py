@@ -12,7 +12,8 @@ top operators by self CPU time (``torch.profiler``) on rank 0.
 shared machine's load falls on all alike: ``base`` (everything on, float32), ``no_trim`` (micro-batches
 keep their all-padding columns, the behaviour before the trim), ``regather`` (FSDP2 re-gathers every unit
 for each micro-batch's forward and backward, its default, instead of once per pass), ``bf16`` (the same roles
-under FSDP2 bf16 mixed precision).
+under FSDP2 bf16 mixed precision, with ``model.attn_implementation=auto``: on CPU short sequences run as
+two matmuls, `fusedrl.workers.cpu_attention`), ``bf16_sdpa`` (the same with plain SDPA attention).
 
     python -m benchmarks.train_passes [--layouts 1x2,2x1] [--preset small] [--reps 3] [--variants base,no_trim]
 """
@@ -119,7 +120,7 @@ def _hf_fwd_bwd(model, batch, micro: int, temperature: float) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def role_settings(path: str, param_dtype: str | None) -> tuple[Any, Any, Any]:
+def role_settings(path: str, param_dtype: str | None, attn: str = "auto") -> tuple[Any, Any, Any]:
     """(model, actor, ref) configs as a fused worker gets them (typed): the YAML's defaults with the
     benchmark's shape on top, so every key the roles read is there and has the user's default."""
     from fusedrl.role_config import role_configs_from_overrides
@@ -134,6 +135,7 @@ def role_settings(path: str, param_dtype: str | None) -> tuple[Any, Any, Any]:
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         "actor_rollout_ref.actor.optim.lr=1e-6",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+        f"actor_rollout_ref.model.attn_implementation={attn}",
     ]
     if param_dtype:
         for role in ("actor", "ref"):
@@ -166,9 +168,13 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     path = model_dir(args["preset"])
     model_cfg, actor_cfg, ref_cfg = role_settings(path, args["param_dtype"])
     roles = {"base": (ActorRole(model_cfg, actor_cfg, rollout_n=4), RefRole(model_cfg, ref_cfg))}
-    if "bf16" in args["variants"]:  # the same roles under FSDP2 bf16 mixed precision, side by side
-        bm, ba, br = role_settings(path, "bfloat16")
-        roles["bf16"] = (ActorRole(bm, ba, rollout_n=4), RefRole(bm, br))
+    for variant, attn in (
+        ("bf16", "auto"),
+        ("bf16_sdpa", "sdpa"),
+    ):  # the roles under FSDP2 bf16 mixed precision
+        if variant in args["variants"]:
+            bm, ba, br = role_settings(path, "bfloat16", attn)
+            roles[variant] = (ActorRole(bm, ba, rollout_n=4), RefRole(bm, br))
     actor, ref = roles["base"]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     full = synthetic_batch(args["response_length"])
@@ -200,7 +206,7 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
         nonlocal actor, ref
         logprob.TRIM_PADDING = defaults["trim"] and variant != "no_trim"
         fsdp.GATHER_ONCE_PER_PASS = defaults["once"] and variant != "regather"
-        actor, ref = roles["bf16" if variant == "bf16" else "base"]
+        actor, ref = roles[variant if variant in roles else "base"]
 
     phases = {"old_log_prob": old, "ref": run_ref, "update": update, "hf_fwd_bwd": hf_pass}
     times: dict[str, dict[str, list[float]]] = {v: {p: [] for p in phases} for v in variants}
@@ -298,7 +304,7 @@ def main() -> None:
                 t = statistics.median(per_phase[phase])
                 rate = flops[phase] / t / threads  # GFLOP/s per thread, all ranks run alike
                 cells.append(f"{t:.2f} s ({rate:.0f})")
-            dtype = "bfloat16" if variant == "bf16" else (a.param_dtype or "float32")
+            dtype = "bfloat16" if variant.startswith("bf16") else (a.param_dtype or "float32")
             train = ("old_log_prob", "ref", "update")
             rate = (
                 sum(flops[p] for p in train) / sum(statistics.median(per_phase[p]) for p in train) / threads

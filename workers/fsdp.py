@@ -46,12 +46,20 @@ def build_mesh() -> DeviceMesh:
 
 
 def resolve_attn_implementation(name: str | None) -> str:
-    """``auto``: FlashAttention-2 on CUDA when ``flash-attn`` is installed, PyTorch SDPA otherwise."""
+    """``auto``: FlashAttention-2 on CUDA when ``flash-attn`` is installed, PyTorch SDPA otherwise; on a
+    CPU-only machine SDPA with short half-precision sequences run as two matmuls
+    (`fusedrl.workers.cpu_attention`)."""
     import importlib.util
 
     has_flash = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
     if name in (None, "auto"):
-        return "flash_attention_2" if has_flash else "sdpa"
+        if has_flash:
+            return "flash_attention_2"
+        if not torch.cuda.is_available():
+            from fusedrl.workers.cpu_attention import register
+
+            return register()
+        return "sdpa"
     if name == "flash_attention_2" and not has_flash:
         raise RuntimeError(
             "model.attn_implementation=flash_attention_2 needs a CUDA device and the flash-attn package "

@@ -1,0 +1,171 @@
+"""The CPU attention of training forwards (`fusedrl.workers.cpu_attention`): short bf16 sequences run as
+two matmuls, everything else as SDPA, with the same results."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import fusedrl.workers.cpu_attention as cpu_attention
+from fusedrl.workers.fsdp import resolve_attn_implementation
+
+
+def _qkv(b: int, h: int, kvh: int, t: int, d: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, t, d, generator=g).to(dtype) for n in (h, kvh, kvh))
+    return [x.requires_grad_() for x in (q, k, v)]
+
+
+def _padding_mask(b: int, t: int) -> torch.Tensor:
+    """[b, 1, t, t] boolean causal mask with rows 0 and 1 left-padded by 3 and 5 positions."""
+    keep = torch.ones(b, t, dtype=torch.bool)
+    keep[0, :3] = False
+    keep[1, :5] = False
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    return (causal[None] & keep[:, None, :])[:, None]
+
+
+@pytest.mark.parametrize("mask_kind", ["padding", "additive", "causal_none"])
+def test_matmul_attention_equals_sdpa_in_float32(mask_kind):
+    q, k, v = _qkv(3, 4, 2, 12, 8, torch.float32)
+    if mask_kind == "causal_none":
+        mask, ref_kwargs = None, {"is_causal": True}
+    else:
+        boolean = _padding_mask(3, 12)
+        boolean[:, :, :, 0] = True  # no fully masked row: SDPA would give NaN there
+        mask = boolean if mask_kind == "padding" else torch.zeros(boolean.shape).masked_fill(~boolean, -1e9)
+        ref_kwargs = {"attn_mask": mask}
+    out = cpu_attention.matmul_attention(q, k, v, mask, scaling=8**-0.5, causal=True)  # [b, h, q, d]
+    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **ref_kwargs)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fully_masked_rows_are_finite():
+    """A left-padding query sees no key: a uniform average of the values, not NaN, and finite gradients."""
+    q, k, v = _qkv(2, 4, 2, 10, 8, torch.bfloat16)
+    out = cpu_attention.matmul_attention(q, k, v, _padding_mask(2, 10), scaling=8**-0.5, causal=True)
+    assert torch.isfinite(out.float()).all()
+    # row 1, query 2 is padding (5 padded positions): the mean of its group's values over all 10 keys
+    expected = v[1].float().mean(dim=1).repeat_interleave(2, dim=0)  # [h, d]
+    torch.testing.assert_close(out[1, :, 2].float(), expected, rtol=0.02, atol=0.02)
+    out.float().sum().backward()
+    assert all(torch.isfinite(x.grad.float()).all() for x in (q, k, v))
+
+
+def test_the_path_depends_on_device_dtype_length_and_dropout():
+    q = torch.zeros(1, 4, 8, 16, dtype=torch.bfloat16)
+    short, long_ = (
+        torch.zeros(1, 2, 255, 16, dtype=torch.bfloat16),
+        torch.zeros(1, 2, 256, 16, dtype=torch.bfloat16),
+    )
+    assert cpu_attention.takes_matmul_path(q, short, 0.0)
+    assert not cpu_attention.takes_matmul_path(q, long_, 0.0)
+    assert not cpu_attention.takes_matmul_path(q, short, 0.1)
+    assert not cpu_attention.takes_matmul_path(q.float(), short.float(), 0.0)
+    assert cpu_attention.takes_matmul_path(q.half(), short.half(), 0.0)
+
+
+def test_auto_selects_it_on_cpu_and_sdpa_stays_sdpa():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU attention is chosen on CPU-only machines")
+    assert resolve_attn_implementation("auto") == cpu_attention.NAME
+    assert resolve_attn_implementation("sdpa") == "sdpa"
+
+
+def _left_padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (4, 40), generator=g)
+    mask = torch.ones(4, 40, dtype=torch.long)
+    mask[0, :7] = 0
+    mask[2, :19] = 0
+    return ids, mask
+
+
+def _logits_and_grads(path: str, impl: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl)
+    ids, mask = _left_padded_batch(model.config.vocab_size)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits.float()
+    (logits.log_softmax(-1) * mask[..., None]).sum().backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    return logits, mask.bool(), grads
+
+
+def test_model_in_bf16_matches_sdpa_and_takes_the_matmul_path(tiny_model_dir, monkeypatch):
+    calls = []
+    real = cpu_attention.matmul_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_attention, "matmul_attention", counted)
+    name = cpu_attention.register()
+    logits, real_tokens, grads = _logits_and_grads(tiny_model_dir, name, torch.bfloat16)
+    assert len(calls) == 2  # one per decoder layer of the tiny model: the matmul path ran
+    ref_logits, _, ref_grads = _logits_and_grads(tiny_model_dir, "sdpa", torch.bfloat16)
+    # bf16 rounding differs between the kernels; the real tokens agree to bf16 precision
+    torch.testing.assert_close(logits[real_tokens], ref_logits[real_tokens], rtol=0.02, atol=0.02)
+    for name_, grad in grads.items():
+        assert torch.isfinite(grad).all(), name_
+        rel = (grad - ref_grads[name_]).norm() / ref_grads[name_].norm().clamp(min=1e-12)
+        assert rel < 0.03, (name_, float(rel))
+
+
+def test_model_in_float32_is_exactly_sdpa(tiny_model_dir):
+    name = cpu_attention.register()
+    logits, _, grads = _logits_and_grads(tiny_model_dir, name, torch.float32)
+    ref_logits, _, ref_grads = _logits_and_grads(tiny_model_dir, "sdpa", torch.float32)
+    assert torch.equal(logits, ref_logits)
+    assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+
+
+def test_saved_config_does_not_name_it(tiny_model_dir, tmp_path):
+    """A checkpoint or export written from a model loaded with it loads anywhere (vLLM reads config.json)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=cpu_attention.register())
+    model.save_pretrained(str(tmp_path))
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        config = json.load(f)
+    assert cpu_attention.NAME not in json.dumps(config)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_cached_decode_step_equals_full_forward(tiny_model_dir, padded):
+    """The HF rollout decodes with a KV cache: one query against more keys (mask aligned to the last key)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.bfloat16, attn_implementation=cpu_attention.register()
+    )
+    ids, mask = _left_padded_batch(model.config.vocab_size)
+    if not padded:
+        mask = torch.ones_like(mask)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -1].float()
+        prefix = model(
+            input_ids=ids[:, :-1],
+            attention_mask=mask[:, :-1],
+            position_ids=position_ids[:, :-1],
+            use_cache=True,
+        )
+        step = (
+            model(
+                input_ids=ids[:, -1:],
+                attention_mask=mask,
+                position_ids=position_ids[:, -1:],
+                past_key_values=prefix.past_key_values,
+                use_cache=True,
+            )
+            .logits[:, -1]
+            .float()
+        )
+    torch.testing.assert_close(step, full, rtol=0.02, atol=0.02)

@@ -1,0 +1,129 @@
+"""Attention of the training forwards on CPU: PyTorch SDPA, except short half-precision sequences.
+
+PyTorch's CPU flash-attention kernel (what SDPA picks on CPU) is slow on short bf16 sequences: forward
+plus backward of ``32 x 8 heads x 128 tokens`` takes 2-3x as long as a plain ``softmax(q k^T) v`` made of
+two batched matmuls, and its backward was a fifth of a bf16 actor update's time on RL-sized batches
+(responses of a few hundred tokens). From about 256 keys on the flash kernel wins and keeps memory
+linear in length, and in float32 it wins at every length (benchmarks/RESULTS.md, "Attention kernels on
+CPU"). So `attention` runs the two matmuls when all of these hold, and SDPA otherwise:
+
+- the tensors are on CPU and in bf16 or fp16;
+- there are fewer than `MATMUL_BELOW` keys;
+- there is no attention dropout.
+
+The matmul path computes the scores in the input dtype, the softmax in float32 (as Hugging Face's eager
+attention does), and gives fully masked query rows (left padding) a finite uniform softmax instead of NaN.
+It saves the ``[b, heads, q, k]`` probabilities for backward (flash saves none), bounded by the length
+limit. The choice depends only on shapes and dtypes, so a recomputation under gradient checkpointing
+takes the same path as the forward it replays.
+
+`register` makes the function and its mask builder (SDPA's boolean masks) known to Transformers under
+`NAME`; ``model.attn_implementation=auto`` selects it on CPU (`fusedrl.workers.fsdp.resolve_attn_implementation`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+NAME = "fusedrl_cpu_sdpa"
+MATMUL_BELOW = 256  # keys; measured crossover of the bf16 kernels on CPU (see the module docstring)
+
+
+def takes_matmul_path(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
+    """Whether `attention` runs the two matmuls for these inputs (see the module docstring)."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and key.shape[-2] < MATMUL_BELOW
+        and dropout == 0.0
+    )
+
+
+def matmul_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scaling: float,
+    causal: bool,
+) -> torch.Tensor:
+    """``softmax(q k^T * scaling + mask) v`` with grouped-query heads, softmax in float32.
+
+    query: [b, h, q, d]; key, value: [b, kvh, k, d] with kvh dividing h; mask: [b | 1, 1, q, k], boolean
+    (True attends) or additive, or None (then causal, aligned to the last key, when ``causal``).
+    Returns [b, h, q, d].
+    """
+    b, h, q_len, d = query.shape
+    kvh, k_len = key.shape[1], key.shape[2]
+    group = h // kvh
+    q5 = query.view(b, kvh, group, q_len, d)  # the heads sharing one key/value head side by side
+    scores = torch.matmul(q5, key.unsqueeze(2).transpose(-1, -2)).float() * scaling  # [b, kvh, g, q, k]
+    if mask is None and causal and q_len > 1:
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+    if mask is not None:
+        mask = mask.unsqueeze(-3) if mask.dim() == 4 else mask  # [b|1, 1, 1, q, k] against the group dim
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+        else:
+            scores = scores + mask.float()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)  # [b, kvh, g, q, k]
+    out = torch.matmul(probs, value.unsqueeze(2))  # [b, kvh, g, q, d]
+    return out.reshape(b, h, q_len, d)
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A Transformers attention function (``[b, h, q, d]`` inputs, ``[b, q, h, d]`` output)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plain = (
+        kwargs.get("position_bias") is None
+        and kwargs.get("cache") is None
+        and not kwargs.get("output_attentions", False)
+    )
+    if not (plain and takes_matmul_path(query, key, dropout)):
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    out = matmul_attention(
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling=float(query.shape[-1] ** -0.5 if scaling is None else scaling),
+        causal=causal,
+    )  # [b, h, q, d]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Make `attention` (with SDPA's mask builder) available as ``attn_implementation=NAME``; returns
+    `NAME`. Idempotent: every process that loads a model calls it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+
+    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionInterface.register(NAME, attention)
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME
