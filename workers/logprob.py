@@ -149,9 +149,8 @@ def response_log_probs(
         )
     if remove_padding:
         packed = pack_batch(batch)
-        logits = packed.forward(model).logits  # [1, N, V]
         log_probs, entropy = _token_log_probs(
-            packed.response_rows(logits),
+            packed.response_logits(model),  # [M, V]
             packed.targets,
             temperature=temperature,
             with_entropy=with_entropy,
@@ -170,10 +169,14 @@ def response_log_probs(
         input_ids, attention_mask, position_ids = (
             t[:, first : prompt_len + last] for t in (input_ids, attention_mask, position_ids)
         )  # [B, Tp' + Tr'] each
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    # The token at position t is predicted by the logits at t-1: responses start at Tp.
+    # The token at position t is predicted by the logits at t-1: the response tokens by the last Tr'+1
+    # positions but the very last. The LM head runs on those positions only (``logits_to_keep``): on the
+    # prompt's it would be wasted, a large share of the forward for a model with a large vocabulary.
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=last + 1
+    ).logits  # [B, Tr'+1, V]
     log_probs, entropy = _token_log_probs(
-        logits[:, prompt_len - first - 1 : -1, :],
+        logits[:, :-1, :],
         batch.responses[:, :last],
         temperature=temperature,
         with_entropy=with_entropy,

@@ -47,6 +47,17 @@ class PackedBatch:
         """The model's forward on the packed row (no attention mask: the position restarts are the mask)."""
         return model(input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=None)
 
+    def response_logits(self, model: torch.nn.Module) -> torch.Tensor:
+        """A causal LM's logits ``[M, V]`` at the positions that predict the response tokens: the LM head
+        runs on those positions only (``logits_to_keep``)."""
+        out = model(
+            input_ids=self.input_ids,
+            position_ids=self.position_ids,
+            attention_mask=None,
+            logits_to_keep=self.pred_index,
+        )
+        return out.logits[0]  # [M, V]
+
     def response_rows(self, output: torch.Tensor) -> torch.Tensor:
         """``[1, N, *F]`` model output -> ``[M, *F]``: the output that predicts each response token."""
         return output[0, self.pred_index]  # [M, *F]
