@@ -13,7 +13,8 @@ shared machine's load falls on all alike: ``base`` (everything on, float32), ``n
 keep their all-padding columns, the behaviour before the trim), ``regather`` (FSDP2 re-gathers every unit
 for each micro-batch's forward and backward, its default, instead of once per pass), ``bf16`` (the same roles
 under FSDP2 bf16 mixed precision, with ``model.attn_implementation=auto``: on CPU short sequences run as
-two matmuls, `fusedrl.workers.cpu_attention`), ``bf16_sdpa`` (the same with plain SDPA attention).
+two matmuls, `fusedrl.workers.cpu_attention`), ``bf16_sdpa`` (the same with plain SDPA attention),
+``packed`` and ``bf16_packed`` (``model.use_remove_padding=true``: no compute on padding).
 
     python -m benchmarks.train_passes [--layouts 1x2,2x1] [--preset small] [--reps 3] [--variants base,no_trim]
 """
@@ -120,7 +121,9 @@ def _hf_fwd_bwd(model, batch, micro: int, temperature: float) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def role_settings(path: str, param_dtype: str | None, attn: str = "auto") -> tuple[Any, Any, Any]:
+def role_settings(
+    path: str, param_dtype: str | None, attn: str = "auto", micro: int = 8, packed: bool = False
+) -> tuple[Any, Any, Any]:
     """(model, actor, ref) configs as a fused worker gets them (typed): the YAML's defaults with the
     benchmark's shape on top, so every key the roles read is there and has the user's default."""
     from fusedrl.role_config import role_configs_from_overrides
@@ -129,13 +132,14 @@ def role_settings(path: str, param_dtype: str | None, attn: str = "auto") -> tup
         f"actor_rollout_ref.model.path={path}",
         "actor_rollout_ref.rollout.n=4",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={ROWS // 4}",  # prompts: the whole batch, one step
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
         "actor_rollout_ref.actor.ppo_epochs=1",
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         "actor_rollout_ref.actor.optim.lr=1e-6",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
         f"actor_rollout_ref.model.attn_implementation={attn}",
+        f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
     ]
     if param_dtype:
         for role in ("actor", "ref"):
@@ -166,21 +170,23 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     from fusedrl.workers.actor import ActorRole, RefRole
 
     path = model_dir(args["preset"])
-    model_cfg, actor_cfg, ref_cfg = role_settings(path, args["param_dtype"])
+    model_cfg, actor_cfg, ref_cfg = role_settings(path, args["param_dtype"], micro=args["micro"])
     roles = {"base": (ActorRole(model_cfg, actor_cfg, rollout_n=4), RefRole(model_cfg, ref_cfg))}
-    for variant, attn in (
-        ("bf16", "auto"),
-        ("bf16_sdpa", "sdpa"),
-    ):  # the roles under FSDP2 bf16 mixed precision
+    for variant, (dtype, attn, packed) in {
+        "packed": (args["param_dtype"], "auto", True),
+        "bf16": ("bfloat16", "auto", False),
+        "bf16_sdpa": ("bfloat16", "sdpa", False),
+        "bf16_packed": ("bfloat16", "auto", True),
+    }.items():
         if variant in args["variants"]:
-            bm, ba, br = role_settings(path, "bfloat16", attn)
+            bm, ba, br = role_settings(path, dtype, attn, args["micro"], packed)
             roles[variant] = (ActorRole(bm, ba, rollout_n=4), RefRole(bm, br))
     actor, ref = roles["base"]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     full = synthetic_batch(args["response_length"])
     rows = ROWS // world
     shard = full[rank * rows : (rank + 1) * rows]
-    fwd_flops, fb_flops = _count_flops(hf, shard, 8)
+    fwd_flops, fb_flops = _count_flops(hf, shard, args["micro"])
     temperature = 1.0
 
     def old():
@@ -195,8 +201,12 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
         b.ref_log_probs = ref_lp
         actor.update(b, temperature=temperature)
 
-    def hf_pass():
-        _hf_fwd_bwd(hf, shard, 8, temperature)
+    current = {"variant": "base"}
+
+    def hf_pass():  # a bf16 variant's plain HF pass runs under bf16 autocast, as TRL's bf16 mode does
+        bf16 = current["variant"].startswith("bf16")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            _hf_fwd_bwd(hf, shard, args["micro"], temperature)
 
     old_lp, ref_lp = old(), run_ref()
     variants = args["variants"]
@@ -207,6 +217,7 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
         logprob.TRIM_PADDING = defaults["trim"] and variant != "no_trim"
         fsdp.GATHER_ONCE_PER_PASS = defaults["once"] and variant != "regather"
         actor, ref = roles[variant if variant in roles else "base"]
+        current["variant"] = variant
 
     phases = {"old_log_prob": old, "ref": run_ref, "update": update, "hf_fwd_bwd": hf_pass}
     times: dict[str, dict[str, list[float]]] = {v: {p: [] for p in phases} for v in variants}
@@ -269,6 +280,7 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--response-length", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--micro-batch", type=int, default=8, help="update micro-batch rows per worker")
     ap.add_argument("--variants", default="base")
     ap.add_argument("--param-dtype", default=None)
     ap.add_argument("--profile", action="store_true")
@@ -279,6 +291,7 @@ def main() -> None:
         "preset": a.preset,
         "response_length": a.response_length,
         "reps": a.reps,
+        "micro": a.micro_batch,
         "variants": a.variants.split(","),
         "param_dtype": a.param_dtype,
         "profile": a.profile,
@@ -343,7 +356,7 @@ def main() -> None:
     }
     cmd = (
         f"python -m benchmarks.train_passes --layouts {a.layouts} --preset {a.preset} --response-length "
-        f"{a.response_length} --reps {a.reps} --variants {a.variants}"
+        f"{a.response_length} --reps {a.reps} --micro-batch {a.micro_batch} --variants {a.variants}"
         + (f" --param-dtype {a.param_dtype}" if a.param_dtype else "")
         + (" --profile" if a.profile else "")
     )

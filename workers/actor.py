@@ -203,8 +203,9 @@ class ActorRole:
             **self._seed_kwargs(),
         )
         assert entropy is not None
-        entropy_loss = agg_loss(entropy, mb.response_mask, mode, norm)  # []
-        loss = pg_loss - entropy_coeff * entropy_loss  # []
+        loss = pg_loss  # []
+        if entropy_coeff != 0:  # at 0 (verl's default) the backward never walks the entropy's graph
+            loss = loss - entropy_coeff * agg_loss(entropy, mb.response_mask, mode, norm)
         # The reported entropy is the token mean whatever the loss aggregation (comparable across modes).
         token_share = mb.response_mask.sum() / max(token_norm, 1e-8)
         entropy_mean = (entropy * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1)

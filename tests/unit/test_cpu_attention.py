@@ -169,3 +169,62 @@ def test_cached_decode_step_equals_full_forward(tiny_model_dir, padded):
             .float()
         )
     torch.testing.assert_close(step, full, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_row_equals_block_diagonal_sdpa(dtype):
+    """Three sequences end to end (positions restarting): per-sequence causal attention = SDPA with the
+    block-diagonal causal mask Transformers would build, values and gradients."""
+    lengths = [5, 9, 4]
+    n = sum(lengths)
+    q, k, v = _qkv(1, 4, 2, n, 8, dtype)
+    position_ids = torch.cat([torch.arange(n_) for n_ in lengths])[None]  # [1, N]
+    bounds = cpu_attention.packed_segments(position_ids, q, k)
+    assert bounds == [0, 5, 14, 18]
+    seg = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    idx = torch.arange(n)
+    mask = ((seg[:, None] == seg[None]) & (idx[None] <= idx[:, None]))[None, None]  # [1, 1, N, N]
+    out, _ = cpu_attention.attention(
+        torch.nn.Module(), q, k, v, mask, scaling=8**-0.5, position_ids=position_ids
+    )  # [1, N, h, d]
+    ref = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=8**-0.5, enable_gqa=True
+    ).transpose(1, 2)
+    tol = 1e-5 if dtype == torch.float32 else 0.02
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol * 3, atol=tol * 3)
+
+
+def test_unpacked_rows_are_not_split():
+    q, k, _ = _qkv(2, 4, 2, 6, 8, torch.float32)
+    assert cpu_attention.packed_segments(torch.arange(6)[None].expand(2, 6), q, k) is None  # batch of 2
+    q1, k1 = q[:1], k[:1]
+    assert cpu_attention.packed_segments(torch.arange(6)[None], q1, k1) is None  # one sequence
+    assert cpu_attention.packed_segments(torch.arange(6)[None], q1, k1[:, :, :3]) is None  # cached keys
+    assert cpu_attention.packed_segments(None, q1, k1) is None
+
+
+def test_packed_model_forward_equals_padded(tiny_model_dir, monkeypatch):
+    """The model on a packed row (the remove-padding path) gives each sequence the logits of its padded
+    forward, through `packed_attention`."""
+    calls = []
+    real_fn = cpu_attention.packed_attention
+    monkeypatch.setattr(
+        cpu_attention, "packed_attention", lambda *a, **kw: calls.append(a[3]) or real_fn(*a, **kw)
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=cpu_attention.register())
+    ids, mask = _left_padded_batch(model.config.vocab_size)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+        real = mask.bool()
+        packed = model(
+            input_ids=ids[real][None], position_ids=position_ids[real][None], attention_mask=None
+        ).logits[0]
+    torch.testing.assert_close(packed, padded[real], rtol=1e-4, atol=1e-4)
+    lengths = mask.sum(1).tolist()  # [33, 40, 21, 40]
+    assert calls == [[0, 33, 73, 94, 134]] * 2  # one call per decoder layer, split at each sequence
+    assert lengths == [33, 40, 21, 40]
