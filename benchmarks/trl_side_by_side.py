@@ -17,6 +17,8 @@ TRL generates with Hugging Face ``generate`` (its best mode on a CPU: its vLLM m
 colocated engine on CUDA). fusedrl variants: ``fusedrl-W`` = W fused workers on the machine's cores.
 A variant may name its own dtype after ``@`` (``trl@float32``, ``fusedrl-2@bfloat16``); a fusedrl variant
 may give the rollout's after a ``/`` (``fusedrl-2@bfloat16/float32``: bf16 training, float32 engine).
+``fusedrl-2+packed`` turns on ``model.use_remove_padding`` (no compute on padding; what verl's example
+scripts set).
 "vs TRL" divides by the fastest TRL variant's median (TRL's best mode in this run).
 
 ``--isa avx2`` emulates an AVX2-only CPU on a newer one: every process runs with
@@ -47,10 +49,13 @@ def split_variant(variant: str, default_dtype: str) -> tuple[str, str, str]:
     return name, train, rollout or train
 
 
-def run_fusedrl(workers: int, steps: int, dtype: str, preset: str, rollout_dtype: str) -> dict:
+def run_fusedrl(
+    workers: int, steps: int, dtype: str, preset: str, rollout_dtype: str, packed: bool = False
+) -> dict:
     from benchmarks.step_breakdown import measure
 
     extra = [
+        f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
@@ -152,7 +157,10 @@ def main() -> None:
         if name == "trl":
             res = run_trl(args.steps, train, args.preset)
         else:
-            res = run_fusedrl(int(name.split("-")[1]), args.steps, train, args.preset, rollout)
+            base, _, flag = name.partition("+")
+            res = run_fusedrl(
+                int(base.split("-")[1]), args.steps, train, args.preset, rollout, packed=flag == "packed"
+            )
         import torch
 
         res["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
