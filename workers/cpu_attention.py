@@ -12,7 +12,7 @@ CPU"). So `attention` runs the two matmuls when all of these hold, and SDPA othe
 - there are fewer than `MATMUL_BELOW` keys;
 - there is no attention dropout.
 
-A packed row (``use_remove_padding``: several sequences end to end, positions restarting) runs each
+A packed row (``use_remove_padding``: several sequences end to end, positions restarting) gets each
 sequence's causal attention on its own (`packed_attention`) instead of SDPA over the whole row with a
 block-diagonal mask, whose masked blocks PyTorch's CPU kernels still compute.
 
@@ -103,13 +103,18 @@ def packed_segments(position_ids: Any, query: torch.Tensor, key: torch.Tensor) -
 def packed_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], *, scaling: float
 ) -> torch.Tensor:
-    """Causal attention within each sequence of a packed row, one sequence at a time: ``[1, h, N, d]``
-    query, ``[1, kvh, N, d]`` key/value -> ``[1, h, N, d]``.
+    """Causal attention within each sequence of a packed row: ``[1, h, N, d]`` query, ``[1, kvh, N, d]``
+    key/value -> ``[1, h, N, d]``.
 
     Transformers gives SDPA a block-diagonal ``[N, N]`` mask for a packed row, and PyTorch's CPU kernels
     compute every block of it, masked or not: attention costs ``N^2`` instead of the sum of the sequences'
-    squares (32 sequences of 100 tokens: 32x the work). Each sequence here gets its own causal attention,
-    by the same kernel choice as an unpacked one (`takes_matmul_path`)."""
+    squares (32 sequences of 100 tokens: 32x the work). Here, when every sequence is shorter than
+    `MATMUL_BELOW`, the sequences are laid out as the rows of one padded batch (one kernel call instead of
+    one per sequence: the calls' fixed cost dominates at these lengths) with the kernel an unpacked batch
+    would get; longer sequences get their own causal attention one at a time."""
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    if max(lengths) < MATMUL_BELOW:
+        return _padded_segments_attention(query, key, value, bounds, lengths, scaling=scaling)
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
@@ -122,6 +127,42 @@ def packed_attention(
                 )
             )
     return torch.cat(outs, dim=2)  # [1, h, N, d]
+
+
+def _padded_segments_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: list[int],
+    lengths: list[int],
+    *,
+    scaling: float,
+) -> torch.Tensor:
+    """`packed_attention` for short sequences: scatter them into a right-padded ``[S, heads, L, d]`` batch,
+    attend with a causal + key-padding mask, gather the real positions back (all differentiable)."""
+    n, device = query.shape[2], query.device
+    s_count, longest = len(lengths), max(lengths)
+    starts = torch.tensor(bounds[:-1], device=device)  # [S]
+    row = torch.repeat_interleave(torch.arange(s_count, device=device), torch.tensor(lengths, device=device))
+    col = torch.arange(n, device=device) - starts[row]  # [N] position within its sequence
+
+    def to_rows(x: torch.Tensor) -> torch.Tensor:  # [1, H, N, d] -> [S, H, L, d]
+        rows = x.new_zeros(s_count, longest, x.shape[1], x.shape[3])
+        rows[row, col] = x[0].transpose(0, 1)  # [N, H, d] into their (sequence, position) slots
+        return rows.transpose(1, 2)
+
+    q, k, v = to_rows(query), to_rows(key), to_rows(value)
+    pos = torch.arange(longest, device=device)
+    real = pos[None] < torch.tensor(lengths, device=device)[:, None]  # [S, L] keys that exist
+    mask = (pos[None, :, None] >= pos[None, None, :]) & real[:, None, :]  # [S, L, L] causal, real keys
+    mask = mask[:, None]  # [S, 1, L, L]
+    if takes_matmul_path(q, k, 0.0):
+        out = matmul_attention(q, k, v, mask, scaling=scaling, causal=True)  # [S, h, L, d]
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True
+        )  # [S, h, L, d]
+    return out.transpose(1, 2)[row, col].transpose(0, 1)[None]  # [1, h, N, d]
 
 
 def attention(

@@ -171,16 +171,23 @@ def test_cached_decode_step_equals_full_forward(tiny_model_dir, padded):
     torch.testing.assert_close(step, full, rtol=0.02, atol=0.02)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_row_equals_block_diagonal_sdpa(dtype):
+@pytest.mark.parametrize(
+    ("dtype", "lengths"),
+    [
+        (torch.float32, [5, 9, 4]),  # short: one padded batch of the three sequences
+        (torch.bfloat16, [5, 9, 4]),
+        (torch.float32, [260, 9, 4]),  # one sequence >= MATMUL_BELOW: one sequence at a time
+        (torch.bfloat16, [260, 9, 4]),
+    ],
+)
+def test_packed_row_equals_block_diagonal_sdpa(dtype, lengths):
     """Three sequences end to end (positions restarting): per-sequence causal attention = SDPA with the
     block-diagonal causal mask Transformers would build, values and gradients."""
-    lengths = [5, 9, 4]
     n = sum(lengths)
     q, k, v = _qkv(1, 4, 2, n, 8, dtype)
     position_ids = torch.cat([torch.arange(n_) for n_ in lengths])[None]  # [1, N]
     bounds = cpu_attention.packed_segments(position_ids, q, k)
-    assert bounds == [0, 5, 14, 18]
+    assert bounds == [0, lengths[0], lengths[0] + lengths[1], n]
     seg = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
     idx = torch.arange(n)
     mask = ((seg[:, None] == seg[None]) & (idx[None] <= idx[:, None]))[None, None]  # [1, 1, N, N]
