@@ -93,6 +93,8 @@ def plot(results: list[dict], path: str) -> None:
         for col, xlabel in ((0, "response length (tokens), 64 samples"), (1, "batch (samples), 64 tokens")):
             ax = axes[row][col]
             ax.set_xscale("log", base=2)
+            if row == 0:  # step times span three orders of magnitude across presets
+                ax.set_yscale("log")
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
@@ -100,6 +102,25 @@ def plot(results: list[dict], path: str) -> None:
     fig.suptitle("fusedrl GRPO step: growth with response length and batch size")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def recorded_cells(results_md: str, since: str) -> list[dict]:
+    """Every cell the growth runs recorded in RESULTS.md at or after ``since`` (``YYYY-MM-DD HH:MM``), the
+    latest run of each (preset, samples, length) winning."""
+    import re
+
+    latest: dict[tuple[str, int, int], dict] = {}
+    with open(results_md) as f:
+        text = f.read()
+    sections = re.split(r"\n### ", text)
+    for section in sections:
+        head = re.match(r"GRPO step growth — (\d{4}-\d\d-\d\d \d\d:\d\d) UTC", section)
+        raw = re.search(r"```json\n(.*?)\n```", section, re.S)
+        if not head or not raw or head.group(1) < since:
+            continue
+        for cell in json.loads(raw.group(1)).get("cells", []):
+            latest[(cell["preset"], cell["samples"], cell["length"])] = cell
+    return list(latest.values())
 
 
 def main() -> None:
@@ -113,7 +134,17 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--plot", default="benchmarks/growth.png")
     ap.add_argument("--extra", nargs="*", default=[], help="more config overrides (key=value) for every cell")
+    ap.add_argument(
+        "--replot",
+        metavar="SINCE",
+        help="no run: plot the cells recorded in RESULTS.md since 'YYYY-MM-DD HH:MM' (UTC) to --plot",
+    )
     args = ap.parse_args()
+    if args.replot:
+        from benchmarks.common import RESULTS
+
+        plot(recorded_cells(RESULTS, args.replot), os.path.join(os.getcwd(), args.plot))
+        return
     if args.one:
         preset, samples, length = args.one[0], int(args.one[1]), int(args.one[2])
         res = measure(preset, samples, length, args.steps, args.workers, args.extra)
