@@ -140,11 +140,24 @@ def ulysses_attention(
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [b, h/sp, n, d]
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # [b, h/sp, n, d]
     seg = active.segment.to(q.device)  # [n]
-    idx = torch.arange(seg.numel(), device=q.device)  # [n]
-    mask = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])  # [n, n]: same sequence, causal
-    out = nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[None, None], dropout_p=dropout, scale=scaling
-    )  # [b, h/sp, n, d]
+    if q.device.type == "cpu" and dropout == 0.0 and q.shape[0] == 1:
+        # PyTorch's CPU kernels would compute every block of the block-diagonal mask below (n^2 work):
+        # attend within each sequence instead (see fusedrl.workers.cpu_attention.packed_attention).
+        from fusedrl.workers.cpu_attention import packed_attention
+
+        starts = (torch.nonzero(seg[1:] != seg[:-1]).flatten() + 1).tolist()
+        bounds = [0, *starts, int(seg.numel())]
+        out = packed_attention(
+            q, k, v, bounds, scaling=float(q.shape[-1] ** -0.5 if scaling is None else scaling)
+        )
+    else:
+        idx = torch.arange(seg.numel(), device=q.device)  # [n]
+        mask = (seg[:, None] == seg[None, :]) & (
+            idx[None, :] <= idx[:, None]
+        )  # [n, n]: same sequence, causal
+        out = nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[None, None], dropout_p=dropout, scale=scaling
+        )  # [b, h/sp, n, d]
     out = all_to_all(out, active.group, scatter_dim=2, gather_dim=1)  # [b, h, n/sp, d]
     return out.transpose(1, 2).contiguous(), None  # [b, n/sp, h, d]
 
