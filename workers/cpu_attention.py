@@ -182,7 +182,7 @@ def attention(
     plain = (
         kwargs.get("position_bias") is None
         and kwargs.get("cache") is None
-        and not kwargs.get("output_attentions", False)
+        and not kwargs.get("output_attentions")
     )
     scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
