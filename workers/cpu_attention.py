@@ -186,7 +186,8 @@ def attention(
     )
     scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    packable = plain and causal and dropout == 0.0
+    # A sliding window lives in Transformers' mask only: a packed row with one goes to SDPA with that mask.
+    packable = plain and causal and dropout == 0.0 and kwargs.get("sliding_window") is None
     bounds = packed_segments(kwargs.get("position_ids"), query, key) if packable else None
     if bounds is not None:
         return packed_attention(query, key, value, bounds, scaling=scale).transpose(1, 2).contiguous(), None

@@ -47,8 +47,8 @@ def build_mesh() -> DeviceMesh:
 
 def resolve_attn_implementation(name: str | None) -> str:
     """``auto``: FlashAttention-2 on CUDA when ``flash-attn`` is installed, PyTorch SDPA otherwise; on a
-    CPU-only machine SDPA with short half-precision sequences run as two matmuls
-    (`fusedrl.workers.cpu_attention`)."""
+    CPU-only machine fusedrl's CPU variant of SDPA (`fusedrl.workers.cpu_attention`: short half-precision
+    attention as two matmuls, packed rows one sequence at a time)."""
     import importlib.util
 
     has_flash = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None

@@ -205,6 +205,23 @@ def test_packed_row_equals_block_diagonal_sdpa(dtype, lengths):
         torch.testing.assert_close(got.float(), want.float(), rtol=tol * 3, atol=tol * 3)
 
 
+def test_packed_row_with_a_sliding_window_keeps_the_mask(monkeypatch):
+    """The window is only in Transformers' mask: such a row is not split, SDPA gets the mask."""
+    monkeypatch.setattr(
+        cpu_attention, "packed_attention", lambda *a, **kw: pytest.fail("split a windowed row")
+    )
+    q, k, v = _qkv(1, 4, 2, 8, 8, torch.float32)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]
+    layer = torch.nn.Module()
+    layer.num_key_value_groups = 2  # what SDPA's Transformers wrapper reads to repeat the key/value heads
+    out, _ = cpu_attention.attention(
+        layer, q, k, v, mask, scaling=8**-0.5, position_ids=position_ids, sliding_window=2
+    )
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=8**-0.5, enable_gqa=True)
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
 def test_unpacked_rows_are_not_split():
     q, k, _ = _qkv(2, 4, 2, 6, 8, torch.float32)
     assert cpu_attention.packed_segments(torch.arange(6)[None].expand(2, 6), q, k) is None  # batch of 2
