@@ -118,15 +118,20 @@ def packed_attention(
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
-        if takes_matmul_path(q, k, 0.0):
-            outs.append(matmul_attention(q, k, v, None, scaling=scaling, causal=True))
-        else:
-            outs.append(
-                torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=scaling, enable_gqa=True
-                )
-            )
+        outs.append(_causal_attention(q, k, v, None, scaling=scaling))
     return torch.cat(outs, dim=2)  # [1, h, N, d]
+
+
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, scaling: float
+) -> torch.Tensor:
+    """Causal attention (``mask``: None, or a boolean mask that already holds the causal pattern) by the
+    kernel an unpacked batch of these shapes gets: `matmul_attention` or SDPA."""
+    if takes_matmul_path(q, k, 0.0):
+        return matmul_attention(q, k, v, mask, scaling=scaling, causal=True)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True
+    )
 
 
 def _padded_segments_attention(
@@ -156,12 +161,7 @@ def _padded_segments_attention(
     real = pos[None] < torch.tensor(lengths, device=device)[:, None]  # [S, L] keys that exist
     mask = (pos[None, :, None] >= pos[None, None, :]) & real[:, None, :]  # [S, L, L] causal, real keys
     mask = mask[:, None]  # [S, 1, L, L]
-    if takes_matmul_path(q, k, 0.0):
-        out = matmul_attention(q, k, v, mask, scaling=scaling, causal=True)  # [S, h, L, d]
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True
-        )  # [S, h, L, d]
+    out = _causal_attention(q, k, v, mask, scaling=scaling)  # [S, h, L, d]
     return out.transpose(1, 2)[row, col].transpose(0, 1)[None]  # [1, h, N, d]
 
 
