@@ -18,7 +18,8 @@ colocated engine on CUDA). fusedrl variants: ``fusedrl-W`` = W fused workers on 
 A variant may name its own dtype after ``@`` (``trl@float32``, ``fusedrl-2@bfloat16``); a fusedrl variant
 may give the rollout's after a ``/`` (``fusedrl-2@bfloat16/float32``: bf16 training, float32 engine).
 ``fusedrl-2+packed`` turns on ``model.use_remove_padding`` (no compute on padding; what verl's example
-scripts set).
+scripts set); ``+eager`` runs the rollout engine eager (``rollout.enforce_eager=true``; by default vLLM
+compiles its model with torch.compile on CPU). Flags combine: ``fusedrl-2+packed+eager``.
 "vs TRL" divides by the fastest TRL variant's median (TRL's best mode in this run).
 
 ``--isa avx2`` emulates an AVX2-only CPU on a newer one: every process runs with
@@ -50,12 +51,19 @@ def split_variant(variant: str, default_dtype: str) -> tuple[str, str, str]:
 
 
 def run_fusedrl(
-    workers: int, steps: int, dtype: str, preset: str, rollout_dtype: str, packed: bool = False
+    workers: int,
+    steps: int,
+    dtype: str,
+    preset: str,
+    rollout_dtype: str,
+    packed: bool = False,
+    eager: bool = False,
 ) -> dict:
     from benchmarks.step_breakdown import measure
 
     extra = [
         f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
+        f"actor_rollout_ref.rollout.enforce_eager={str(eager).lower()}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
@@ -157,9 +165,18 @@ def main() -> None:
         if name == "trl":
             res = run_trl(args.steps, train, args.preset)
         else:
-            base, _, flag = name.partition("+")
+            base, *flags = name.split("+")
+            unknown = set(flags) - {"packed", "eager"}
+            if unknown:
+                sys.exit(f"unknown variant flag(s) {sorted(unknown)} in {args.one!r}: use +packed, +eager")
             res = run_fusedrl(
-                int(base.split("-")[1]), args.steps, train, args.preset, rollout, packed=flag == "packed"
+                int(base.split("-")[1]),
+                args.steps,
+                train,
+                args.preset,
+                rollout,
+                packed="packed" in flags,
+                eager="eager" in flags,
             )
         import torch
 

@@ -62,7 +62,6 @@ DIFFERENT_DEFAULTS = {
     "actor_rollout_ref.rollout.name": "verl ??? (required); fusedrl vllm",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "verl null; fusedrl needs a size",
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "verl 2; fusedrl 1 (one engine per worker)",
-    "actor_rollout_ref.rollout.enforce_eager": "verl false; the CPU backend is always eager",
     "actor_rollout_ref.rollout.val_kwargs.temperature": "verl 0 (int); the same greedy decoding",
     "critic.model.path": "verl a deepseek path; fusedrl follows the actor's model",
     "critic.model.enable_gradient_checkpointing": "verl true; off for the tiny CPU models",

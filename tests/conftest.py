@@ -11,6 +11,9 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Eager rollout engines: compiling the model (rollout.enforce_eager=false, the default) costs 15-45 s per
+# engine start, more than these short runs save. tests/integration/test_compiled_engine.py covers compiling.
+os.environ.setdefault("FUSEDRL_ROLLOUT_EAGER", "1")
 
 
 FOLDER_MARKERS = {

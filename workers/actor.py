@@ -277,12 +277,15 @@ class ActorRole:
         return {"seed": loss_seed(self.loss_seed, optimizer_steps(self.optimizer), self._micro_index)}
 
     # ------------------------------------------------------------------ weights
-    def stream_weights(self, stats: StreamStats | None = None, *, full: bool = True):
+    def stream_weights(
+        self, stats: StreamStats | None = None, *, full: bool = True, dtype: torch.dtype | None = None
+    ):
         """Full tensors of the current policy, one at a time (collective: all ranks iterate together),
         named as in the base model. Under LoRA the adapted modules come merged, and ``full=False`` yields
-        only them (with their fused siblings: `fusedrl.workers.lora.merged_lora_stream`)."""
+        only them (with their fused siblings: `fusedrl.workers.lora.merged_lora_stream`). ``dtype``: the
+        receiver's parameter dtype; without LoRA the shards are cast before they are gathered."""
         if self.lora:
             from fusedrl.workers.lora import merged_lora_stream
 
             return merged_lora_stream(self.model, full=full, stats=stats)
-        return stream_full_tensors(self.model, stats)
+        return stream_full_tensors(self.model, stats, dtype)

@@ -206,21 +206,26 @@ class StreamStats:
         self.peak_live_bytes = max(self.peak_live_bytes, sum(self._live.values()))
 
 
-def gather_full(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def gather_full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, bool]:
     """``(full tensor, whether it is a new tensor)`` of a state-dict entry. Collective for a DTensor
     sharded over several ranks (an all-gather); with one rank the shard is the whole tensor and our own
-    storage is returned."""
+    storage is returned. ``dtype``: cast floating tensors to it first, the shard before the gather (half
+    the bytes on the wire for bf16; rounding is per element, so the result equals casting afterwards)."""
+    cast = dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype
+    if cast:
+        tensor = tensor.to(dtype)  # a DTensor stays a DTensor: only the local shard is cast
     if not isinstance(tensor, DTensor):
-        return tensor, False
+        return tensor, cast
     if tensor.device_mesh.size() == 1:
-        return tensor.to_local(), False
+        return tensor.to_local(), cast
     return tensor.full_tensor(), True
 
 
 def stream_full_tensors(
-    model: nn.Module, stats: StreamStats | None = None
+    model: nn.Module, stats: StreamStats | None = None, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` for every parameter and persistent buffer, one at a time.
+    """Yield ``(hf_name, full_tensor)`` for every parameter and persistent buffer, one at a time;
+    floating tensors in ``dtype`` when given (the receiving engine's: see `gather_full`).
 
     Collective: every rank must consume the whole iterator in the same order, because each
     ``DTensor.full_tensor()`` is an all-gather. The gathered tensor is handed to the caller and dropped
@@ -228,7 +233,7 @@ def stream_full_tensors(
     copy of the model ever exists.
     """
     for name, tensor in model.state_dict().items():
-        full, is_new = gather_full(tensor)
+        full, is_new = gather_full(tensor, dtype)
         if stats is not None:
             stats.record(full, is_new)
         # state_dict() tensors are already detached; yield the very object we track, so the

@@ -428,7 +428,9 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         # level-2 sleep discarded its weights (then everything, adapted modules merged).
         full = not actor.lora or self.rollout.weights_discarded
         self.rollout.update_weights(
-            actor.stream_weights(stats, full=full), reset_prefix_cache=reset_prefix_cache, partial=not full
+            actor.stream_weights(stats, full=full, dtype=self.rollout.param_dtype()),
+            reset_prefix_cache=reset_prefix_cache,
+            partial=not full,
         )
         self.events.append("rollout.update_weights" if full else "rollout.update_weights(lora_modules)")
         return {

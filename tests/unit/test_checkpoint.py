@@ -261,8 +261,11 @@ def _train_and_save(rank: int, model_dir: str, port: int, ckpt_tmp: str, out: st
         "local_shapes": {n: list(p.to_local().shape) for n, p in model.named_parameters()},
     }
     full = {n: t.clone() for n, t in stream_full_tensors(model)}
+    # The stream a bf16 engine gets: shards cast before the gather
+    full_bf16 = {n: t.clone() for n, t in stream_full_tensors(model, dtype=torch.bfloat16)}
     if rank == 0:
         save_file(full, os.path.join(out, "full_step2.safetensors"))
+        save_file(full_bf16, os.path.join(out, "full_step2_bf16.safetensors"))
     export_hf(
         model, os.path.join(out, "online_hf"), src_model_dir=model_dir, rank=rank, max_shard_bytes=400_000
     )
@@ -447,6 +450,15 @@ def test_online_export_matches_trained_model(fsdp_run):
     assert os.path.isfile(os.path.join(online, "model.safetensors.index.json"))
     assert os.path.isfile(os.path.join(online, "tokenizer.json"))
     _assert_same(_hf_state(online), full)
+
+
+def test_stream_cast_before_the_gather_equals_casting_the_full_tensor(fsdp_run):
+    full = _read_all(os.path.join(fsdp_run["out"], "full_step2.safetensors"))
+    cast = _read_all(os.path.join(fsdp_run["out"], "full_step2_bf16.safetensors"))
+    assert sorted(cast) == sorted(full)
+    for name, tensor in full.items():
+        assert cast[name].dtype == torch.bfloat16, name
+        assert torch.equal(cast[name], tensor.to(torch.bfloat16)), name  # bit for bit
 
 
 def test_no_pickle_in_checkpoint(fsdp_run):

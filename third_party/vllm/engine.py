@@ -20,6 +20,11 @@ Every touch of vLLM internals in fusedrl lives in this package. What it relies o
   tensor of the checkpoint the engine was built from, and after a level-2 sleep (whose woken weights are
   garbage) every parameter is first filled with NaN and must hold none afterwards. vLLM itself only logs
   "Failed to load weights" for a layer that received nothing, and keeps the layer's old (garbage) values.
+* ``enforce_eager=False`` means what it means to vLLM: on CUDA it captures CUDA graphs, on CPU vLLM compiles
+  the model with torch.compile (Inductor, which needs a C++ compiler; without one the engine runs eager and
+  says so). The compiled model reads its parameters at run time, so in-place reloads reach it.
+  ``FUSEDRL_ROLLOUT_EAGER=1`` forces eager engines whatever the config says (test suites, short debug runs:
+  the compile costs 15-45 s per engine start). See `eager_mode`.
 * With tensor parallelism on CPU, vLLM's communicator shares memory through ``/dev/shm`` segments named
   after the launch method, which is the constant ``env://`` under external_launcher; since the engine is
   never shut down, the segments outlive the run and the next run on the machine fails with
@@ -57,7 +62,7 @@ class EngineConfig:
     emulate_sleep: bool = False
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
-    enforce_eager: bool = True  # the CPU backend is always eager; CUDA captures graphs when False
+    enforce_eager: bool = False  # False: CUDA graphs on GPU, torch.compile on CPU (see `eager_mode`)
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int | None = None
     disable_log_stats: bool = True
@@ -136,6 +141,32 @@ def vllm_available() -> bool:
 
 def _is_cuda() -> bool:
     return torch.cuda.is_available()
+
+
+EAGER_ENV = "FUSEDRL_ROLLOUT_EAGER"
+
+
+def eager_mode(enforce_eager: bool, *, cuda: bool) -> tuple[bool, str | None]:
+    """``(enforce_eager to pass to vLLM, why it differs from the config or None)``.
+
+    ``FUSEDRL_ROLLOUT_EAGER=1`` in the environment forces eager. On CPU a compiled engine needs the C++
+    compiler Inductor calls (``$CXX``, else ``g++``); without one the engine runs eager instead of failing at
+    start-up."""
+    if enforce_eager:
+        return True, None
+    if os.environ.get(EAGER_ENV, "0") not in ("", "0"):
+        return True, f"{EAGER_ENV}={os.environ[EAGER_ENV]} forces an eager engine"
+    if not cuda:
+        import shutil
+
+        cxx = os.environ.get("CXX", "g++")
+        if shutil.which(cxx) is None:
+            return True, (
+                f"rollout.enforce_eager=false compiles the CPU engine with torch.compile, which needs a C++ "
+                f"compiler, and {cxx!r} is not on PATH: running eager (generation ~15-25% slower on small "
+                f"models). Install g++ (or set CXX), or set actor_rollout_ref.rollout.enforce_eager=true"
+            )
+    return False, None
 
 
 _SHM_DIR = "/dev/shm"
@@ -222,11 +253,14 @@ class VLLMEngine:
             _drop_rotary_reload_warning
         )
         original_set_num_threads = torch.set_num_threads
+        self.eager, why = eager_mode(cfg.enforce_eager, cuda=_is_cuda())
+        if why is not None:
+            logger.warning("rollout engine: %s", why)
         kwargs: dict = dict(
             model=cfg.model_path,
             dtype=cfg.dtype,
             seed=cfg.seed,
-            enforce_eager=cfg.enforce_eager or not _is_cuda(),
+            enforce_eager=self.eager,
             tensor_parallel_size=cfg.tensor_parallel_size,
             distributed_executor_backend="external_launcher",
             # The driver detokenises; the engine works on ids only. This also keeps vLLM's tokenizer

@@ -85,6 +85,10 @@ class VLLMRollout:
     ) -> None:
         self.engine.update_weights(named_tensors, reset_prefix_cache=reset_prefix_cache, partial=partial)
 
+    def param_dtype(self) -> torch.dtype:
+        """The engine's parameter dtype: the weight stream is cast to it before it is gathered."""
+        return self.engine.param_dtype()
+
     @property
     def weights_discarded(self) -> bool:
         """Whether the engine holds no weights (a level-2 sleep threw them away): the next stream must

@@ -1,0 +1,108 @@
+"""The rollout engine compiled (``rollout.enforce_eager=false``, verl's default) on CPU: vLLM runs the model
+through torch.compile, and in-place weight reloads still reach it.
+
+The test suite runs eager engines (``FUSEDRL_ROLLOUT_EAGER=1`` from tests/conftest.py: a compile costs
+15-45 s per engine start); this module clears that for its own process and checks:
+
+* the engine really compiled (vLLM's compilation mode is not NONE);
+* its greedy tokens' log-probs equal Hugging Face's on the same float32 weights, before and after a reload
+  of changed weights: a compiled graph that had frozen the first weights as constants would fail the second;
+* `eager_mode`: the environment switch, and a CPU without the C++ compiler Inductor needs falls back to an
+  eager engine with one line naming the compiler and the key, instead of failing at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from fusedrl.third_party.vllm.engine import EAGER_ENV, eager_mode
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _hf_log_probs(model_dir: str, state: dict, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict(state)
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # [n, V]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]  # [n]
+
+
+def _body(port: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from fusedrl.third_party.vllm import EngineConfig, SampleParams, VLLMEngine
+
+    os.environ.pop(EAGER_ENV, None)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+    )
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    engine = VLLMEngine(
+        EngineConfig(
+            model_path=model_dir, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256
+        )
+    )
+    mode = engine.llm.llm_engine.vllm_config.compilation_config.mode
+    prompts = [[5, 17, 42, 9, 101, 7], [3, 3, 250, 12]]
+    greedy = SampleParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    weights = load_file(os.path.join(model_dir, "model.safetensors"))
+    changed = {n: (t * 0.5 if ".mlp." in n else t) for n, t in weights.items()}
+    result: dict = {"eager": engine.eager, "mode": int(mode), "runs": []}
+    for state in (weights, changed, weights):
+        engine.update_weights(state.items())
+        outs = engine.generate(prompts, greedy)
+        result["runs"].append([(p, list(t), torch.tensor(lp)) for p, (t, lp) in zip(prompts, outs, strict=True)])
+    torch.save(result, out)
+    os._exit(0)  # skip the engine's teardown (it destroys the process group) and vLLM's atexit hooks
+
+
+def test_compiled_cpu_engine_follows_in_place_reloads(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "r.pt"
+    ctx = torch.multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=_body, args=(_free_port(), tiny_model_dir, str(out)))
+    proc.start()
+    proc.join(900)
+    assert proc.exitcode == 0
+    r = torch.load(out)
+    assert r["eager"] is False and r["mode"] != 0, r  # 0: vLLM's CompilationMode.NONE (eager)
+    weights = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    changed = {n: (t * 0.5 if ".mlp." in n else t) for n, t in weights.items()}
+    first, second, third = r["runs"]
+    assert [t for _, t, _ in first] != [t for _, t, _ in second]  # the reload changed what it generates
+    assert [t for _, t, _ in first] == [t for _, t, _ in third]  # and reloading the first weights restores it
+    for run, state in ((first, weights), (second, changed), (third, weights)):
+        for prompt, tokens, lp in run:
+            want = _hf_log_probs(tiny_model_dir, state, prompt, tokens)
+            assert torch.allclose(lp, want, atol=1e-4), (lp, want)
+
+
+def test_eager_mode_switch_and_missing_compiler(monkeypatch):
+    monkeypatch.delenv(EAGER_ENV, raising=False)
+    assert eager_mode(True, cuda=False) == (True, None)
+    assert eager_mode(False, cuda=True) == (False, None)
+    monkeypatch.setenv(EAGER_ENV, "1")
+    eager, why = eager_mode(False, cuda=True)
+    assert eager and EAGER_ENV in why
+    monkeypatch.setenv(EAGER_ENV, "0")
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")
+    eager, why = eager_mode(False, cuda=False)
+    assert eager
+    assert "'no-such-c++-compiler' is not on PATH" in why and "rollout.enforce_eager" in why
+    assert eager_mode(False, cuda=True) == (False, None)  # CUDA graphs need no host compiler
