@@ -53,9 +53,7 @@ def _body(port: int, model_dir: str, out: str) -> None:
     )
     dist.init_process_group("gloo", rank=0, world_size=1)
     engine = VLLMEngine(
-        EngineConfig(
-            model_path=model_dir, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256
-        )
+        EngineConfig(model_path=model_dir, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256)
     )
     mode = engine.llm.llm_engine.vllm_config.compilation_config.mode
     prompts = [[5, 17, 42, 9, 101, 7], [3, 3, 250, 12]]
@@ -66,7 +64,9 @@ def _body(port: int, model_dir: str, out: str) -> None:
     for state in (weights, changed, weights):
         engine.update_weights(state.items())
         outs = engine.generate(prompts, greedy)
-        result["runs"].append([(p, list(t), torch.tensor(lp)) for p, (t, lp) in zip(prompts, outs, strict=True)])
+        result["runs"].append(
+            [(p, list(t), torch.tensor(lp)) for p, (t, lp) in zip(prompts, outs, strict=True)]
+        )
     torch.save(result, out)
     os._exit(0)  # skip the engine's teardown (it destroys the process group) and vLLM's atexit hooks
 
