@@ -27,10 +27,11 @@ def machine() -> str:
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     import torch
 
-    from fusedrl.utils.hardware import native_bf16
+    from fusedrl.utils.hardware import BF16_CPU_FLAGS, cpu_flags, native_bf16
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    bf16 = "native bf16" if native_bf16()[0] else "no native bf16 (emulated)"
+    flags = "/".join(sorted(cpu_flags() & set(BF16_CPU_FLAGS)))  # AMX multiplies bf16 ~3x AVX-512 BF16
+    bf16 = f"native bf16: {flags}" if native_bf16()[0] else "no native bf16 (emulated)"
     return (
         f"{os.cpu_count()} CPU cores ({cpu}; {bf16}), {mem_gb:.0f} GiB RAM, {gpu}; torch {torch.__version__}"
     )
