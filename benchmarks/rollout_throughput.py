@@ -2,6 +2,8 @@
 
 Same random-init Qwen2, same prompts (left-padded arithmetic chat prompts), same number of new tokens
 (``--max-tokens``, EOS disabled so every row generates the full length), sampling at temperature 1.
+vLLM runs twice: compiled (``enforce_eager=False``, the default: torch.compile on CPU) and eager; the
+engine's start-up time (``init_s``, which includes the compile) is recorded next to the throughput.
 
     python -m benchmarks.rollout_throughput                   # tiny, small, mid; records to RESULTS.md
     python -m benchmarks.rollout_throughput --one small vllm  # one measurement (internal)
@@ -42,18 +44,25 @@ def measure(preset: str, engine: str, reps: int, prompts: int, max_tokens: int) 
     tok = AutoTokenizer.from_pretrained(path)
     ids = _prompt_ids(tok, prompts)
     times = []
-    if engine == "vllm":
+    init_s = 0.0
+    if engine in ("vllm", "vllm-eager"):
         os.environ.update(
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29611"
         )
         dist.init_process_group("gloo", rank=0, world_size=1)
         from fusedrl.third_party.vllm import EngineConfig, SampleParams, VLLMEngine
 
+        t_init = time.perf_counter()
         eng = VLLMEngine(
             EngineConfig(
-                model_path=path, dtype="float32", max_model_len=64 + max_tokens, kv_cache_memory_bytes=1 << 30
+                model_path=path,
+                dtype="float32",
+                max_model_len=64 + max_tokens,
+                kv_cache_memory_bytes=1 << 30,
+                enforce_eager=engine == "vllm-eager",
             )
         )
+        init_s = time.perf_counter() - t_init
         params = SampleParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)  # full length
         eng.generate(ids[:4], SampleParams(max_tokens=4))  # warm-up
         for _ in range(reps):
@@ -92,6 +101,7 @@ def measure(preset: str, engine: str, reps: int, prompts: int, max_tokens: int) 
         "tokens": tokens,
         "seconds": times,
         "tok_per_s": [tokens / t for t in times],
+        "init_s": init_s,
         "threads": torch.get_num_threads(),
     }
 
@@ -132,22 +142,23 @@ def main() -> None:
                 # Same threads for both: without OMP_NUM_THREADS vLLM drops torch to 1 thread "for serving".
                 env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)},
             )
-            for eng in ("vllm", "hf")
+            for eng in ("vllm", "vllm-eager", "hf")
         }
-        v, h = summary(res["vllm"]["tok_per_s"]), summary(res["hf"]["tok_per_s"])
+        v, e, h = (summary(res[k]["tok_per_s"]) for k in ("vllm", "vllm-eager", "hf"))
         rows.append(
-            f"| {preset} | {fmt(v, digits=0)} | {fmt(h, digits=0)} | {v['median'] / h['median']:.2f}x |"
+            f"| {preset} | {fmt(v, digits=0)} | {fmt(e, digits=0)} | {fmt(h, digits=0)} "
+            f"| {v['median'] / h['median']:.2f}x | {v['median'] / e['median']:.2f}x "
+            f"| {res['vllm']['init_s']:.1f} / {res['vllm-eager']['init_s']:.1f} |"
         )
-        payload.append(
-            {"preset": preset, "vllm": res["vllm"], "hf": res["hf"], "speedup": v["median"] / h["median"]}
-        )
+        payload.append({"preset": preset, **res, "speedup": v["median"] / h["median"]})
     table = "\n".join(
         [
             f"{args.prompts} prompts x {args.max_tokens} new tokens, sampling, float32, 1 process, "
             f"OMP_NUM_THREADS={os.cpu_count()} for both engines",
             "",
-            "| model | vLLM tok/s | HF generate tok/s | vLLM / HF |",
-            "|---|---|---|---|",
+            "| model | vLLM tok/s (compiled) | vLLM eager tok/s | HF generate tok/s | vLLM / HF "
+            "| compiled / eager | engine start s, compiled / eager |",
+            "|---|---|---|---|---|---|---|",
             *rows,
         ]
     )
