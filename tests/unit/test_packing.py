@@ -200,7 +200,22 @@ def _close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> None:
     torch.testing.assert_close(a, b, atol=atol, rtol=1e-5)
 
 
+def _one_token_share() -> float:
+    """What one token changing sides moves a clip fraction by, at most: the fractions are token means per
+    mini-batch (4 rows: 2 prompts x n=2), averaged over the mini-batches."""
+    mask = _batch().response_mask
+    per_mini = [int(mask[i : i + 4].sum()) for i in range(0, mask.shape[0], 4)]
+    return 1.0 / (len(per_mini) * min(per_mini))
+
+
 def _metric_close(key: str, packed: float, padded: float) -> None:
+    if key.endswith(("clipfrac", "clipfrac_lower")):
+        # A clip fraction counts tokens on either side of a threshold: a token whose ratio (or value, after
+        # the first optimizer step) lands within float noise of the clip boundary may fall on different
+        # sides in the two paths (seen on an AMX CPU: one value token of 18, vf_clipfrac 0.111 vs 0.139).
+        # Up to one such token is noise; a packing bug moves many.
+        assert abs(packed - padded) <= _one_token_share() + 1e-6, (key, packed, padded)
+        return
     rtol = GRAD_NORM_RTOL if key.endswith("grad_norm") else METRIC_RTOL
     assert abs(packed - padded) <= rtol * max(1.0, abs(padded)), (key, packed, padded)
 
