@@ -3,8 +3,10 @@ because ``tests/conftest.py`` lives there)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import socket
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,3 +63,26 @@ def padded_batch(
         response_mask=response_mask,
         batch_size=[b],
     )
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (for a process group's MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawned_result(
+    body: Callable[[int, str, str], None], model_dir: str, tmp_path: Path, timeout: float
+) -> Any:
+    """Run ``body(port, model_dir, out)`` in a spawned process and return what it saved to ``out``
+    (``torch.save``). For code that owns its process: a process group, an engine whose teardown destroys
+    that group."""
+    out = tmp_path / "spawned_result.pt"
+    proc = torch.multiprocessing.get_context("spawn").Process(
+        target=body, args=(free_port(), model_dir, str(out))
+    )
+    proc.start()
+    proc.join(timeout)
+    assert proc.exitcode == 0, f"{body.__name__} exited with {proc.exitcode}"
+    return torch.load(out)

@@ -14,20 +14,14 @@ The test suite runs eager engines (``FUSEDRL_ROLLOUT_EAGER=1`` from tests/confte
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
+from support import spawned_result
 
 from fusedrl.third_party.vllm.engine import EAGER_ENV, eager_mode
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _hf_log_probs(model_dir: str, state: dict, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -74,13 +68,7 @@ def _body(port: int, model_dir: str, out: str) -> None:
 def test_compiled_cpu_engine_follows_in_place_reloads(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
-    out = tmp_path / "r.pt"
-    ctx = torch.multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=_body, args=(_free_port(), tiny_model_dir, str(out)))
-    proc.start()
-    proc.join(900)
-    assert proc.exitcode == 0
-    r = torch.load(out)
+    r = spawned_result(_body, tiny_model_dir, tmp_path, 900)
     assert r["eager"] is False and r["mode"] != 0, r  # 0: vLLM's CompilationMode.NONE (eager)
     weights = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
     changed = {n: (t * 0.5 if ".mlp." in n else t) for n, t in weights.items()}

@@ -10,22 +10,16 @@ Runs in a spawned process: the engine joins (and on teardown destroys) that proc
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
+from support import spawned_result
 
 pytestmark = pytest.mark.integration
 
 vllm = pytest.importorskip("vllm")
 
 DROPPED = "model.layers.0.input_layernorm.weight"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _body(port: int, model_dir: str, out: str) -> None:
@@ -82,13 +76,7 @@ def _body(port: int, model_dir: str, out: str) -> None:
 
 
 def test_partial_reload_after_a_level2_sleep_raises_naming_the_missing_tensor(tiny_model_dir, tmp_path):
-    out = tmp_path / "r.pt"
-    ctx = torch.multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=_body, args=(_free_port(), tiny_model_dir, str(out)))
-    proc.start()
-    proc.join(600)
-    assert proc.exitcode == 0
-    r = torch.load(out)
+    r = spawned_result(_body, tiny_model_dir, tmp_path, 600)
     assert DROPPED in r["expected"]
     assert "asleep" in r["asleep_read"], r["asleep_read"]
     assert "discarded by a level-2 sleep" in r["discarded_read"], r["discarded_read"]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from support import spawned_result
 
 from fusedrl.workers.device import local_device_index, visible_device_count
 from fusedrl.workers.rollout.base import rollout_dtype
@@ -113,12 +113,6 @@ def test_host_buffer_slots_are_exact_and_aligned():
     assert torch.randn(1) not in buf
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _offload_into_host_buffers(port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -179,13 +173,7 @@ def _offload_into_host_buffers(port: int, model_dir: str, out: str) -> None:
 
 
 def test_offload_packs_fsdp2_shards_and_adamw_state_into_exact_host_buffers(tiny_model_dir, tmp_path):
-    out = tmp_path / "r.pt"
-    ctx = torch.multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=_offload_into_host_buffers, args=(_free_port(), tiny_model_dir, str(out)))
-    proc.start()
-    proc.join(300)
-    assert proc.exitcode == 0
-    r = torch.load(out)
+    r = spawned_result(_offload_into_host_buffers, tiny_model_dir, tmp_path, 300)
     assert r["in_buffers"] and r["moments_in"], "offloaded state must live in the role's host buffers"
     assert r["same"] and r["same_moments"], "the host copy must be bit-identical"
     # 256-byte alignment over a few dozen tensors of a 0.4M-parameter model: well under 1%.
