@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from support import free_port
 
 pytestmark = pytest.mark.gpu
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _init_nccl(port: int) -> None:
@@ -49,7 +43,7 @@ def _entry(name: str, port: int, model_dir: str, out: str) -> None:
 def _run(name: str, model_dir: str, tmp_path: Path) -> dict:
     ctx = torch.multiprocessing.get_context("spawn")
     out = tmp_path / f"{name}.json"
-    proc = ctx.Process(target=_entry, args=(name, _free_port(), model_dir, str(out)))
+    proc = ctx.Process(target=_entry, args=(name, free_port(), model_dir, str(out)))
     proc.start()
     proc.join(600)
     assert proc.exitcode == 0, f"{name} failed in its worker process (exit code {proc.exitcode})"

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import time
 
 import pytest
 import torch.multiprocessing as mp
+from support import free_port
 
 from fusedrl.agent import (
     AgentLoop,
@@ -239,16 +239,10 @@ def _entry(_rank: int, model_dir: str, out_path: str, port: int) -> None:
     _job(model_dir, out_path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory) -> dict:
     out_path = str(tmp_path_factory.mktemp("agent") / "out.pkl")
-    mp.spawn(_entry, args=(tiny_model_dir, out_path, _free_port()), nprocs=1, join=True)
+    mp.spawn(_entry, args=(tiny_model_dir, out_path, free_port()), nprocs=1, join=True)
     with open(out_path, "rb") as f:
         return pickle.load(f)
 

@@ -6,12 +6,12 @@ import json
 import os
 import random
 import shutil
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from support import free_port
 
 from fusedrl.checkpoint import (
     COMPLETE_FILE,
@@ -206,10 +206,6 @@ def test_seed_rng_makes_fresh_driver_streams_reproducible():
 
 
 # ---------------------------------------------------------------------- 2-rank FSDP2 on gloo
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _setup(rank: int, port: int):
@@ -350,11 +346,11 @@ def fsdp_run(odd_model_dir, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("ckpts")
     out = tmp_path_factory.mktemp("results")
     tmp = begin_checkpoint(root, 2)
-    _spawn(_train_and_save, odd_model_dir, _free_port(), tmp, str(out))
+    _spawn(_train_and_save, odd_model_dir, free_port(), tmp, str(out))
     save_trainer_state(tmp, {"global_step": 2, "rng": capture_rng_state()})
     final = commit_checkpoint(root, 2, tmp, max_to_keep=3)
     assert find_latest_checkpoint(root) == final
-    _spawn(_load_and_continue, odd_model_dir, _free_port(), final, str(out))
+    _spawn(_load_and_continue, odd_model_dir, free_port(), final, str(out))
     return {"root": str(root), "ckpt": final, "out": str(out), "model_dir": odd_model_dir}
 
 

@@ -9,23 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from support import padded_batch
+from support import free_port, padded_batch
 
 ROLLOUT_N = 2
 TP, TR = 6, 5
 STEPS_2RANK = 20
 STEPS_1RANK = 2
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _full_batch():
@@ -96,7 +89,7 @@ def _worker(rank: int, world_size: int, port: int, model_dir: str, steps: int, o
 def _run(world_size: int, model_dir: str, steps: int, out_dir: Path) -> list[dict]:
     mp.spawn(
         _worker,
-        args=(world_size, _free_port(), model_dir, steps, str(out_dir)),
+        args=(world_size, free_port(), model_dir, steps, str(out_dir)),
         nprocs=world_size,
         join=True,
     )

@@ -12,24 +12,17 @@ and a later forward gathers again).
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support import padded_batch
+from support import free_port, padded_batch
 
 ROLLOUT_N = 2
 TP, TR = 8, 6
 PROMPT_LENS = [8, 3, 5, 2, 7, 4, 6, 1]
 RESPONSE_LENS = [6, 2, 4, 6, 3, 5, 1, 2]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(model_dir: str):
@@ -126,7 +119,7 @@ def _entry(rank: int, world_size: int, port: int, args: tuple) -> None:
 @pytest.fixture(scope="module")
 def ranks(tiny_model_dir, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("gather_once")
-    mp.spawn(_entry, args=(2, _free_port(), (tiny_model_dir, str(out))), nprocs=2, join=True)
+    mp.spawn(_entry, args=(2, free_port(), (tiny_model_dir, str(out))), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -11,21 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from support import padded_batch
+from support import free_port, padded_batch
 
 TP, TR = 6, 5
 LR = 1e-2
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _configs(model_dir: str, dynamic: bool):
@@ -118,7 +111,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 
 
 def test_update_with_forward_old_log_probs_equals_recomputed(tiny_model_dir, tmp_path):
-    mp.spawn(_worker, args=(_free_port(), tiny_model_dir, str(tmp_path)), nprocs=1, join=True)
+    mp.spawn(_worker, args=(free_port(), tiny_model_dir, str(tmp_path)), nprocs=1, join=True)
     result = json.loads((tmp_path / "result.json").read_text())
     for dynamic, r in result.items():
         # A real step: Adam moves parameters by ~lr; both routes move them the same way.

@@ -14,13 +14,12 @@ is mostly padding and a packed one holds 8 sequences of unequal length.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support import padded_batch
+from support import free_port, padded_batch
 
 ROLLOUT_N = 2
 TP, TR = 16, 12
@@ -37,12 +36,6 @@ ATOL = 1e-5
 # (the unmasked control below shifts log-probs by > 1e-2).
 METRIC_RTOL = 2e-5
 GRAD_NORM_RTOL = 1e-4
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _batch():
@@ -186,7 +179,7 @@ def _entry(rank: int, world_size: int, port: int, job: str, args: tuple) -> None
 
 
 def _spawn(world_size: int, job: str, *args) -> None:
-    mp.spawn(_entry, args=(world_size, _free_port(), job, args), nprocs=world_size, join=True)
+    mp.spawn(_entry, args=(world_size, free_port(), job, args), nprocs=world_size, join=True)
 
 
 @pytest.fixture(scope="module", params=["token-mean", "seq-mean-token-mean"])

@@ -13,13 +13,12 @@ over the group. Rank 0 also runs the whole batch alone (the packed sp=1 path of
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support import padded_batch
+from support import free_port, padded_batch
 
 TP, TR = 16, 12
 PROMPT_LENS = [16, 1, 9, 3, 12, 2, 5, 7]
@@ -33,12 +32,6 @@ RESPONSE_LENS = [12, 1, 3, 12, 6, 2, 9, 1]
 # slice, a head sent to the wrong rank, a gradient dropped) moves values by > 1e-2 (the control below).
 ATOL = 2e-5
 GRAD_RTOL = 1e-4
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _batch():
@@ -123,7 +116,7 @@ def _entry(rank: int, world_size: int, port: int, model_dir: str, out: str) -> N
 @pytest.fixture(scope="module")
 def ranks(tiny_model_dir, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("ulysses")
-    mp.spawn(_entry, args=(2, _free_port(), tiny_model_dir, str(out)), nprocs=2, join=True)
+    mp.spawn(_entry, args=(2, free_port(), tiny_model_dir, str(out)), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

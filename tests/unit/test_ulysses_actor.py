@@ -14,24 +14,17 @@ parameters would amplify float noise on near-zero gradients). Tolerances as in t
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from support import padded_batch
+from support import free_port, padded_batch
 
 TP, TR = 16, 12
 PROMPT_LENS = [16, 1, 9, 3, 12, 2, 5, 7]
 RESPONSE_LENS = [12, 1, 3, 12, 6, 2, 9, 1]
 ATOL = 2e-5
 GRAD_RTOL = 1e-4
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _configs(model_dir: str, sp: int):
@@ -128,7 +121,7 @@ def _entry(rank: int, world_size: int, port: int, model_dir: str, out: str) -> N
 
 
 def test_ulysses_actor_matches_data_parallel(tiny_model_dir, tmp_path):
-    mp.spawn(_entry, args=(2, _free_port(), tiny_model_dir, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_entry, args=(2, free_port(), tiny_model_dir, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     mask = _batch().response_mask.bool()
     dp_old = torch.cat([ranks[0][1]["old_log_probs"], ranks[1][1]["old_log_probs"]])  # [8, Tr]

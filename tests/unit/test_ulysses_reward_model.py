@@ -11,12 +11,11 @@ and right-padding, micro-batches of 3 rows) check that the last token is found i
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from support import padded_batch
+from support import free_port, padded_batch
 
 TP, TR = 16, 12
 PROMPT_LENS = [16, 1, 9, 3, 12, 2, 5, 7]
@@ -24,12 +23,6 @@ RESPONSE_LENS = [12, 1, 3, 12, 6, 2, 9, 1]
 # float32 forwards summed in another order (packed vs padded rows, heads split over ranks): a few ulps of
 # activations of size O(1) through a 2-layer model, as in test_ulysses_actor.py.
 ATOL = 2e-5
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _batch():
@@ -90,7 +83,7 @@ def test_ulysses_reward_model_matches_data_parallel(tiny_model_dir, tmp_path):
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1, dtype=torch.float32)
     rm_dir = str(tmp_path / "rm")
     rm.save_pretrained(rm_dir)
-    mp.spawn(_entry, args=(2, _free_port(), rm_dir, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_entry, args=(2, free_port(), rm_dir, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     dp = torch.cat([ranks[0][1], ranks[1][1]])  # [8]
     assert dp.shape == (8,) and dp.abs().min() > 1e-4 and len(set(dp.tolist())) == 8  # real, distinct
