@@ -24,11 +24,15 @@ from fusedrl.third_party.vllm.engine import EAGER_ENV, eager_mode
 pytestmark = pytest.mark.integration
 
 
-def _hf_log_probs(model_dir: str, state: dict, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+def _states(model_dir: str) -> tuple[dict, dict]:
+    """The checkpoint's weights, and the same with every MLP weight halved (what the reload swaps in)."""
+    from safetensors.torch import load_file
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.load_state_dict(state)
+    weights = load_file(os.path.join(model_dir, "model.safetensors"))
+    return weights, {n: (t * 0.5 if ".mlp." in n else t) for n, t in weights.items()}
+
+
+def _hf_log_probs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # [n, V]
@@ -37,7 +41,6 @@ def _hf_log_probs(model_dir: str, state: dict, prompt: list[int], tokens: list[i
 
 def _body(port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
-    from safetensors.torch import load_file
 
     from fusedrl.third_party.vllm import EngineConfig, SampleParams, VLLMEngine
 
@@ -52,8 +55,7 @@ def _body(port: int, model_dir: str, out: str) -> None:
     mode = engine.llm.llm_engine.vllm_config.compilation_config.mode
     prompts = [[5, 17, 42, 9, 101, 7], [3, 3, 250, 12]]
     greedy = SampleParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    weights = load_file(os.path.join(model_dir, "model.safetensors"))
-    changed = {n: (t * 0.5 if ".mlp." in n else t) for n, t in weights.items()}
+    weights, changed = _states(model_dir)
     result: dict = {"eager": engine.eager, "mode": int(mode), "runs": []}
     for state in (weights, changed, weights):
         engine.update_weights(state.items())
@@ -66,18 +68,19 @@ def _body(port: int, model_dir: str, out: str) -> None:
 
 
 def test_compiled_cpu_engine_follows_in_place_reloads(tiny_model_dir, tmp_path):
-    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     r = spawned_result(_body, tiny_model_dir, tmp_path, 900)
     assert r["eager"] is False and r["mode"] != 0, r  # 0: vLLM's CompilationMode.NONE (eager)
-    weights = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
-    changed = {n: (t * 0.5 if ".mlp." in n else t) for n, t in weights.items()}
+    weights, changed = _states(tiny_model_dir)
     first, second, third = r["runs"]
     assert [t for _, t, _ in first] != [t for _, t, _ in second]  # the reload changed what it generates
     assert [t for _, t, _ in first] == [t for _, t, _ in third]  # and reloading the first weights restores it
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     for run, state in ((first, weights), (second, changed), (third, weights)):
+        model.load_state_dict(state)
         for prompt, tokens, lp in run:
-            want = _hf_log_probs(tiny_model_dir, state, prompt, tokens)
+            want = _hf_log_probs(model, prompt, tokens)
             assert torch.allclose(lp, want, atol=1e-4), (lp, want)
 
 
