@@ -283,9 +283,9 @@ class ActorRole:
         """Full tensors of the current policy, one at a time (collective: all ranks iterate together),
         named as in the base model. Under LoRA the adapted modules come merged, and ``full=False`` yields
         only them (with their fused siblings: `fusedrl.workers.lora.merged_lora_stream`). ``dtype``: the
-        receiver's parameter dtype; without LoRA the shards are cast before they are gathered."""
+        receiver's parameter dtype (shards are cast before they are gathered)."""
         if self.lora:
             from fusedrl.workers.lora import merged_lora_stream
 
-            return merged_lora_stream(self.model, full=full, stats=stats)
+            return merged_lora_stream(self.model, full=full, stats=stats, dtype=dtype)
         return stream_full_tensors(self.model, stats, dtype)

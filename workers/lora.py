@@ -114,7 +114,7 @@ class LoraRefView:
 
 @torch.no_grad()
 def merged_lora_stream(
-    model: nn.Module, *, full: bool, stats: StreamStats | None = None
+    model: nn.Module, *, full: bool, stats: StreamStats | None = None, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(base model name, full tensor)`` with every adapted module merged: ``W + (alpha/r) B @ A``.
 
@@ -122,7 +122,8 @@ def merged_lora_stream(
     ``full=True``: every parameter and buffer of the base model (after the engine lost its weights).
     Collective like `fusedrl.workers.fsdp.stream_full_tensors` (each shard gathered by every rank in the
     same order). The merge is computed in float32 into a new tensor: the actor's weights are untouched,
-    and about one module's full tensors are alive at a time.
+    and about one module's full tensors are alive at a time. ``dtype``: floating tensors come in it (the
+    receiver's), unmerged shards cast before their gather as in `gather_full`.
     """
     from fusedrl.third_party.vllm.reload import reload_units
 
@@ -139,9 +140,9 @@ def merged_lora_stream(
             continue
         peft_module = name.rsplit(".", 2)[0] if name.endswith(".base_layer.weight") else None
         if peft_module in layers:
-            out, is_new = _merged(layers[peft_module], tensor, state, peft_module)
+            out, is_new = _merged(layers[peft_module], tensor, state, peft_module, dtype)
         else:
-            out, is_new = gather_full(tensor)
+            out, is_new = gather_full(tensor, dtype)
         if stats is not None:
             stats.record(out, is_new)
         yield hf, out
@@ -149,9 +150,14 @@ def merged_lora_stream(
 
 
 def _merged(
-    layer: nn.Module, weight: torch.Tensor, state: dict[str, torch.Tensor], prefix: str
+    layer: nn.Module,
+    weight: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    prefix: str,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, bool]:
-    """``W + sum over active adapters of scaling * B @ A`` (full tensors, float32 math, W's dtype)."""
+    """``W + sum over active adapters of scaling * B @ A`` (full tensors, float32 math, in ``dtype``, else
+    W's)."""
     w, _ = gather_full(weight)
     merged = w.to(torch.float32, copy=True)
     for adapter in layer.active_adapters:  # type: ignore[union-attr]
@@ -159,7 +165,7 @@ def _merged(
         b, _ = gather_full(state[f"{prefix}.lora_B.{adapter}.weight"])  # [out, r]
         scale = float(layer.scaling[adapter])  # type: ignore[index]
         merged.addmm_(b.to(torch.float32), a.to(torch.float32), alpha=scale)  # [out, in]
-    return merged.to(w.dtype), True
+    return merged.to(w.dtype if dtype is None else dtype), True
 
 
 def save_adapter(model: nn.Module, out_dir: str, *, rank: int) -> list[str]:
