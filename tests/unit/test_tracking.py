@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import sys
+import time
 
 import pytest
 
@@ -230,7 +231,15 @@ def test_wandb_offline_run_logs_values(tmp_path, monkeypatch):
     assert len(run_dirs) == 1
     logs = glob.glob(os.path.join(run_dirs[0], "run-*.wandb"))
     assert len(logs) == 1
-    records = _wandb_records(logs[0])
+    # wandb's service process writes the file: `finish()` can return before it has flushed (seen: 1 run in 5
+    # read only the 7-byte header). Wait for the run record and every step, then check their contents.
+    deadline = time.monotonic() + 30
+    while True:
+        records = _wandb_records(logs[0])
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if ("run" in kinds and kinds.count("history") >= len(STEPS)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
 
     run_record = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run_record.project == "fusedrl-test"
