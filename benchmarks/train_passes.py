@@ -14,7 +14,9 @@ keep their all-padding columns, the behaviour before the trim), ``regather`` (FS
 for each micro-batch's forward and backward, its default, instead of once per pass), ``bf16`` (the same roles
 under FSDP2 bf16 mixed precision, with ``model.attn_implementation=auto``: on CPU short sequences run as
 two matmuls, `fusedrl.workers.cpu_attention`), ``bf16_sdpa`` (the same with plain SDPA attention),
-``packed`` and ``bf16_packed`` (``model.use_remove_padding=true``: no compute on padding).
+``packed`` and ``bf16_packed`` (``model.use_remove_padding=true``: no compute on padding), ``compiled`` and
+``bf16_compiled`` (``model.compile_layers=true``: torch.compile of each decoder layer, compiled during the
+warm-up, which is not timed).
 
     python -m benchmarks.train_passes [--layouts 1x2,2x1] [--preset small] [--reps 3] [--variants base,no_trim]
 """
@@ -122,7 +124,12 @@ def _hf_fwd_bwd(model, batch, micro: int, temperature: float) -> None:
 
 
 def role_settings(
-    path: str, param_dtype: str | None, attn: str = "auto", micro: int = 8, packed: bool = False
+    path: str,
+    param_dtype: str | None,
+    attn: str = "auto",
+    micro: int = 8,
+    packed: bool = False,
+    compiled: bool = False,
 ) -> tuple[Any, Any, Any]:
     """(model, actor, ref) configs as a fused worker gets them (typed): the YAML's defaults with the
     benchmark's shape on top, so every key the roles read is there and has the user's default."""
@@ -140,6 +147,7 @@ def role_settings(
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
         f"actor_rollout_ref.model.attn_implementation={attn}",
         f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
+        f"actor_rollout_ref.model.compile_layers={str(compiled).lower()}",
     ]
     if param_dtype:
         for role in ("actor", "ref"):
@@ -172,14 +180,16 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     path = model_dir(args["preset"])
     model_cfg, actor_cfg, ref_cfg = role_settings(path, args["param_dtype"], micro=args["micro"])
     roles = {"base": (ActorRole(model_cfg, actor_cfg, rollout_n=4), RefRole(model_cfg, ref_cfg))}
-    for variant, (dtype, attn, packed) in {
-        "packed": (args["param_dtype"], "auto", True),
-        "bf16": ("bfloat16", "auto", False),
-        "bf16_sdpa": ("bfloat16", "sdpa", False),
-        "bf16_packed": ("bfloat16", "auto", True),
+    for variant, (dtype, attn, packed, compiled) in {
+        "packed": (args["param_dtype"], "auto", True, False),
+        "compiled": (args["param_dtype"], "auto", False, True),
+        "bf16": ("bfloat16", "auto", False, False),
+        "bf16_sdpa": ("bfloat16", "sdpa", False, False),
+        "bf16_packed": ("bfloat16", "auto", True, False),
+        "bf16_compiled": ("bfloat16", "auto", False, True),
     }.items():
         if variant in args["variants"]:
-            bm, ba, br = role_settings(path, dtype, attn, args["micro"], packed)
+            bm, ba, br = role_settings(path, dtype, attn, args["micro"], packed, compiled)
             roles[variant] = (ActorRole(bm, ba, rollout_n=4), RefRole(bm, br))
     actor, ref = roles["base"]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
@@ -222,9 +232,14 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     phases = {"old_log_prob": old, "ref": run_ref, "update": update, "hf_fwd_bwd": hf_pass}
     times: dict[str, dict[str, list[float]]] = {v: {p: [] for p in phases} for v in variants}
     ceilings: dict[str, list[float]] = {"float32": [], "bfloat16": []}
-    for variant in variants:  # warm-up
+    warmup: dict[str, float] = {}  # the first old/ref/update of each variant: compiles, if any, happen here
+    for variant in variants:
         apply(variant)
-        update()
+        dist.barrier()
+        t0 = time.perf_counter()
+        old(), run_ref(), update()
+        dist.barrier()
+        warmup[variant] = time.perf_counter() - t0
     for _ in range(args["reps"]):
         for variant in variants:
             apply(variant)
@@ -258,6 +273,7 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
             "fwd_gflop_per_rank": fwd_flops / 1e9,
             "fwd_bwd_gflop_per_rank": fb_flops / 1e9,
             "times": times,
+            "warmup_s": warmup,
             "ceiling_gflops_per_rank": ceilings,
             "profiles": profiles,
         }
@@ -323,7 +339,8 @@ def main() -> None:
                 sum(flops[p] for p in train) / sum(statistics.median(per_phase[p]) for p in train) / threads
             )
             share = f"{rate:.0f} = {100 * rate / ceil[dtype]:.0f}% of {dtype} {ceil[dtype]:.0f}"
-            rows.append(f"| {layout} | {variant} | " + " | ".join(cells) + f" | {share} |")
+            warm = f"{res['warmup_s'][variant]:.1f}"
+            rows.append(f"| {layout} | {variant} | " + " | ".join(cells) + f" | {share} | {warm} |")
         for key, table in res["profiles"].items():
             prof_text.append(
                 f"**{layout} {key}** (rank 0, top {a.top} by self CPU time)\n\n```\n{table}\n```"
@@ -332,7 +349,7 @@ def main() -> None:
     header = (
         "| WxT | variant | "
         + " | ".join(f"{p} s (GFLOP/s/thread)" for p in PHASES)
-        + " | training passes GFLOP/s/thread vs ceiling |"
+        + " | training passes GFLOP/s/thread vs ceiling | first old+ref+update s |"
     )
     table = "\n".join(
         [
@@ -343,7 +360,7 @@ def main() -> None:
             f"{'; '.join(ceil_text)} ({native_bf16()[1]}).",
             "",
             header,
-            "|" + "---|" * (len(PHASES) + 3),
+            "|" + "---|" * (len(PHASES) + 4),
             *rows,
         ]
     )

@@ -19,7 +19,8 @@ A variant may name its own dtype after ``@`` (``trl@float32``, ``fusedrl-2@bfloa
 may give the rollout's after a ``/`` (``fusedrl-2@bfloat16/float32``: bf16 training, float32 engine).
 ``fusedrl-2+packed`` turns on ``model.use_remove_padding`` (no compute on padding; what verl's example
 scripts set); ``+eager`` runs the rollout engine eager (``rollout.enforce_eager=true``; by default vLLM
-compiles its model with torch.compile on CPU). Flags combine: ``fusedrl-2+packed+eager``.
+compiles its model with torch.compile on CPU); ``+compiled`` compiles the training passes' decoder layers
+(``model.compile_layers=true``). Flags combine: ``fusedrl-2+packed+eager``.
 "vs TRL" divides by the fastest TRL variant's median (TRL's best mode in this run).
 
 ``--isa avx2`` emulates an AVX2-only CPU on a newer one: every process runs with
@@ -58,12 +59,14 @@ def run_fusedrl(
     rollout_dtype: str,
     packed: bool = False,
     eager: bool = False,
+    compiled: bool = False,
 ) -> dict:
     from benchmarks.step_breakdown import measure
 
     extra = [
         f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
         f"actor_rollout_ref.rollout.enforce_eager={str(eager).lower()}",
+        f"actor_rollout_ref.model.compile_layers={str(compiled).lower()}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
@@ -166,9 +169,11 @@ def main() -> None:
             res = run_trl(args.steps, train, args.preset)
         else:
             base, *flags = name.split("+")
-            unknown = set(flags) - {"packed", "eager"}
+            unknown = set(flags) - {"packed", "eager", "compiled"}
             if unknown:
-                sys.exit(f"unknown variant flag(s) {sorted(unknown)} in {args.one!r}: use +packed, +eager")
+                sys.exit(
+                    f"unknown variant flag(s) {sorted(unknown)} in {args.one!r}: use +packed, +eager, +compiled"
+                )
             res = run_fusedrl(
                 int(base.split("-")[1]),
                 args.steps,
@@ -177,6 +182,7 @@ def main() -> None:
                 rollout,
                 packed="packed" in flags,
                 eager="eager" in flags,
+                compiled="compiled" in flags,
             )
         import torch
 

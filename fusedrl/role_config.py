@@ -76,6 +76,7 @@ class ModelConfig:
     enable_gradient_checkpointing: bool
     use_remove_padding: bool
     attn_implementation: str
+    compile_layers: bool
     lora_rank: int
     lora_alpha: float
     target_modules: str | tuple[str, ...]
@@ -218,6 +219,7 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool
     use_remove_padding: bool
     attn_implementation: str
+    compile_layers: bool
     fsdp_config: FsdpConfig
 
 

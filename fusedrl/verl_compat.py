@@ -27,6 +27,10 @@ from omegaconf import DictConfig, OmegaConf
 # printed on the console).
 _PROFILING = "profiling is not built in (run torch.profiler or py-spy around main_ppo)"
 _ULYSSES = "set the role's own ulysses_sequence_parallel_size (actor, critic, reward_model; the reference follows the actor)"
+_ENTROPY_COMPILE = (
+    "verl compiles its entropy function with it; fusedrl's is not compiled. To compile the decoder layers of "
+    "the training passes, set actor_rollout_ref.model.compile_layers=true"
+)
 _FSDP_TUNING = "FSDP2 is applied per decoder layer with fixed settings"
 _CRITIC_LORA = "the critic has no LoRA (actor LoRA runs with critic-free estimators)"
 _KERNELS = "fused / Liger / tiled kernels are not used: Hugging Face modules as they are"
@@ -66,13 +70,13 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("*.fsdp_config.full_determinism", "no deterministic-algorithms switch"),
     ("*.fsdp_config.strategy", "always FSDP2"),
     ("*.fsdp_config.forward_only", "derived from the role (the reference never trains)"),
-    ("*.fsdp_config.use_torch_compile", "torch.compile is not used"),
+    ("*.fsdp_config.use_torch_compile", _ENTROPY_COMPILE),
     ("*.fsdp_config.entropy_*", "entropy is computed in one pass per micro-batch"),
     ("*.fsdp_config.dtype", "the compute dtype is fsdp_config.param_dtype (null: model_dtype)"),
     ("actor_rollout_ref.ref.fsdp_config.optimizer_offload", "the reference has no optimizer"),
     ("reward_model.model.fsdp_config.param_offload", "the reward model stays on the device"),
     ("*.strategy", "always FSDP2 (fsdp and fsdp2 both mean it; megatron is rejected)"),
-    ("*.use_torch_compile", "torch.compile is not used"),
+    ("*.use_torch_compile", _ENTROPY_COMPILE),
     ("*entropy_checkpointing", "entropy is computed in one pass per micro-batch"),
     ("*entropy_from_logits_with_chunking", "entropy is computed in one pass per micro-batch"),
     ("actor_rollout_ref.hybrid_engine", _PLACEMENT),

@@ -74,6 +74,7 @@ def _sharded_model(
         model,
         gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
         param_dtype=fsdp_cfg.param_dtype,
+        compile_layers=bool(model_cfg.compile_layers),
     )
 
 

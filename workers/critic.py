@@ -101,6 +101,7 @@ class CriticRole:
             model,
             gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
             param_dtype=fsdp_cfg.param_dtype,
+            compile_layers=bool(model_cfg.compile_layers),
         )
         check_heads(self.model, self.sp, "critic.ulysses_sequence_parallel_size")
         self.optimizer = build_adamw(self.model, critic_cfg.optim)

@@ -152,15 +152,21 @@ def gathered_for_pass(model: nn.Module) -> Iterator[None]:
 
 
 def shard_for_training(
-    model: nn.Module, *, gradient_checkpointing: bool, param_dtype: str | None
+    model: nn.Module, *, gradient_checkpointing: bool, param_dtype: str | None, compile_layers: bool = False
 ) -> nn.Module:
     """The one wrap of every role's model: non-reentrant gradient checkpointing (a role's
     ``model.enable_gradient_checkpointing``), onto the worker's device, then FSDP2 with the role's
-    ``fsdp_config.param_dtype`` mixed precision (gradients reduced in float32)."""
+    ``fsdp_config.param_dtype`` mixed precision (gradients reduced in float32), then, with
+    ``model.compile_layers``, torch.compile of each decoder layer (`fusedrl.workers.layer_compile`)."""
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
     model.to(device_type())
-    return apply_fsdp2(model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None)
+    model = apply_fsdp2(model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None)
+    if compile_layers:
+        from fusedrl.workers.layer_compile import compile_layers as compile_decoder_layers
+
+        compile_decoder_layers(model)
+    return model
 
 
 def build_adamw(model: nn.Module, optim_cfg: Any, lr: float | None = None) -> torch.optim.AdamW:

@@ -24,6 +24,7 @@ from fusedrl.algorithms import entropy_from_logits
 from fusedrl.balance import sequence_lengths, token_budget_bins
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.fsdp import gathered_for_pass
+from fusedrl.workers.layer_compile import bucketed_window, has_compiled_layers
 from fusedrl.workers.packing import pack_batch
 
 B = TypeVar("B", RolloutBatch, dict)
@@ -166,6 +167,8 @@ def response_log_probs(
         # data.max_prompt_length, responses right-padded to the longest allowed. Keep >= 1 column of each.
         first = min(int(batch.prompt_mask.any(0).float().argmax()), prompt_len - 1)
         last = max(int(batch.response_mask.any(0).nonzero().max()) + 1 if batch.response_mask.any() else 1, 1)
+        if has_compiled_layers(model):  # few distinct shapes, each compiled once (see workers/layer_compile)
+            first, last = bucketed_window(first, last, prompt_len, resp_len)
         input_ids, attention_mask, position_ids = (
             t[:, first : prompt_len + last] for t in (input_ids, attention_mask, position_ids)
         )  # [B, Tp' + Tr'] each

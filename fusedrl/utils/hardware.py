@@ -73,3 +73,12 @@ def cpus_per_cpu_slot(slots_per_node: int, node_cpus: int | None = None) -> int:
     if node_cpus is None:
         node_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, int(node_cpus) // max(1, int(slots_per_node)))
+
+
+def missing_cxx() -> str | None:
+    """None where the C++ compiler that torch.compile's CPU backend (Inductor) calls is on PATH (``$CXX``,
+    else ``g++``); otherwise its name, for a message saying why something runs eager."""
+    import shutil
+
+    cxx = os.environ.get("CXX", "g++")
+    return None if shutil.which(cxx) else cxx

@@ -158,10 +158,10 @@ def eager_mode(enforce_eager: bool, *, cuda: bool) -> tuple[bool, str | None]:
     if os.environ.get(EAGER_ENV, "0") not in ("", "0"):
         return True, f"{EAGER_ENV}={os.environ[EAGER_ENV]} forces an eager engine"
     if not cuda:
-        import shutil
+        from fusedrl.utils.hardware import missing_cxx
 
-        cxx = os.environ.get("CXX", "g++")
-        if shutil.which(cxx) is None:
+        cxx = missing_cxx()
+        if cxx is not None:
             return True, (
                 f"rollout.enforce_eager=false compiles the CPU engine with torch.compile, which needs a C++ "
                 f"compiler, and {cxx!r} is not on PATH: running eager (generation ~15-25% slower on small "

@@ -1,0 +1,213 @@
+"""``model.compile_layers``: torch.compile of each FSDP2-wrapped decoder layer for the training passes.
+
+The compiled actor and reference must compute what the eager ones compute: the same log-probs (up to
+Inductor's reordering of float sums) and the same update (one large Adam step from the same weights lands
+on the same parameters, within float noise). They must really be compiled (dynamo counts graphs), and
+batches of different lengths must reuse a few bucketed shapes instead of compiling one graph per length.
+Real gloo process group, real Inductor (the C++ compiler the machine has).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from support import free_port, padded_batch
+
+from fusedrl.workers.layer_compile import SHAPE_STEP, bucketed_window
+
+TP, TR = 24, 20
+LR = 1e-2
+
+
+@pytest.mark.parametrize(
+    "first, last, prompt_len, resp_len, expected",
+    [
+        (30, 50, 64, 64, (24, 56)),  # last 50 -> 56; width 64-30+56 = 90 -> 96: first 64+56-96 = 24
+        (40, 64, 64, 64, (32, 64)),  # width 88 -> 96: first 32
+        (2, 60, 64, 64, (0, 64)),  # width 126 -> 128: first 64+64-128 = 0
+        (10, 3, 24, 20, (0, 8)),  # last 3 -> 8; width 22 -> 32 > 24+8 columns: all the prompt's columns
+        (5, 3, 6, 5, (0, 5)),  # last capped at the response's columns
+        (0, 32, 32, 32, (0, 32)),  # already a multiple: unchanged
+        (20, 16, 64, 64, (16, 16)),  # width 60 -> 64: first 16
+    ],
+)
+def test_bucketed_window(first, last, prompt_len, resp_len, expected):
+    got = bucketed_window(first, last, prompt_len, resp_len)
+    assert got == expected
+    new_first, new_last = got
+    assert new_first <= first and last <= new_last <= resp_len  # only ever widens
+    width = prompt_len - new_first + new_last
+    assert width % SHAPE_STEP == 0 or new_first == 0
+
+
+def _configs(model_dir: str, compiled: bool, checkpointing: bool):
+    from fusedrl.role_config import role_configs_from_overrides
+
+    actor = "actor_rollout_ref.actor"
+    cfg = role_configs_from_overrides(
+        [
+            "data.train_files=unused",
+            f"actor_rollout_ref.model.path={model_dir}",
+            f"actor_rollout_ref.model.compile_layers={compiled}",
+            f"actor_rollout_ref.model.enable_gradient_checkpointing={checkpointing}",
+            "actor_rollout_ref.rollout.n=2",
+            f"{actor}.ppo_mini_batch_size=4",  # the whole 8-row batch in one optimizer step
+            f"{actor}.ppo_micro_batch_size_per_gpu=4",
+            f"{actor}.ppo_epochs=1",
+            f"{actor}.use_kl_loss=true",
+            f"{actor}.kl_loss_coef=0.1",
+            f"{actor}.entropy_coeff=0.01",
+            f"{actor}.optim.lr={LR}",
+            f"{actor}.optim.weight_decay=0.0",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        ],
+    )
+    return cfg.model, cfg.actor, cfg.ref
+
+
+def _batch(seed: int, response_lens: list[int]):
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lens = [int(x) for x in torch.randint(3, TP + 1, (8,), generator=gen)]
+    batch = padded_batch(prompt_lens, response_lens, tp=TP, tr=TR, gen=gen)
+    batch.advantages = torch.randn(8, TR, generator=gen) * batch.response_mask  # [B, Tr]
+    return batch
+
+
+def _params(actor) -> dict[str, torch.Tensor]:
+    return {n: p.to_local().detach().clone() for n, p in actor.model.named_parameters()}
+
+
+def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        from fusedrl.workers.actor import ActorRole, RefRole
+        from fusedrl.workers.layer_compile import has_compiled_layers
+
+        result = {}
+        for checkpointing in (False, True):
+            roles = {}
+            for compiled in (False, True):
+                model_cfg, actor_cfg, ref_cfg = _configs(model_dir, compiled, checkpointing)
+                torch.manual_seed(0)
+                roles[compiled] = (ActorRole(model_cfg, actor_cfg, rollout_n=2), RefRole(model_cfg, ref_cfg))
+            before = _params(roles[False][0])
+            out: dict = {"marked": [has_compiled_layers(roles[c][0].model) for c in (False, True)]}
+            graphs_before = counters["stats"]["unique_graphs"]
+            lp_diffs, ref_diffs = [], []
+            # Three batches of different response lengths; the first two fall in one bucket of columns.
+            for seed, lens in (
+                (1, [20, 9, 4, 17, 2, 11, 20, 6]),
+                (2, [18, 3, 8, 12, 5, 1, 7, 14]),
+                (3, [5] * 8),
+            ):
+                batch = _batch(seed, lens)
+                lps = {}
+                for compiled, (actor, ref) in roles.items():
+                    lp = actor.compute_log_prob(batch, temperature=0.8, micro_batch_size=4)  # [B, Tr]
+                    rp = ref.compute_log_prob(batch, temperature=0.8)  # [B, Tr]
+                    lps[compiled] = (lp, rp)
+                mask = batch.response_mask.bool()
+                lp_diffs.append(float((lps[True][0] - lps[False][0])[mask].abs().max()))
+                ref_diffs.append(float((lps[True][1] - lps[False][1])[mask].abs().max()))
+            out["graphs"] = counters["stats"]["unique_graphs"] - graphs_before
+            out["log_prob_diff"], out["ref_diff"] = max(lp_diffs), max(ref_diffs)
+
+            batch = _batch(4, [20, 9, 4, 17, 2, 11, 20, 6])
+            batch.old_log_probs = roles[False][0].compute_log_prob(batch, temperature=0.8, micro_batch_size=4)
+            batch.ref_log_probs = roles[False][1].compute_log_prob(batch, temperature=0.8)
+            metrics = {c: roles[c][0].update(batch.clone(), temperature=0.8) for c in (False, True)}
+            p_eager, p_comp = _params(roles[False][0]), _params(roles[True][0])
+            # Adam's first step moves each parameter by ~lr x sign(grad): an element whose gradient is float
+            # noise may move either way in either route, so the update is compared as a whole.
+            step = torch.cat([(p_eager[n] - before[n]).flatten() for n in p_eager])
+            gap = torch.cat([(p_comp[n] - p_eager[n]).flatten() for n in p_eager])
+            out["update_rel_diff"] = float(gap.norm() / step.norm())
+            out["max_param_change"] = float(step.abs().max())
+            out["grad_norm"] = [metrics[c]["actor/grad_norm"] for c in (False, True)]
+            out["pg_loss"] = [metrics[c]["actor/pg_loss"] for c in (False, True)]
+            result[str(checkpointing)] = out
+        Path(out_dir, "result.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_layers_match_eager(tiny_model_dir, tmp_path):
+    mp.spawn(_worker, args=(free_port(), tiny_model_dir, str(tmp_path)), nprocs=1, join=True)
+    result = json.loads((tmp_path / "result.json").read_text())
+    for checkpointing, r in result.items():
+        assert r["marked"] == [False, True], (checkpointing, r)
+        # Really compiled, and the bucketed columns keep the graphs few: 4 here for 3 batches x 2 micro-
+        # batches x 2 roles (the actor alone compiled 2 graphs bucketed, 5 with each batch's exact width).
+        assert 2 <= r["graphs"] <= 6, (checkpointing, r)
+        assert r["log_prob_diff"] < 1e-4, (checkpointing, r)
+        assert r["ref_diff"] < 1e-4, (checkpointing, r)
+        assert r["max_param_change"] > 0.5 * LR, (checkpointing, r)  # a real Adam step
+        assert r["update_rel_diff"] < 1e-3, (checkpointing, r)
+        g_eager, g_comp = r["grad_norm"]
+        assert abs(g_eager - g_comp) <= 1e-4 * abs(g_eager), (checkpointing, r)
+        l_eager, l_comp = r["pg_loss"]
+        assert abs(l_eager - l_comp) <= 1e-5 + 1e-4 * abs(l_eager), (checkpointing, r)
+
+
+def test_compile_layers_refuses_shape_changing_settings(tiny_model_dir, arithmetic_data):
+    from fusedrl.config import ConfigError, load_config
+
+    train, _ = arithmetic_data
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            [
+                f"data.train_files={train}",
+                f"actor_rollout_ref.model.path={tiny_model_dir}",
+                "actor_rollout_ref.model.compile_layers=true",
+                "actor_rollout_ref.model.use_remove_padding=true",
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.model.lora_rank=4",
+            ]
+        )
+    text = str(err.value)
+    for key in (
+        "actor_rollout_ref.model.use_remove_padding",
+        "actor_rollout_ref.actor.use_dynamic_bsz",
+        "actor_rollout_ref.model.lora_rank",
+    ):
+        assert f"`actor_rollout_ref.model.compile_layers`=true with `{key}`" in text, text
+    # the default (compile_layers=false) accepts the same settings
+    load_config(
+        [
+            f"data.train_files={train}",
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
+            "actor_rollout_ref.model.use_remove_padding=true",
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        ]
+    )
+
+
+def test_no_compiler_leaves_layers_eager(monkeypatch, caplog):
+    from torch import nn
+
+    from fusedrl.workers.layer_compile import compile_layers, has_compiled_layers
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(2, 2)])
+
+    model = nn.Module()
+    model.model = Inner()
+    forward = model.model.layers[0].forward
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")
+    with caplog.at_level("WARNING"):
+        assert compile_layers(model) is False
+    assert "'no-such-c++-compiler' is not on PATH" in caplog.text
+    assert not has_compiled_layers(model)
+    assert model.model.layers[0].forward == forward  # untouched
