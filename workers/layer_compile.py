@@ -9,7 +9,7 @@ Why static shapes, and what that asks of the callers: a graph compiled for one `
 the fused kernels Inductor generated for exactly that shape (measured on CPU: the reference pass 25%
 faster, the update 15-20% faster than eager; ``dynamic=True`` was slower than eager). A new shape costs a
 compile (seconds), so the padded forwards keep the number of shapes small: `bucketed_window` widens the
-trimmed padding window to multiples of `SHAPE_STEP` columns (padding columns are masked, so results do
+trimmed padding window to one of a few widths per doubling (padding columns are masked, so results do
 not change), and micro-batches have a fixed row count. Packed sequences (``use_remove_padding``) and
 token-budget micro-batches (``use_dynamic_bsz``) change shape every micro-batch; `fusedrl.config` refuses
 them with this key, as it refuses LoRA and Ulysses.
@@ -29,11 +29,12 @@ from fusedrl.workers.fsdp import decoder_layers
 
 logger = logging.getLogger(__name__)
 
-# Padded forwards of a compiled model span a multiple of this many columns (`bucketed_window`).
-SHAPE_STEP = 16
+# Padded forwards of a compiled model span one of a few widths per doubling (`bucket_width`): a multiple of
+# 8 columns up to 127, of 16 up to 255, of 32 up to 511, ...: at most 1/8 more columns than the batch needs.
+MIN_STEP = 8
 # Compiled graphs kept per code object before dynamo falls back to eager for new shapes: (grad / no-grad)
-# x (full / last micro-batch) x the column buckets of a run's response lengths, with room to spare.
-RECOMPILE_LIMIT = 64
+# x (full / last micro-batch) x the width buckets of a run's sequence lengths, with room to spare.
+RECOMPILE_LIMIT = 128
 _MARK = "_fusedrl_compiled_layers"
 
 
@@ -64,14 +65,20 @@ def has_compiled_layers(model: nn.Module) -> bool:
     return bool(getattr(model, _MARK, False))
 
 
+def bucket_width(width: int) -> int:
+    """The smallest bucket >= ``width``: a multiple of ``max(MIN_STEP, 2**(bits(width) - 4))``."""
+    step = max(MIN_STEP, 1 << max(width.bit_length() - 4, 0))
+    return -(-width // step) * step
+
+
 def bucketed_window(first: int, last: int, prompt_len: int, resp_len: int) -> tuple[int, int]:
     """Widen a padded forward's window ``[first, prompt_len + last)`` (prompt columns from ``first``,
-    ``last`` response columns) so its width is a multiple of `SHAPE_STEP` where the batch's columns allow.
+    ``last`` response columns) to a `bucket_width` where the batch's columns allow.
 
-    ``last`` grows first (up to ``resp_len``) to a multiple of ``SHAPE_STEP // 2``, so the LM head's
+    ``last`` grows first (up to ``resp_len``) to a multiple of ``MIN_STEP``, so the LM head's
     ``logits_to_keep`` varies little too; then ``first`` moves left (down to 0). Every added column is
     padding in every row (the caller trimmed exactly those), so the result is the same up to rounding."""
-    last = min(-(-last // (SHAPE_STEP // 2)) * (SHAPE_STEP // 2), resp_len)
+    last = min(-(-last // MIN_STEP) * MIN_STEP, resp_len)
     width = prompt_len - first + last
-    first = max(prompt_len + last - (-(-width // SHAPE_STEP) * SHAPE_STEP), 0)
+    first = max(prompt_len + last - bucket_width(width), 0)
     return first, last

@@ -1,6 +1,6 @@
 """``model.compile_layers``: torch.compile of each FSDP2-wrapped decoder layer for the training passes.
 
-The compiled actor and reference must compute what the eager ones compute: the same log-probs (up to
+The compiled actor, reference and critic must compute what the eager ones compute: the same log-probs (up to
 Inductor's reordering of float sums) and the same update (one large Adam step from the same weights lands
 on the same parameters, within float noise). They must really be compiled (dynamo counts graphs), and
 batches of different lengths must reuse a few bucketed shapes instead of compiling one graph per length.
@@ -18,22 +18,32 @@ import torch
 import torch.multiprocessing as mp
 from support import free_port, padded_batch
 
-from fusedrl.workers.layer_compile import SHAPE_STEP, bucketed_window
+from fusedrl.workers.layer_compile import MIN_STEP, bucket_width, bucketed_window
 
 TP, TR = 24, 20
 LR = 1e-2
 
 
 @pytest.mark.parametrize(
+    "width, expected",
+    [(5, 8), (40, 40), (63, 64), (99, 104), (127, 128), (129, 144), (300, 320), (916, 960), (1024, 1024)],
+)
+def test_bucket_width(width, expected):
+    assert bucket_width(width) == expected
+    assert bucket_width(expected) == expected  # a bucket is its own bucket
+    assert width <= expected <= max(width + MIN_STEP - 1, width * 9 // 8)  # at most 1/8 more columns
+
+
+@pytest.mark.parametrize(
     "first, last, prompt_len, resp_len, expected",
     [
         (30, 50, 64, 64, (24, 56)),  # last 50 -> 56; width 64-30+56 = 90 -> 96: first 64+56-96 = 24
-        (40, 64, 64, 64, (32, 64)),  # width 88 -> 96: first 32
-        (2, 60, 64, 64, (0, 64)),  # width 126 -> 128: first 64+64-128 = 0
-        (10, 3, 24, 20, (0, 8)),  # last 3 -> 8; width 22 -> 32 > 24+8 columns: all the prompt's columns
-        (5, 3, 6, 5, (0, 5)),  # last capped at the response's columns
-        (0, 32, 32, 32, (0, 32)),  # already a multiple: unchanged
-        (20, 16, 64, 64, (16, 16)),  # width 60 -> 64: first 16
+        (40, 64, 64, 64, (40, 64)),  # width 88, a bucket already: unchanged
+        (2, 60, 64, 64, (0, 64)),  # last 64; width 126 -> 128: first 64+64-128 = 0
+        (10, 3, 24, 20, (8, 8)),  # last 3 -> 8; width 22 -> 24: first 24+8-24 = 8
+        (5, 3, 6, 5, (3, 5)),  # last capped at the response's 5 columns; width 6 -> 8: first 3
+        (2, 3, 6, 5, (0, 5)),  # width 9 -> 16 > the 11 columns there are: all of them
+        (100, 500, 512, 512, (56, 504)),  # width 916 -> 960 (multiples of 64 at this length)
     ],
 )
 def test_bucketed_window(first, last, prompt_len, resp_len, expected):
@@ -42,7 +52,7 @@ def test_bucketed_window(first, last, prompt_len, resp_len, expected):
     new_first, new_last = got
     assert new_first <= first and last <= new_last <= resp_len  # only ever widens
     width = prompt_len - new_first + new_last
-    assert width % SHAPE_STEP == 0 or new_first == 0
+    assert width == bucket_width(width) or new_first == 0
 
 
 def _configs(model_dir: str, compiled: bool, checkpointing: bool):
@@ -67,12 +77,13 @@ def _configs(model_dir: str, compiled: bool, checkpointing: bool):
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
         ],
     )
-    return cfg.model, cfg.actor, cfg.ref
+    return cfg.model, cfg.actor, cfg.ref, cfg.critic
 
 
 def _batch(seed: int, response_lens: list[int]):
     gen = torch.Generator().manual_seed(seed)
     prompt_lens = [int(x) for x in torch.randint(3, TP + 1, (8,), generator=gen)]
+    prompt_lens[0] = prompt_lens[4] = TP  # each 4-row micro-batch keeps all TP prompt columns
     batch = padded_batch(prompt_lens, response_lens, tp=TP, tr=TR, gen=gen)
     batch.advantages = torch.randn(8, TR, generator=gen) * batch.response_mask  # [B, Tr]
     return batch
@@ -97,18 +108,19 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         for checkpointing in (False, True):
             roles = {}
             for compiled in (False, True):
-                model_cfg, actor_cfg, ref_cfg = _configs(model_dir, compiled, checkpointing)
+                model_cfg, actor_cfg, ref_cfg, _ = _configs(model_dir, compiled, checkpointing)
                 torch.manual_seed(0)
                 roles[compiled] = (ActorRole(model_cfg, actor_cfg, rollout_n=2), RefRole(model_cfg, ref_cfg))
             before = _params(roles[False][0])
             out: dict = {"marked": [has_compiled_layers(roles[c][0].model) for c in (False, True)]}
             graphs_before = counters["stats"]["unique_graphs"]
             lp_diffs, ref_diffs = [], []
-            # Three batches of different response lengths; the first two fall in one bucket of columns.
+            # Three batches whose micro-batches need 17-20 response columns: four different widths, one
+            # bucket (every width rounds up to TP + 20 = 44 columns).
             for seed, lens in (
-                (1, [20, 9, 4, 17, 2, 11, 20, 6]),
-                (2, [18, 3, 8, 12, 5, 1, 7, 14]),
-                (3, [5] * 8),
+                (1, [20, 9, 4, 3, 17, 11, 2, 6]),
+                (2, [18, 3, 8, 12, 5, 19, 7, 14]),
+                (3, [17, 1, 2, 3, 20, 9, 9, 9]),
             ):
                 batch = _batch(seed, lens)
                 lps = {}
@@ -136,6 +148,22 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
             out["grad_norm"] = [metrics[c]["actor/grad_norm"] for c in (False, True)]
             out["pg_loss"] = [metrics[c]["actor/pg_loss"] for c in (False, True)]
             result[str(checkpointing)] = out
+        # The critic follows actor_rollout_ref.model.compile_layers: its values (full padded width, no trim)
+        from fusedrl.workers.critic import CriticRole
+
+        values = {}
+        for compiled in (False, True):
+            critic_cfg = _configs(model_dir, compiled, False)[3]
+            torch.manual_seed(0)  # the value head starts from the same random draw
+            critic = CriticRole(critic_cfg, rollout_n=2)
+            batch = _batch(5, [20, 9, 4, 17, 2, 11, 20, 6])
+            values[compiled] = (critic.compute_values(batch), has_compiled_layers(critic.model))
+        mask = batch.response_mask.bool()
+        result["critic"] = {
+            "marked": [values[c][1] for c in (False, True)],
+            "value_diff": float((values[True][0] - values[False][0])[mask].abs().max()),
+            "value_scale": float(values[False][0][mask].abs().max()),
+        }
         Path(out_dir, "result.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -144,11 +172,14 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 def test_compiled_layers_match_eager(tiny_model_dir, tmp_path):
     mp.spawn(_worker, args=(free_port(), tiny_model_dir, str(tmp_path)), nprocs=1, join=True)
     result = json.loads((tmp_path / "result.json").read_text())
+    critic = result.pop("critic")
+    assert critic["marked"] == [False, True], critic
+    assert critic["value_diff"] < 1e-4 * max(1.0, critic["value_scale"]), critic
     for checkpointing, r in result.items():
         assert r["marked"] == [False, True], (checkpointing, r)
-        # Really compiled, and the bucketed columns keep the graphs few: 4 here for 3 batches x 2 micro-
-        # batches x 2 roles (the actor alone compiled 2 graphs bucketed, 5 with each batch's exact width).
-        assert 2 <= r["graphs"] <= 6, (checkpointing, r)
+        # Really compiled, and one bucket means one shape: one no-grad graph (two if the actor's and the
+        # reference's layers are guarded apart), where the exact widths would have compiled 4 per role.
+        assert 1 <= r["graphs"] <= 2, (checkpointing, r)
         assert r["log_prob_diff"] < 1e-4, (checkpointing, r)
         assert r["ref_diff"] < 1e-4, (checkpointing, r)
         assert r["max_param_change"] > 0.5 * LR, (checkpointing, r)  # a real Adam step
