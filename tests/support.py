@@ -65,6 +65,28 @@ def padded_batch(
     )
 
 
+@contextmanager
+def single_rank_group(port: int) -> Iterator[None]:
+    """A one-rank gloo process group (one torch thread) for the body, destroyed after it: the setting
+    of a spawned test process that builds FSDP2 roles."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of this rank's FSDP2 parameter shards, by parameter name."""
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (for a process group's MASTER_PORT)."""
     with socket.socket() as s:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support import free_port
+from support import free_port, local_params
 
 from fusedrl.checkpoint import (
     COMPLETE_FILE,
@@ -233,10 +233,6 @@ def _step(model, optimizer, rank: int) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _local_params(model) -> dict[str, torch.Tensor]:
-    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
-
-
 def _train_and_save(rank: int, model_dir: str, port: int, ckpt_tmp: str, out: str) -> None:
     from safetensors.torch import save_file
 
@@ -266,7 +262,7 @@ def _train_and_save(rank: int, model_dir: str, port: int, ckpt_tmp: str, out: st
         model, os.path.join(out, "online_hf"), src_model_dir=model_dir, rank=rank, max_shard_bytes=400_000
     )
     _step(model, optimizer, rank)
-    save_file(_local_params(model), os.path.join(out, f"continued_rank{rank}.safetensors"))
+    save_file(local_params(model), os.path.join(out, f"continued_rank{rank}.safetensors"))
     Path(out, f"train_rank{rank}.json").write_text(json.dumps(info))
     torch.distributed.destroy_process_group()
 
@@ -314,7 +310,7 @@ def _load_and_continue(rank: int, model_dir: str, port: int, ckpt: str, out: str
         "draws": _draws(),
     }
     _step(model, optimizer, rank)
-    save_file(_local_params(model), os.path.join(out, f"resumed_rank{rank}.safetensors"))
+    save_file(local_params(model), os.path.join(out, f"resumed_rank{rank}.safetensors"))
     Path(out, f"load_rank{rank}.json").write_text(json.dumps(info))
     torch.distributed.destroy_process_group()
 

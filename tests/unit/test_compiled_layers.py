@@ -10,13 +10,12 @@ Real gloo process group, real Inductor (the C++ compiler the machine has).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support import free_port, padded_batch
+from support import free_port, local_params, padded_batch, single_rank_group
 
 from fusedrl.workers.layer_compile import MIN_STEP, bucket_width, bucketed_window
 
@@ -89,18 +88,10 @@ def _batch(seed: int, response_lens: list[int]):
     return batch
 
 
-def _params(actor) -> dict[str, torch.Tensor]:
-    return {n: p.to_local().detach().clone() for n, p in actor.model.named_parameters()}
-
-
 def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-    import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    with single_rank_group(port):
         from fusedrl.workers.actor import ActorRole, RefRole
         from fusedrl.workers.layer_compile import has_compiled_layers
 
@@ -111,7 +102,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
                 model_cfg, actor_cfg, ref_cfg, _ = _configs(model_dir, compiled, checkpointing)
                 torch.manual_seed(0)
                 roles[compiled] = (ActorRole(model_cfg, actor_cfg, rollout_n=2), RefRole(model_cfg, ref_cfg))
-            before = _params(roles[False][0])
+            before = local_params(roles[False][0].model)
             out: dict = {"marked": [has_compiled_layers(roles[c][0].model) for c in (False, True)]}
             graphs_before = counters["stats"]["unique_graphs"]
             lp_diffs, ref_diffs = [], []
@@ -138,7 +129,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
             batch.old_log_probs = roles[False][0].compute_log_prob(batch, temperature=0.8, micro_batch_size=4)
             batch.ref_log_probs = roles[False][1].compute_log_prob(batch, temperature=0.8)
             metrics = {c: roles[c][0].update(batch.clone(), temperature=0.8) for c in (False, True)}
-            p_eager, p_comp = _params(roles[False][0]), _params(roles[True][0])
+            p_eager, p_comp = local_params(roles[False][0].model), local_params(roles[True][0].model)
             # Adam's first step moves each parameter by ~lr x sign(grad): an element whose gradient is float
             # noise may move either way in either route, so the update is compared as a whole.
             step = torch.cat([(p_eager[n] - before[n]).flatten() for n in p_eager])
@@ -165,8 +156,6 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
             "value_scale": float(values[False][0][mask].abs().max()),
         }
         Path(out_dir, "result.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_compiled_layers_match_eager(tiny_model_dir, tmp_path):

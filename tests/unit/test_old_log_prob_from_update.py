@@ -10,12 +10,11 @@ size (which reorders rows into micro-batches, so the order must be restored). Re
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from support import free_port, padded_batch
+from support import free_port, local_params, padded_batch, single_rank_group
 
 TP, TR = 6, 5
 LR = 1e-2
@@ -61,17 +60,9 @@ def _batch():
     return batch
 
 
-def _params(actor) -> dict[str, torch.Tensor]:
-    return {n: p.to_local().detach().clone() for n, p in actor.model.named_parameters()}
-
-
 def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-    import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    with single_rank_group(port):
         from fusedrl.workers.actor import ActorRole
 
         result = {}
@@ -81,7 +72,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
             recomputed = ActorRole(model_cfg, actor_cfg, rollout_n=2)
             torch.manual_seed(0)
             reused = ActorRole(model_cfg, actor_cfg, rollout_n=2)
-            before = _params(recomputed)
+            before = local_params(recomputed.model)
 
             batch = _batch()
             old = recomputed.compute_log_prob(
@@ -94,7 +85,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
             m_reused = reused.update(batch, temperature=0.7)
             forward = reused.forward_log_probs
 
-            p_rec, p_reu = _params(recomputed), _params(reused)
+            p_rec, p_reu = local_params(recomputed.model), local_params(reused.model)
             result[str(dynamic)] = {
                 "max_param_diff": max(float((p_rec[n] - p_reu[n]).abs().max()) for n in p_rec),
                 "max_param_change": max(float((p_rec[n] - before[n]).abs().max()) for n in p_rec),
@@ -106,8 +97,6 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
                 "ppo_kl": m_reused["actor/ppo_kl"],
             }
         Path(out_dir, "result.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_update_with_forward_old_log_probs_equals_recomputed(tiny_model_dir, tmp_path):
