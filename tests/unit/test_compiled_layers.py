@@ -139,6 +139,21 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
             out["grad_norm"] = [metrics[c]["actor/grad_norm"] for c in (False, True)]
             out["pg_loss"] = [metrics[c]["actor/pg_loss"] for c in (False, True)]
             result[str(checkpointing)] = out
+        # The HF rollout generates with the actor's module: its decoding steps (a new KV-cache length each)
+        # run eager instead of compiling a graph per step; only its scoring pass may compile.
+        from fusedrl.workers.rollout.base import SamplingConfig
+        from fusedrl.workers.rollout.hf_rollout import HFRollout
+
+        actor = roles[True][0]
+        rollout = HFRollout(actor.model, max_response_length=TR, eos_token_id=1, pad_token_id=0)
+        graphs_before = counters["stats"]["unique_graphs"]
+        prompts = _batch(6, [1] * 8)
+        out = rollout.generate(prompts, SamplingConfig(max_tokens=12, temperature=1.0))
+        result["hf_rollout"] = {
+            "graphs": counters["stats"]["unique_graphs"] - graphs_before,
+            "max_len": int(out.response_mask.sum(1).max()),
+        }
+
         # The critic follows actor_rollout_ref.model.compile_layers: its values (full padded width, no trim)
         from fusedrl.workers.critic import CriticRole
 
@@ -161,6 +176,10 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 def test_compiled_layers_match_eager(tiny_model_dir, tmp_path):
     mp.spawn(_worker, args=(free_port(), tiny_model_dir, str(tmp_path)), nprocs=1, join=True)
     result = json.loads((tmp_path / "result.json").read_text())
+    hf = result.pop("hf_rollout")
+    # Its scoring pass (eval mode, a new width) may compile 1-2 graphs; compiling each decoding step made
+    # 26 here (measured without the eager stance).
+    assert hf["max_len"] > 3 and hf["graphs"] <= 2, hf
     critic = result.pop("critic")
     assert critic["marked"] == [False, True], critic
     assert critic["value_diff"] < 1e-4 * max(1.0, critic["value_scale"]), critic

@@ -45,7 +45,10 @@ class HFRollout:
                 temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0) or None
             )
         del position_ids  # generate derives positions from the attention mask
-        out = self.model.generate(batch.prompts, **kwargs)  # type: ignore[operator]  # [B, Tp + t]
+        # Compiled layers (model.compile_layers) run eager here: every decoding step has a new KV-cache
+        # length, which would compile a graph per step.
+        with torch.compiler.set_stance("force_eager"):
+            out = self.model.generate(batch.prompts, **kwargs)  # type: ignore[operator]  # [B, Tp + t]
         generated = out[:, prompt_len:]  # [B, t]
         b = batch.num_samples
         responses = torch.full(
