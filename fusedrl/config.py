@@ -20,6 +20,7 @@ from fusedrl.config_sections import (
     FILTER_METRICS,
     check_number,
     checkpoint_contents_problems,
+    compile_layers_problems,
     rollout_correction_problems,
     schedule_problems,
     token_budget_problems,
@@ -492,7 +493,7 @@ def validate(cfg: DictConfig) -> None:
     if cpath:
         need(os.path.isfile(str(cpath)), f"`custom_reward_function.path`: file `{cpath}` does not exist.")
     problems.extend(token_budget_problems(cfg))
-    problems.extend(compile_layers_problems(cfg))
+    problems.extend(compile_layers_problems(cfg, with_critic=bool(needed_roles(cfg)["critic"])))
     from fusedrl.lora import lora_problems
 
     problems.extend(lora_problems(cfg))
@@ -511,41 +512,6 @@ def validate(cfg: DictConfig) -> None:
 
     if problems:
         raise ConfigError(problems)
-
-
-def compile_layers_problems(cfg: DictConfig) -> list[str]:
-    """``model.compile_layers`` compiles static shapes (`fusedrl.workers.layer_compile`): it takes padded
-    micro-batches of a fixed row count, and neither LoRA nor Ulysses (not supported compiled yet)."""
-    found: list[str] = []
-    arr = "actor_rollout_ref"
-    checks = {
-        f"{arr}.model": [
-            (f"{arr}.model.use_remove_padding", False),
-            (f"{arr}.model.lora_rank", 0),
-            (f"{arr}.actor.use_dynamic_bsz", False),
-            (f"{arr}.rollout.log_prob_use_dynamic_bsz", False),
-            (f"{arr}.ref.log_prob_use_dynamic_bsz", False),
-            (f"{arr}.actor.ulysses_sequence_parallel_size", 1),
-        ],
-    }
-    if needed_roles(cfg).get("critic"):
-        checks["critic.model"] = [
-            ("critic.model.use_remove_padding", False),
-            ("critic.use_dynamic_bsz", False),
-            ("critic.ulysses_sequence_parallel_size", 1),
-        ]
-    for section, keys in checks.items():
-        if not OmegaConf.select(cfg, f"{section}.compile_layers", default=False):
-            continue
-        for key, allowed in keys:  # the one value of each key that compiled layers support
-            value = OmegaConf.select(cfg, key)
-            if value != allowed:
-                found.append(
-                    f"`{section}.compile_layers`=true with `{key}`={value}: compiled layers run padded "
-                    f"micro-batches of a fixed row count, without LoRA or Ulysses. Set `{key}`={allowed}, or "
-                    f"`{section}.compile_layers=false`."
-                )
-    return found
 
 
 def import_plugin(spec: str) -> None:

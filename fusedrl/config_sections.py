@@ -1,5 +1,5 @@
 """Checks of single config sections (rollout correction, checkpoint contents, LR schedules, token
-budgets), called by `fusedrl.config.validate`; each appends problems that name the key and the fix."""
+budgets, compiled layers), called by `fusedrl.config.validate`; each appends problems that name the key and the fix."""
 
 from __future__ import annotations
 
@@ -148,3 +148,39 @@ def token_budget_problems(cfg: DictConfig) -> list[str]:
                 f"(or `{switch}=false`)."
             )
     return problems
+
+
+def compile_layers_problems(cfg: DictConfig, *, with_critic: bool) -> list[str]:
+    """``model.compile_layers`` compiles static shapes (`fusedrl.workers.layer_compile`): it takes padded
+    micro-batches of a fixed row count, and neither LoRA nor Ulysses (not supported compiled yet).
+    ``with_critic``: the run builds a critic, so ``critic.model.compile_layers`` is checked too."""
+    found: list[str] = []
+    arr = "actor_rollout_ref"
+    checks = {
+        f"{arr}.model": [
+            (f"{arr}.model.use_remove_padding", False),
+            (f"{arr}.model.lora_rank", 0),
+            (f"{arr}.actor.use_dynamic_bsz", False),
+            (f"{arr}.rollout.log_prob_use_dynamic_bsz", False),
+            (f"{arr}.ref.log_prob_use_dynamic_bsz", False),
+            (f"{arr}.actor.ulysses_sequence_parallel_size", 1),
+        ],
+    }
+    if with_critic:
+        checks["critic.model"] = [
+            ("critic.model.use_remove_padding", False),
+            ("critic.use_dynamic_bsz", False),
+            ("critic.ulysses_sequence_parallel_size", 1),
+        ]
+    for section, keys in checks.items():
+        if not OmegaConf.select(cfg, f"{section}.compile_layers", default=False):
+            continue
+        for key, allowed in keys:  # the one value of each key that compiled layers support
+            value = OmegaConf.select(cfg, key)
+            if value != allowed:
+                found.append(
+                    f"`{section}.compile_layers`=true with `{key}`={value}: compiled layers run padded "
+                    f"micro-batches of a fixed row count, without LoRA or Ulysses. Set `{key}`={allowed}, or "
+                    f"`{section}.compile_layers=false`."
+                )
+    return found

@@ -66,10 +66,13 @@ def has_compiled_layers(model: nn.Module) -> bool:
     return bool(getattr(model, _MARK, False))
 
 
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
 def bucket_width(width: int) -> int:
     """The smallest bucket >= ``width``: a multiple of ``max(MIN_STEP, 2**(bits(width) - 4))``."""
-    step = max(MIN_STEP, 1 << max(width.bit_length() - 4, 0))
-    return -(-width // step) * step
+    return _round_up(width, max(MIN_STEP, 1 << max(width.bit_length() - 4, 0)))
 
 
 def bucketed_window(first: int, last: int, prompt_len: int, resp_len: int) -> tuple[int, int]:
@@ -79,7 +82,7 @@ def bucketed_window(first: int, last: int, prompt_len: int, resp_len: int) -> tu
     ``last`` grows first (up to ``resp_len``) to a multiple of ``MIN_STEP``, so the LM head's
     ``logits_to_keep`` varies little too; then ``first`` moves left (down to 0). Every added column is
     padding in every row (the caller trimmed exactly those), so the result is the same up to rounding."""
-    last = min(-(-last // MIN_STEP) * MIN_STEP, resp_len)
+    last = min(_round_up(last, MIN_STEP), resp_len)
     width = prompt_len - first + last
     first = max(prompt_len + last - bucket_width(width), 0)
     return first, last

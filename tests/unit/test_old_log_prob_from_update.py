@@ -61,7 +61,6 @@ def _batch():
 
 
 def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-
     with single_rank_group(port):
         from fusedrl.workers.actor import ActorRole
 
