@@ -11,7 +11,8 @@ top operators by self CPU time (``torch.profiler``) on rank 0.
 ``--variants`` measures switches of the implementation side by side in one process, alternating, so a
 shared machine's load falls on all alike: ``base`` (everything on, float32), ``no_trim`` (micro-batches
 keep their all-padding columns, the behaviour before the trim), ``regather`` (FSDP2 re-gathers every unit
-for each micro-batch's forward and backward, its default, instead of once per pass), ``bf16`` (the same roles
+for each micro-batch's forward and backward, its default, instead of once per pass), ``gloo`` and
+``bf16_gloo`` (FSDP2's collectives through gloo instead of shared memory, `fusedrl.workers.shm_collectives`), ``bf16`` (the same roles
 under FSDP2 bf16 mixed precision, with ``model.attn_implementation=auto``: on CPU short sequences run as
 two matmuls, `fusedrl.workers.cpu_attention`), ``bf16_sdpa`` (the same with plain SDPA attention),
 ``packed`` and ``bf16_packed`` (``model.use_remove_padding=true``: no compute on padding), ``compiled`` and
@@ -188,7 +189,7 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
         "bf16_packed": ("bfloat16", "auto", True, False),
         "bf16_compiled": ("bfloat16", "auto", False, True),
     }.items():
-        if variant in args["variants"]:
+        if variant in args["variants"] or f"{variant}_gloo" in args["variants"]:
             bm, ba, br = role_settings(path, dtype, attn, args["micro"], packed, compiled)
             roles[variant] = (ActorRole(bm, ba, rollout_n=4), RefRole(bm, br))
     actor, ref = roles["base"]
@@ -226,7 +227,9 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
         nonlocal actor, ref
         logprob.TRIM_PADDING = defaults["trim"] and variant != "no_trim"
         fsdp.GATHER_ONCE_PER_PASS = defaults["once"] and variant != "regather"
-        actor, ref = roles[variant if variant in roles else "base"]
+        os.environ["FUSEDRL_SHM_COLLECTIVES"] = "0" if variant.endswith("gloo") else "1"
+        same_roles = variant.removesuffix("_gloo") if variant != "gloo" else "base"
+        actor, ref = roles[same_roles if same_roles in roles else "base"]
         current["variant"] = variant
 
     phases = {"old_log_prob": old, "ref": run_ref, "update": update, "hf_fwd_bwd": hf_pass}

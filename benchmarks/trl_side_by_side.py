@@ -20,7 +20,8 @@ may give the rollout's after a ``/`` (``fusedrl-2@bfloat16/float32``: bf16 train
 ``fusedrl-2+packed`` turns on ``model.use_remove_padding`` (no compute on padding; what verl's example
 scripts set); ``+eager`` runs the rollout engine eager (``rollout.enforce_eager=true``; by default vLLM
 compiles its model with torch.compile on CPU); ``+compiled`` compiles the training passes' decoder layers
-(``model.compile_layers=true``). Flags combine: ``fusedrl-2+packed+eager``.
+(``model.compile_layers=true``); ``+gloo`` sends the workers' collectives through gloo instead of shared
+memory (``FUSEDRL_SHM_COLLECTIVES=0``). Flags combine: ``fusedrl-2+packed+eager``.
 "vs TRL" divides by the fastest TRL variant's median (TRL's best mode in this run).
 
 ``--isa avx2`` emulates an AVX2-only CPU on a newer one: every process runs with
@@ -169,11 +170,14 @@ def main() -> None:
             res = run_trl(args.steps, train, args.preset)
         else:
             base, *flags = name.split("+")
-            unknown = set(flags) - {"packed", "eager", "compiled"}
+            unknown = set(flags) - {"packed", "eager", "compiled", "gloo"}
             if unknown:
                 sys.exit(
-                    f"unknown variant flag(s) {sorted(unknown)} in {args.one!r}: use +packed, +eager, +compiled"
+                    f"unknown variant flag(s) {sorted(unknown)} in {args.one!r}: "
+                    "use +packed, +eager, +compiled, +gloo"
                 )
+            if "gloo" in flags:  # FSDP2's collectives and the weight stream through gloo, not shared memory
+                os.environ["FUSEDRL_SHM_COLLECTIVES"] = "0"
             res = run_fusedrl(
                 int(base.split("-")[1]),
                 args.steps,

@@ -18,7 +18,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+
+from fusedrl.workers.shm_collectives import for_group, install_on_fsdp
 
 DTYPES = {
     "float32": torch.float32,
@@ -106,6 +108,8 @@ def apply_fsdp2(
     # generate skips the wrapper's forward), and the wrapper forwards FSDP's methods to it.
     root = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
     fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    # CPU ranks on one host gather and reduce through shared memory instead of gloo's TCP loopback.
+    install_on_fsdp(fsdp_units(model))
     return model
 
 
@@ -224,7 +228,24 @@ def gather_full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tuple
         return tensor, cast
     if tensor.device_mesh.size() == 1:
         return tensor.to_local(), cast
+    if tensor.device_mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),) and tensor.device.type == "cpu":
+        shm = for_group(tensor.device_mesh.get_group())
+        if shm is not None:
+            return _gather_dim0(shm, tensor), True
     return tensor.full_tensor(), True
+
+
+def _gather_dim0(shm, tensor: DTensor) -> torch.Tensor:
+    """``tensor.full_tensor()`` for FSDP2's dim-0 sharding (``torch.chunk``: rank r holds rows
+    ``[r * c, (r + 1) * c)`` of ``c = ceil(rows / W)``, the last ranks fewer or none), through shared memory."""
+    local = tensor.to_local()
+    rows, world, rank = tensor.shape[0], shm.world, shm.rank
+    chunk = -(-rows // world)
+    out = torch.empty((chunk * world, *tensor.shape[1:]), dtype=local.dtype)
+    mine = out[rank * chunk : (rank + 1) * chunk]
+    mine[: local.shape[0]].copy_(local)
+    shm.all_gather(out.view(-1), mine.reshape(-1))
+    return out[:rows] if chunk * world != rows else out
 
 
 def stream_full_tensors(

@@ -1,0 +1,213 @@
+"""Shared-memory collectives for CPU ranks on one host (`fusedrl.workers.shm_collectives`).
+
+Two spawned gloo ranks compare every shared-memory result with gloo's own collective on the same inputs:
+all-gathers and reduce-scatters (sum and mean) in float32 and bfloat16, sizes that grow the segment,
+back-to-back calls with the ranks out of step (the double buffer), the weight stream's dim-0 gather of
+unevenly sharded DTensors, and one actor update with FSDP2 routed through shared memory or through gloo
+(the same parameters, bit for bit). The fallbacks are checked too: switched off by the environment, and a
+``/dev/shm`` that cannot hold the segment (one warning, gloo's results).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from support import free_port, padded_batch
+
+
+def _entry(rank: int, world_size: int, port: int, body, args: tuple) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        body(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(body, tmp_path: Path, *args) -> list[dict]:
+    mp.spawn(_entry, args=(2, free_port(), body, (str(tmp_path), *args)), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+# ------------------------------------------------------------------------------------------ collectives
+def _collectives(rank: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fusedrl.workers import shm_collectives as sc
+    from fusedrl.workers.fsdp import build_mesh, gather_full
+
+    shm = sc.for_group(dist.group.WORLD)
+    res: dict = {"active": shm is not None, "left_in_shm": [], "mismatch": []}
+    # Rank 0 reads late after every barrier: with one buffer instead of two, rank 1 would already be
+    # writing its next call's data over what rank 0 is about to read.
+    real_barrier = dist.barrier
+
+    def late_barrier(*args, **kwargs):
+        real_barrier(*args, **kwargs)
+        if rank == 0:
+            time.sleep(0.01)
+
+    dist.barrier = late_barrier
+    gen = torch.Generator().manual_seed(100 + rank)
+    # Sizes grow (new segments) and shrink (reuse). The shared-memory calls run back to back, with nothing
+    # else synchronising the ranks in between; gloo's results on the same inputs are computed afterwards.
+    cases = []
+    for numel, dtype in [(6, torch.float32), (1000, torch.bfloat16), (3 << 18, torch.float32), (10, torch.bfloat16)] * 2:
+        full = torch.randn(2 * numel, generator=gen).to(dtype)
+        shard = torch.randn(numel, generator=gen).to(dtype)
+        gathered = torch.empty(2 * numel, dtype=dtype)
+        shm.all_gather(gathered, shard)
+        reduced = {}
+        for average in (False, True):
+            reduced[average] = torch.empty(numel, dtype=dtype)
+            shm.reduce_scatter(reduced[average], full, average=average)
+        res["left_in_shm"] += [n for n in os.listdir("/dev/shm") if n.startswith("fusedrl-coll-")]
+        cases.append((numel, dtype, full, shard, gathered, reduced))
+    dist.barrier = real_barrier
+    for numel, dtype, full, shard, gathered, reduced in cases:
+        theirs = torch.empty(2 * numel, dtype=dtype)
+        dist.all_gather_single(theirs, shard)
+        if not torch.equal(gathered, theirs):
+            res["mismatch"].append(("all_gather", numel, str(dtype)))
+        for average in (False, True):
+            theirs = torch.empty(numel, dtype=dtype)
+            op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+            dist.reduce_scatter_single(theirs, full.clone(), op=op)
+            if not torch.equal(reduced[average], theirs):
+                res["mismatch"].append(("reduce_scatter", average, numel, str(dtype)))
+    res["generations"] = shm.generation
+    # the weight stream's gather of FSDP2-style dim-0 shards, rows not divisible by the ranks
+    mesh = build_mesh()
+    for shape in [(5, 3), (1, 4), (7,), (4, 2, 2)]:
+        whole = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float32).reshape(shape)
+        dt = distribute_tensor(whole, mesh, [Shard(0)])
+        got, is_new = gather_full(dt, torch.bfloat16)
+        if not (is_new and got.is_contiguous() and torch.equal(got, whole.to(torch.bfloat16))):
+            res["mismatch"].append(("gather_full", shape))
+        if tuple(got.shape) != shape:
+            res["mismatch"].append(("gather_full shape", shape, tuple(got.shape)))
+    torch.save(res, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.timeout(300)
+def test_shared_memory_collectives_equal_gloo(tmp_path):
+    for r in _spawn(_collectives, tmp_path):
+        assert r["active"], "two ranks on one host must get the shared-memory path"
+        assert r["mismatch"] == []
+        assert r["left_in_shm"] == []  # every segment's name is unlinked once all ranks mapped it
+        assert r["generations"] >= 2  # the segment grew at least once
+
+
+# -------------------------------------------------------------------------------------------- fallbacks
+def _fallbacks(rank: int, out: str) -> None:
+    import logging
+
+    import torch.distributed as dist
+
+    from fusedrl.workers import shm_collectives as sc
+
+    res: dict = {}
+    os.environ[sc.ENV] = "0"
+    sc._BY_GROUP.clear()
+    res["off_by_env"] = sc.for_group(dist.group.WORLD) is None
+    os.environ[sc.ENV] = "1"
+    sc._BY_GROUP.clear()
+    shm = sc.for_group(dist.group.WORLD)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    sc.logger.addHandler(handler)
+    real = os.posix_fallocate
+
+    def full_tmpfs(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    os.posix_fallocate = full_tmpfs
+    try:
+        shard = torch.full((3,), float(rank + 1))
+        ours = torch.empty(6)
+        shm.all_gather(ours, shard)  # falls back to gloo
+        res["fallback_gather"] = ours.tolist()
+        summed = torch.empty(2)
+        shm.reduce_scatter(summed, torch.arange(4.0) * (rank + 1), average=False)
+        res["fallback_scatter"] = summed.tolist()
+    finally:
+        os.posix_fallocate = real
+    res["warnings"] = records
+    torch.save(res, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.timeout(300)
+def test_fallbacks_to_gloo(tmp_path):
+    ranks = _spawn(_fallbacks, tmp_path)
+    for rank, r in enumerate(ranks):
+        assert r["off_by_env"]
+        assert r["fallback_gather"] == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+        # chunk `rank` of arange(4) * 1 + arange(4) * 2 = 3 * arange(4)
+        assert r["fallback_scatter"] == [3.0 * (2 * rank), 3.0 * (2 * rank + 1)]
+        assert len(r["warnings"]) == 1 and "No space left" in r["warnings"][0] and "gloo" in r["warnings"][0]
+
+
+# ---------------------------------------------------------------------------------------- FSDP2 update
+PROMPT_LENS = [8, 3, 5, 2, 7, 4, 6, 1]
+RESPONSE_LENS = [6, 2, 4, 6, 3, 5, 1, 2]
+
+
+def _update(rank: int, out: str, model_dir: str) -> None:
+    from fusedrl.role_config import role_configs_from_overrides
+    from fusedrl.workers import shm_collectives as sc
+    from fusedrl.workers.actor import ActorRole
+
+    gen = torch.Generator().manual_seed(5)
+    full = padded_batch(PROMPT_LENS, RESPONSE_LENS, tp=8, tr=6, gen=gen)
+    full.advantages = torch.randn(8, 1, generator=gen).expand(-1, 6) * full.response_mask
+    shard = full[torch.arange(rank * 4, rank * 4 + 4)]
+    res: dict = {}
+    for use_shm in (False, True):
+        os.environ[sc.ENV] = "1" if use_shm else "0"
+        sc._BY_GROUP.clear()
+        cfg = role_configs_from_overrides(
+            [
+                "data.train_files=unused",
+                f"actor_rollout_ref.model.path={model_dir}",
+                "actor_rollout_ref.rollout.n=2",
+                "actor_rollout_ref.rollout.dtype=float32",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                "actor_rollout_ref.actor.optim.lr=1e-3",
+            ]
+        )
+        actor = ActorRole(cfg.model, cfg.actor, rollout_n=2)
+        lp = actor.compute_log_prob(shard, temperature=0.7, micro_batch_size=2)
+        train = shard.clone()
+        train.old_log_probs = lp
+        metrics = actor.update(train, temperature=0.7)
+        shm = next(iter(sc._BY_GROUP.values()), None)
+        res[use_shm] = {
+            "log_probs": lp,
+            "grad_norm": metrics["actor/grad_norm"],
+            "params": {n: p.full_tensor().clone() for n, p in actor.model.named_parameters()},
+            "shm_calls": shm.calls if shm is not None else 0,
+        }
+        del actor
+    torch.save(res, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_update_through_shared_memory_equals_gloo(tiny_model_dir, tmp_path):
+    for r in _spawn(_update, tmp_path, tiny_model_dir):
+        gloo, shm = r[False], r[True]
+        assert gloo["shm_calls"] == 0 and shm["shm_calls"] > 0
+        assert torch.equal(shm["log_probs"], gloo["log_probs"])
+        assert shm["grad_norm"] == gloo["grad_norm"]
+        for name, value in gloo["params"].items():
+            assert torch.equal(shm["params"][name], value), name
