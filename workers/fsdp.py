@@ -228,7 +228,11 @@ def gather_full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tuple
         return tensor, cast
     if tensor.device_mesh.size() == 1:
         return tensor.to_local(), cast
-    if tensor.device_mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),) and tensor.device.type == "cpu":
+    if (
+        tensor.device_mesh.ndim == 1
+        and tuple(tensor.placements) == (Shard(0),)
+        and tensor.device.type == "cpu"
+    ):
         shm = for_group(tensor.device_mesh.get_group())
         if shm is not None:
             return _gather_dim0(shm, tensor), True

@@ -183,7 +183,9 @@ class ShmCollectives:
         ``world * n``)."""
         n = output.numel()
         if input.numel() != n * self.world:
-            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {self.world} x {n}")
+            raise ValueError(
+                f"reduce_scatter: input has {input.numel()} elements, expected {self.world} x {n}"
+            )
         half = self._begin(input.numel() * input.element_size())
         if half is None:
             op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM

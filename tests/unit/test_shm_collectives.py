@@ -61,7 +61,12 @@ def _collectives(rank: int, out: str) -> None:
     # Sizes grow (new segments) and shrink (reuse). The shared-memory calls run back to back, with nothing
     # else synchronising the ranks in between; gloo's results on the same inputs are computed afterwards.
     cases = []
-    for numel, dtype in [(6, torch.float32), (1000, torch.bfloat16), (3 << 18, torch.float32), (10, torch.bfloat16)] * 2:
+    for numel, dtype in [
+        (6, torch.float32),
+        (1000, torch.bfloat16),
+        (3 << 18, torch.float32),
+        (10, torch.bfloat16),
+    ] * 2:
         full = torch.randn(2 * numel, generator=gen).to(dtype)
         shard = torch.randn(numel, generator=gen).to(dtype)
         gathered = torch.empty(2 * numel, dtype=dtype)
