@@ -17,7 +17,7 @@ under FSDP2 bf16 mixed precision, with ``model.attn_implementation=auto``: on CP
 two matmuls, `fusedrl.workers.cpu_attention`), ``bf16_sdpa`` (the same with plain SDPA attention),
 ``packed`` and ``bf16_packed`` (``model.use_remove_padding=true``: no compute on padding), ``compiled`` and
 ``bf16_compiled`` (``model.compile_layers=true``: torch.compile of each decoder layer, compiled during the
-warm-up, which is not timed).
+warm-up, which is not timed), ``bf16_packed_compiled`` (both).
 
     python -m benchmarks.train_passes [--layouts 1x2,2x1] [--preset small] [--reps 3] [--variants base,no_trim]
 """
@@ -188,6 +188,7 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
         "bf16_sdpa": ("bfloat16", "sdpa", False, False),
         "bf16_packed": ("bfloat16", "auto", True, False),
         "bf16_compiled": ("bfloat16", "auto", False, True),
+        "bf16_packed_compiled": ("bfloat16", "auto", True, True),
     }.items():
         if variant in args["variants"] or f"{variant}_gloo" in args["variants"]:
             bm, ba, br = role_settings(path, dtype, attn, args["micro"], packed, compiled)

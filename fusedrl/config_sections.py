@@ -151,14 +151,14 @@ def token_budget_problems(cfg: DictConfig) -> list[str]:
 
 
 def compile_layers_problems(cfg: DictConfig, *, with_critic: bool) -> list[str]:
-    """``model.compile_layers`` compiles static shapes (`fusedrl.workers.layer_compile`): it takes padded
-    micro-batches of a fixed row count, and neither LoRA nor Ulysses (not supported compiled yet).
+    """``model.compile_layers`` compiles static shapes (`fusedrl.workers.layer_compile`): it takes
+    micro-batches of a fixed row count (padded or packed), and neither LoRA nor Ulysses (not supported
+    compiled yet).
     ``with_critic``: the run builds a critic, so ``critic.model.compile_layers`` is checked too."""
     found: list[str] = []
     arr = "actor_rollout_ref"
     checks = {
         f"{arr}.model": [
-            (f"{arr}.model.use_remove_padding", False),
             (f"{arr}.model.lora_rank", 0),
             (f"{arr}.actor.use_dynamic_bsz", False),
             (f"{arr}.rollout.log_prob_use_dynamic_bsz", False),
@@ -168,7 +168,6 @@ def compile_layers_problems(cfg: DictConfig, *, with_critic: bool) -> list[str]:
     }
     if with_critic:
         checks["critic.model"] = [
-            ("critic.model.use_remove_padding", False),
             ("critic.use_dynamic_bsz", False),
             ("critic.ulysses_sequence_parallel_size", 1),
         ]
@@ -179,7 +178,7 @@ def compile_layers_problems(cfg: DictConfig, *, with_critic: bool) -> list[str]:
             value = OmegaConf.select(cfg, key)
             if value != allowed:
                 found.append(
-                    f"`{section}.compile_layers`=true with `{key}`={value}: compiled layers run padded "
+                    f"`{section}.compile_layers`=true with `{key}`={value}: compiled layers run "
                     f"micro-batches of a fixed row count, without LoRA or Ulysses. Set `{key}`={allowed}, or "
                     f"`{section}.compile_layers=false`."
                 )

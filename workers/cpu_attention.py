@@ -114,7 +114,7 @@ def packed_attention(
     would get; longer sequences get their own causal attention one at a time."""
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     if max(lengths) < MATMUL_BELOW:
-        return _padded_segments_attention(query, key, value, bounds, lengths, scaling=scaling)
+        return segments_attention(query, key, value, segment_layout(lengths), scaling=scaling)
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
@@ -134,22 +134,50 @@ def _causal_attention(
     )
 
 
-def _padded_segments_attention(
+# The keyword a packed forward of a compiled model passes its `segment_layout` under: Transformers hands
+# the model's extra keywords down to every attention call.
+LAYOUT_KWARG = "fusedrl_segments"
+
+
+def segment_layout(
+    lengths: list[int], *, total: int | None = None, longest: int | None = None, device: Any = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each token of a packed row goes in a right-padded ``[S, L]`` batch of its sequences:
+    ``(row [N], col [N], mask [S, 1, L, L])``, the mask causal over each row's real keys.
+
+    ``lengths``: the sequences' lengths in row order. ``total`` > sum(lengths): the row ends in that many
+    filler tokens (a compiled model's packed row, widened to a few sizes), which go to one extra row at
+    columns clamped to ``L - 1``; they attend among themselves only and nothing attends to them.
+    ``longest`` >= max(lengths) widens ``L`` (again for a few sizes); the added keys are masked."""
+    real_total = sum(lengths)
+    total = real_total if total is None else total
+    filler = total - real_total
+    longest = max(lengths) if longest is None else longest
+    counts = list(lengths) + ([filler] if filler > 0 else [])
+    s_count = len(counts)
+    starts = torch.tensor([0, *counts[:-1]], device=device).cumsum(0)  # [S]
+    sizes = torch.tensor(counts, device=device)  # [S]
+    row = torch.repeat_interleave(torch.arange(s_count, device=device), sizes)  # [N]
+    col = (torch.arange(total, device=device) - starts[row]).clamp(max=longest - 1)  # [N]
+    pos = torch.arange(longest, device=device)
+    real = pos[None] < sizes[:, None]  # [S, L] keys that exist
+    mask = (pos[None, :, None] >= pos[None, None, :]) & real[:, None, :]  # [S, L, L] causal, real keys
+    return row, col, mask[:, None]  # [N], [N], [S, 1, L, L]
+
+
+def segments_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    bounds: list[int],
-    lengths: list[int],
+    layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     *,
     scaling: float,
 ) -> torch.Tensor:
-    """`packed_attention` for short sequences: scatter them into a right-padded ``[S, heads, L, d]`` batch,
-    attend with a causal + key-padding mask, gather the real positions back (all differentiable)."""
-    n, device = query.shape[2], query.device
-    s_count, longest = len(lengths), max(lengths)
-    starts = torch.tensor(bounds[:-1], device=device)  # [S]
-    row = torch.repeat_interleave(torch.arange(s_count, device=device), torch.tensor(lengths, device=device))
-    col = torch.arange(n, device=device) - starts[row]  # [N] position within its sequence
+    """`packed_attention` through a `segment_layout`: scatter the row's tokens into a right-padded
+    ``[S, heads, L, d]`` batch, attend with the layout's mask, gather the tokens back (all differentiable;
+    shapes depend only on the layout's, so a compiled layer sees one shape per layout size)."""
+    row, col, mask = layout
+    s_count, longest = mask.shape[0], mask.shape[-1]
 
     def to_rows(x: torch.Tensor) -> torch.Tensor:  # [1, H, N, d] -> [S, H, L, d]
         rows = x.new_zeros(s_count, longest, x.shape[1], x.shape[3])
@@ -157,10 +185,6 @@ def _padded_segments_attention(
         return rows.transpose(1, 2)
 
     q, k, v = to_rows(query), to_rows(key), to_rows(value)
-    pos = torch.arange(longest, device=device)
-    real = pos[None] < torch.tensor(lengths, device=device)[:, None]  # [S, L] keys that exist
-    mask = (pos[None, :, None] >= pos[None, None, :]) & real[:, None, :]  # [S, L, L] causal, real keys
-    mask = mask[:, None]  # [S, 1, L, L]
     out = _causal_attention(q, k, v, mask, scaling=scaling)  # [S, h, L, d]
     return out.transpose(1, 2)[row, col].transpose(0, 1)[None]  # [1, h, N, d]
 
@@ -188,6 +212,9 @@ def attention(
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     # A sliding window lives in Transformers' mask only: a packed row with one goes to SDPA with that mask.
     packable = plain and causal and dropout == 0.0 and kwargs.get("sliding_window") is None
+    layout = kwargs.get(LAYOUT_KWARG)
+    if packable and layout is not None and query.shape[0] == 1 and query.shape[2] == layout[0].shape[0]:
+        return segments_attention(query, key, value, layout, scaling=scale).transpose(1, 2).contiguous(), None
     bounds = packed_segments(kwargs.get("position_ids"), query, key) if packable else None
     if bounds is not None:
         return packed_attention(query, key, value, bounds, scaling=scale).transpose(1, 2).contiguous(), None

@@ -11,9 +11,10 @@ the reference pass 25% and the update 15-20% faster than eager; on an AVX-512 BF
 the reference about the same; ``dynamic=True`` was slower than eager). A new shape costs a
 compile (seconds), so the padded forwards keep the number of shapes small: `bucketed_window` widens the
 trimmed padding window to one of a few widths per doubling (padding columns are masked, so results do
-not change), and micro-batches have a fixed row count. Packed sequences (``use_remove_padding``) and
-token-budget micro-batches (``use_dynamic_bsz``) change shape every micro-batch; `fusedrl.config` refuses
-them with this key, as it refuses LoRA and Ulysses.
+not change), packed rows (``use_remove_padding``) are widened the same way with filler tokens and carry
+their attention layout (`fusedrl.workers.packing.pack_batch`), and micro-batches have a fixed row count.
+Token-budget micro-batches (``use_dynamic_bsz``) change their row count every micro-batch;
+`fusedrl.config` refuses them with this key, as it refuses LoRA and Ulysses.
 
 On CPU Inductor needs a C++ compiler; without one the layers stay eager and one line says so.
 """

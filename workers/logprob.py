@@ -149,7 +149,7 @@ def response_log_probs(
             grad_scale=float(dist.get_world_size(sp_group)),  # FSDP averages over the group: see ulysses
         )
     if remove_padding:
-        packed = pack_batch(batch)
+        packed = pack_batch(batch, bucketed=has_compiled_layers(model))
         log_probs, entropy = _token_log_probs(
             packed.response_logits(model),  # [M, V]
             packed.targets,

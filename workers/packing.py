@@ -17,7 +17,7 @@ batch, zero on padding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +35,8 @@ class PackedBatch:
                    ``N`` of the position whose output predicts it.
     targets:       [M] int64, those response token ids.
     response_mask: [b, Tr] bool, where the ``M`` response tokens sit in the padded layout.
+    model_kwargs:  extra keywords of the model's forward: for a compiled model, the row's
+                   `fusedrl.workers.cpu_attention.segment_layout` (see `pack_batch`).
     """
 
     input_ids: torch.Tensor
@@ -42,10 +44,13 @@ class PackedBatch:
     pred_index: torch.Tensor
     targets: torch.Tensor
     response_mask: torch.Tensor
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def forward(self, model: torch.nn.Module) -> Any:
         """The model's forward on the packed row (no attention mask: the position restarts are the mask)."""
-        return model(input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=None)
+        return model(
+            input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=None, **self.model_kwargs
+        )
 
     def response_logits(self, model: torch.nn.Module) -> torch.Tensor:
         """A causal LM's logits ``[M, V]`` at the positions that predict the response tokens: the LM head
@@ -55,6 +60,7 @@ class PackedBatch:
             position_ids=self.position_ids,
             attention_mask=None,
             logits_to_keep=self.pred_index,
+            **self.model_kwargs,
         )
         return out.logits[0]  # [M, V]
 
@@ -68,11 +74,16 @@ class PackedBatch:
         return out.masked_scatter(self.response_mask, values)  # [b, Tr]
 
 
-def pack_batch(batch: RolloutBatch) -> PackedBatch:
+def pack_batch(batch: RolloutBatch, *, bucketed: bool = False) -> PackedBatch:
     """Pack the real prompt+response tokens of ``batch``'s rows into one row (see the module docstring).
 
     Tokens are kept where ``batch.sequences()``'s attention mask is 1 and keep the positions that
     method gives them, so the packed forward sees exactly what the padded forward attends to.
+
+    ``bucketed`` (a model with compiled layers, `fusedrl.workers.layer_compile`): the row is widened with
+    filler tokens to a `bucket_width` and carries its `segment_layout` (longest sequence also widened to a
+    bucket) for the attention, so a compiled layer sees a few shapes per run instead of one per
+    micro-batch. The filler sits after every real token, attends only to itself and is never read.
     """
     input_ids, attention_mask, position_ids = batch.sequences()  # [b, Tp+Tr] each
     keep = attention_mask.bool()  # [b, Tp+Tr]
@@ -83,10 +94,24 @@ def pack_batch(batch: RolloutBatch) -> PackedBatch:
     # The response token at packed index k is predicted by the output at k - 1: the previous real token
     # of the same sequence (the last prompt token for the first response token).
     pred_index = flat_index[:, prompt_len:][response_mask] - 1  # [M]
+    ids, pos = input_ids[keep].unsqueeze(0), position_ids[keep].unsqueeze(0)  # [1, N] each
+    model_kwargs: dict[str, Any] = {}
+    if bucketed:
+        from fusedrl.workers.cpu_attention import LAYOUT_KWARG, segment_layout
+        from fusedrl.workers.layer_compile import bucket_width
+
+        lengths = keep.sum(1).tolist()  # real tokens per row
+        total, longest = bucket_width(ids.shape[1]), bucket_width(max(max(lengths), 1))
+        filler = total - ids.shape[1]
+        if filler:
+            ids = torch.cat([ids, ids.new_zeros(1, filler)], dim=1)  # [1, total]
+            pos = torch.cat([pos, (torch.arange(filler, device=pos.device) % longest)[None]], dim=1)
+        model_kwargs[LAYOUT_KWARG] = segment_layout(lengths, total=total, longest=longest, device=ids.device)
     return PackedBatch(
-        input_ids=input_ids[keep].unsqueeze(0),  # [1, N]
-        position_ids=position_ids[keep].unsqueeze(0),  # [1, N]
+        input_ids=ids,  # [1, N] (bucketed: [1, total])
+        position_ids=pos,  # [1, N] (bucketed: [1, total])
         pred_index=pred_index.clamp(min=0),  # [M]; >= 0 whenever every row has a prompt token
         targets=batch.responses[response_mask],  # [M]
         response_mask=response_mask,  # [b, Tr]
+        model_kwargs=model_kwargs,
     )

@@ -54,7 +54,7 @@ def test_bucketed_window(first, last, prompt_len, resp_len, expected):
     assert width == bucket_width(width) or new_first == 0
 
 
-def _configs(model_dir: str, compiled: bool, checkpointing: bool):
+def _configs(model_dir: str, compiled: bool, checkpointing: bool, packed: bool = False):
     from fusedrl.role_config import role_configs_from_overrides
 
     actor = "actor_rollout_ref.actor"
@@ -64,6 +64,7 @@ def _configs(model_dir: str, compiled: bool, checkpointing: bool):
             f"actor_rollout_ref.model.path={model_dir}",
             f"actor_rollout_ref.model.compile_layers={compiled}",
             f"actor_rollout_ref.model.enable_gradient_checkpointing={checkpointing}",
+            f"actor_rollout_ref.model.use_remove_padding={packed}",
             "actor_rollout_ref.rollout.n=2",
             f"{actor}.ppo_mini_batch_size=4",  # the whole 8-row batch in one optimizer step
             f"{actor}.ppo_micro_batch_size_per_gpu=4",
@@ -88,18 +89,41 @@ def _batch(seed: int, response_lens: list[int]):
     return batch
 
 
-def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+def _packed_shapes(batches: list) -> tuple[set, set]:
+    """(exact packed lengths, bucketed (length, layout) shapes) of the 4-row micro-batches of ``batches``."""
+    from fusedrl.workers.cpu_attention import LAYOUT_KWARG
+    from fusedrl.workers.packing import pack_batch
+
+    exact, bucketed = set(), set()
+    for batch in batches:
+        for start in (0, 4):
+            mb = batch[start : start + 4]
+            exact.add(pack_batch(mb).input_ids.shape[1])
+            packed = pack_batch(mb, bucketed=True)
+            bucketed.add((packed.input_ids.shape[1], tuple(packed.model_kwargs[LAYOUT_KWARG][2].shape)))
+    return exact, bucketed
+
+
+def _worker(rank: int, port: int, model_dir: str, out_dir: str, packed: bool) -> None:
     from torch._dynamo.utils import counters
 
     with single_rank_group(port):
         from fusedrl.workers.actor import ActorRole, RefRole
         from fusedrl.workers.layer_compile import has_compiled_layers
 
-        result = {}
+        result: dict = {}
+        cases = (
+            (1, [20, 9, 4, 3, 17, 11, 2, 6]),
+            (2, [18, 3, 8, 12, 5, 19, 7, 14]),
+            (3, [17, 1, 2, 3, 20, 9, 9, 9]),
+        )
+        if packed:
+            exact, bucketed = _packed_shapes([_batch(seed, lens) for seed, lens in cases])
+            result["packed_shapes"] = {"exact": len(exact), "bucketed": len(bucketed)}
         for checkpointing in (False, True):
             roles = {}
             for compiled in (False, True):
-                model_cfg, actor_cfg, ref_cfg, _ = _configs(model_dir, compiled, checkpointing)
+                model_cfg, actor_cfg, ref_cfg, _ = _configs(model_dir, compiled, checkpointing, packed)
                 torch.manual_seed(0)
                 roles[compiled] = (ActorRole(model_cfg, actor_cfg, rollout_n=2), RefRole(model_cfg, ref_cfg))
             before = local_params(roles[False][0].model)
@@ -107,12 +131,8 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
             graphs_before = counters["stats"]["unique_graphs"]
             lp_diffs, ref_diffs = [], []
             # Three batches whose micro-batches need 17-20 response columns: four different widths, one
-            # bucket (every width rounds up to TP + 20 = 44 columns).
-            for seed, lens in (
-                (1, [20, 9, 4, 3, 17, 11, 2, 6]),
-                (2, [18, 3, 8, 12, 5, 19, 7, 14]),
-                (3, [17, 1, 2, 3, 20, 9, 9, 9]),
-            ):
+            # bucket (every width rounds up to TP + 20 = 44 columns). Packed: see `_packed_shapes`.
+            for seed, lens in cases:
                 batch = _batch(seed, lens)
                 lps = {}
                 for compiled, (actor, ref) in roles.items():
@@ -159,7 +179,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 
         values = {}
         for compiled in (False, True):
-            critic_cfg = _configs(model_dir, compiled, False)[3]
+            critic_cfg = _configs(model_dir, compiled, False, packed)[3]
             torch.manual_seed(0)  # the value head starts from the same random draw
             critic = CriticRole(critic_cfg, rollout_n=2)
             batch = _batch(5, [20, 9, 4, 17, 2, 11, 20, 6])
@@ -173,9 +193,17 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         Path(out_dir, "result.json").write_text(json.dumps(result))
 
 
-def test_compiled_layers_match_eager(tiny_model_dir, tmp_path):
-    mp.spawn(_worker, args=(free_port(), tiny_model_dir, str(tmp_path)), nprocs=1, join=True)
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_compiled_layers_match_eager(tiny_model_dir, tmp_path, packed):
+    mp.spawn(_worker, args=(free_port(), tiny_model_dir, str(tmp_path), packed), nprocs=1, join=True)
     result = json.loads((tmp_path / "result.json").read_text())
+    # Packed (use_remove_padding): the rows' lengths differ in every micro-batch; widened to buckets they
+    # take fewer shapes, and each shape compiles one graph (two if actor and reference are guarded apart).
+    shapes = result.pop("packed_shapes", None)
+    most_graphs = 2
+    if packed:
+        assert shapes["bucketed"] < shapes["exact"], shapes
+        most_graphs = 2 * shapes["bucketed"]
     hf = result.pop("hf_rollout")
     # Its scoring pass (eval mode, a new width) may compile 1-2 graphs; compiling each decoding step made
     # 26 here (measured without the eager stance).
@@ -187,7 +215,7 @@ def test_compiled_layers_match_eager(tiny_model_dir, tmp_path):
         assert r["marked"] == [False, True], (checkpointing, r)
         # Really compiled, and one bucket means one shape: one no-grad graph (two if the actor's and the
         # reference's layers are guarded apart), where the exact widths would have compiled 4 per role.
-        assert 1 <= r["graphs"] <= 2, (checkpointing, r)
+        assert 1 <= r["graphs"] <= most_graphs, (checkpointing, r)
         assert r["log_prob_diff"] < 1e-4, (checkpointing, r)
         assert r["ref_diff"] < 1e-4, (checkpointing, r)
         assert r["max_param_change"] > 0.5 * LR, (checkpointing, r)  # a real Adam step
@@ -208,14 +236,14 @@ def test_compile_layers_refuses_shape_changing_settings(tiny_model_dir, arithmet
                 f"data.train_files={train}",
                 f"actor_rollout_ref.model.path={tiny_model_dir}",
                 "actor_rollout_ref.model.compile_layers=true",
-                "actor_rollout_ref.model.use_remove_padding=true",
+                "actor_rollout_ref.model.use_remove_padding=true",  # accepted: packed rows are bucketed
                 "actor_rollout_ref.actor.use_dynamic_bsz=true",
                 "actor_rollout_ref.model.lora_rank=4",
             ]
         )
     text = str(err.value)
+    assert "use_remove_padding" not in text, text
     for key in (
-        "actor_rollout_ref.model.use_remove_padding",
         "actor_rollout_ref.actor.use_dynamic_bsz",
         "actor_rollout_ref.model.lora_rank",
     ):
