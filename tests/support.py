@@ -82,6 +82,22 @@ def single_rank_group(port: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def gloo_rank(rank: int, world_size: int, port: int, body: Callable[..., None], args: tuple) -> None:
+    """``mp.spawn`` target: join a ``world_size``-rank gloo group (one torch thread), run
+    ``body(rank, *args)``, leave the group."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        body(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
 def local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies of this rank's FSDP2 parameter shards, by parameter name."""
     return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}

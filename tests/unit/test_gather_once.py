@@ -11,13 +11,12 @@ and a later forward gathers again).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support import free_port, padded_batch
+from support import free_port, gloo_rank, padded_batch
 
 ROLLOUT_N = 2
 TP, TR = 8, 6
@@ -104,22 +103,10 @@ def _rank(rank: int, model_dir: str, out: str) -> None:
     torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
-def _entry(rank: int, world_size: int, port: int, args: tuple) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        _rank(rank, *args)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def ranks(tiny_model_dir, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("gather_once")
-    mp.spawn(_entry, args=(2, free_port(), (tiny_model_dir, str(out))), nprocs=2, join=True)
+    mp.spawn(gloo_rank, args=(2, free_port(), _rank, (tiny_model_dir, str(out))), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -17,23 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support import free_port, padded_batch
-
-
-def _entry(rank: int, world_size: int, port: int, body, args: tuple) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        body(rank, *args)
-    finally:
-        dist.destroy_process_group()
+from support import free_port, gloo_rank, padded_batch
 
 
 def _spawn(body, tmp_path: Path, *args) -> list[dict]:
-    mp.spawn(_entry, args=(2, free_port(), body, (str(tmp_path), *args)), nprocs=2, join=True)
+    mp.spawn(gloo_rank, args=(2, free_port(), body, (str(tmp_path), *args)), nprocs=2, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
