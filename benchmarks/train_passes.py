@@ -229,7 +229,7 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
         logprob.TRIM_PADDING = defaults["trim"] and variant != "no_trim"
         fsdp.GATHER_ONCE_PER_PASS = defaults["once"] and variant != "regather"
         os.environ["FUSEDRL_SHM_COLLECTIVES"] = "0" if variant.endswith("gloo") else "1"
-        same_roles = variant.removesuffix("_gloo") if variant != "gloo" else "base"
+        same_roles = variant.removesuffix("_gloo").removesuffix("gloo") or "base"  # gloo: base's roles
         actor, ref = roles[same_roles if same_roles in roles else "base"]
         current["variant"] = variant
 

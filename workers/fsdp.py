@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from fusedrl.workers.shm_collectives import for_group, install_on_fsdp
+from fusedrl.workers.shm_collectives import ShmCollectives, for_group, install_on_fsdp
 
 DTYPES = {
     "float32": torch.float32,
@@ -239,7 +239,7 @@ def gather_full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tuple
     return tensor.full_tensor(), True
 
 
-def _gather_dim0(shm, tensor: DTensor) -> torch.Tensor:
+def _gather_dim0(shm: ShmCollectives, tensor: DTensor) -> torch.Tensor:
     """``tensor.full_tensor()`` for FSDP2's dim-0 sharding (``torch.chunk``: rank r holds rows
     ``[r * c, (r + 1) * c)`` of ``c = ceil(rows / W)``, the last ranks fewer or none), through shared memory."""
     local = tensor.to_local()
@@ -249,7 +249,7 @@ def _gather_dim0(shm, tensor: DTensor) -> torch.Tensor:
     mine = out[rank * chunk : (rank + 1) * chunk]
     mine[: local.shape[0]].copy_(local)
     shm.all_gather(out.view(-1), mine.reshape(-1))
-    return out[:rows] if chunk * world != rows else out
+    return out[:rows]
 
 
 def stream_full_tensors(

@@ -16,7 +16,8 @@ after every rank passed the barrier of the call in between, which comes after it
 Its name is unlinked as soon as every rank mapped it: nothing is left in ``/dev/shm`` however the run ends.
 
 `for_group` decides once per process group, collectively, whether the fast path applies (every rank on
-this host, enough free space in ``/dev/shm``); otherwise the callers use gloo as before. CUDA groups never
+this host, a ``/dev/shm`` to put the segment in); otherwise the callers use gloo as before. A segment that
+cannot be reserved later (a full ``/dev/shm``) turns it off for that group with one warning. CUDA groups never
 get here (NCCL). ``FUSEDRL_SHM_COLLECTIVES=0`` switches the fast path off, read at every collective
 (benchmarks compare both in one process).
 """
@@ -39,8 +40,9 @@ ENV = "FUSEDRL_SHM_COLLECTIVES"
 _SHM_DIR = "/dev/shm"
 _ALIGN = 1 << 20  # slots start on MiB boundaries (any dtype's alignment; few, large segments)
 
-# One instance (or None for "use gloo") per process group, by the group's name.
-_BY_GROUP: dict[str, ShmCollectives | None] = {}
+# One instance (or None for "use gloo") per process group object: a group destroyed and made again is a new
+# object and gets its own decision and segment.
+_BY_GROUP: dict[dist.ProcessGroup, ShmCollectives | None] = {}
 
 
 def enabled() -> bool:
@@ -63,16 +65,15 @@ def for_group(group: dist.ProcessGroup | None = None) -> ShmCollectives | None:
     if not enabled():
         return None
     group = group or dist.group.WORLD
-    key = ",".join(map(str, dist.get_process_group_ranks(group)))
-    if key in _BY_GROUP:
-        return _BY_GROUP[key]
+    if group in _BY_GROUP:
+        return _BY_GROUP[group]
     result: ShmCollectives | None = None
     if not torch.cuda.is_available() and dist.get_world_size(group) > 1:
         hosts: list[str | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(hosts, (_host_key(), os.path.isdir(_SHM_DIR)), group=group)
         if all(h == hosts[0] for h in hosts) and hosts[0][1]:  # type: ignore[index]
             result = ShmCollectives(group)
-    _BY_GROUP[key] = result
+    _BY_GROUP[group] = result
     return result
 
 
@@ -135,7 +136,7 @@ class ShmCollectives:
         dist.barrier(group=self.group)  # everyone mapped it
         if self.rank == 0:
             os.unlink(path)
-        self.buffer = None
+        self.buffer = None  # drop the old segment's tensor before closing its mapping
         if self._mmap is not None:
             self._mmap.close()
         self._mmap = mm
@@ -146,7 +147,7 @@ class ShmCollectives:
     def _slot(self, half: int, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         assert self.buffer is not None
         start = (half * self.world + rank) * self.slot_bytes
-        nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         return self.buffer[start : start + nbytes].view(dtype)
 
     def _begin(self, slot_bytes: int) -> int | None:
