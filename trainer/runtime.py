@@ -94,6 +94,9 @@ def init_ray(config: DictConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):  # a running (multi-node) cluster: join it as it is sized
         ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING)
         return
+    preload = tcmalloc_path()
+    if preload:  # local workers only: another node may keep the library elsewhere or not at all
+        env["LD_PRELOAD"] = ":".join(p for p in (preload, os.environ.get("LD_PRELOAD", "")) if p)
     ray.init(
         num_cpus=int(num_cpus),
         include_dashboard=False,
@@ -101,3 +104,44 @@ def init_ray(config: DictConfig) -> None:
         runtime_env={"env_vars": env},
         logging_level=logging.WARNING,
     )
+
+
+# Where Debian/Ubuntu (libtcmalloc-minimal4, libgoogle-perftools4) and RPM distributions put the library.
+_TCMALLOC_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+)
+_TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+
+
+def tcmalloc_path() -> str | None:
+    """The tcmalloc library the local Ray workers preload (``LD_PRELOAD``), or None.
+
+    On a CPU-only machine the training step allocates and frees large activation and gradient buffers
+    many times a step; glibc's malloc returns them to the system and faults them back in each time,
+    tcmalloc keeps them (measured: 10-25% off a GRPO step, docs/architecture.md). ``FUSEDRL_TCMALLOC``
+    decides: unset or ``auto``, the first library found in the system's library directories, and only
+    where no CUDA device is visible; ``0`` never; a path, that file on any machine (FileNotFoundError,
+    naming the variable, when it does not exist)."""
+    choice = os.environ.get("FUSEDRL_TCMALLOC", "auto").strip()
+    if choice.lower() in ("0", "off", "false", "no"):
+        return None
+    if choice.lower() not in ("", "auto", "1", "on", "true", "yes"):
+        if not os.path.isfile(choice):
+            raise FileNotFoundError(
+                f"FUSEDRL_TCMALLOC={choice}: no such file; give the path of libtcmalloc_minimal.so.4, "
+                "or set FUSEDRL_TCMALLOC=auto (look for it) or 0 (glibc malloc)."
+            )
+        return choice
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    for folder in _TCMALLOC_DIRS:
+        for name in _TCMALLOC_NAMES:
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                return path
+    return None

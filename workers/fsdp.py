@@ -7,8 +7,10 @@ module takes the embeddings, the final norm and the LM head.
 
 from __future__ import annotations
 
+import math
+import re
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,20 +179,29 @@ def build_adamw(model: nn.Module, optim_cfg: Any, lr: float | None = None) -> to
     """AdamW over the model's trainable parameters from an ``optim`` config section (a
     `fusedrl.role_config.OptimConfig` / ``SFTOptimConfig``; ``lr`` overrides ``optim_cfg.lr``, for
     schedules that start elsewhere)."""
+    params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
+        params,
         lr=float(optim_cfg.lr if lr is None else lr),
         betas=(float(optim_cfg.betas[0]), float(optim_cfg.betas[1])),
         weight_decay=float(optim_cfg.weight_decay),
+        # One fused kernel per parameter instead of torch's multi-tensor loop of separate ops: on CPU
+        # 3.7x faster (12.3M parameters, one thread: 10 vs 38 ms a step); the same update up to rounding.
+        fused=_fused_adamw_ok(params) or None,
     )
+
+
+def _fused_adamw_ok(params: list[torch.Tensor]) -> bool:
+    """torch's fused AdamW takes floating parameters on CPU or CUDA."""
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
 @dataclass
 class StreamStats:
     """Bookkeeping of one weight stream: how many full tensors were alive at once, at most.
 
-    ``peak_live_bytes`` counts the gathered tensors the stream created that were still referenced by
-    anyone (us or the engine's loader) when the next one was created. With one rank and no dtype change
+    ``peak_live_bytes`` counts the gathered tensors (and layer buffers, ``largest_buffer_bytes``) the stream
+    created that were still referenced by anyone (us or the engine's loader) when the next one was created. With one rank and no dtype change
     no tensor is created (the shard *is* the full tensor) and it stays 0.
     """
 
@@ -198,6 +209,7 @@ class StreamStats:
     total_bytes: int = 0
     largest_bytes: int = 0
     peak_live_bytes: int = 0
+    largest_buffer_bytes: int = 0
     _live: dict[int, int] = field(default_factory=dict)
 
     def record(self, full: torch.Tensor, is_new: bool) -> None:
@@ -208,6 +220,11 @@ class StreamStats:
         self.largest_bytes = max(self.largest_bytes, nbytes)
         if is_new:
             self._track(full)
+
+    def record_buffer(self, buffer: torch.Tensor) -> None:
+        """Track a buffer the stream gathered several tensors into (one decoder layer), while alive."""
+        self.largest_buffer_bytes = max(self.largest_buffer_bytes, buffer.numel() * buffer.element_size())
+        self._track(buffer)
 
     def _track(self, t: torch.Tensor) -> None:
         key = id(t)
@@ -258,16 +275,121 @@ def stream_full_tensors(
     """Yield ``(hf_name, full_tensor)`` for every parameter and persistent buffer, one at a time;
     floating tensors in ``dtype`` when given (the receiving engine's: see `gather_full`).
 
-    Collective: every rank must consume the whole iterator in the same order, because each
-    ``DTensor.full_tensor()`` is an all-gather. The gathered tensor is handed to the caller and dropped
-    here, so with a consumer that copies and forgets, about one tensor is alive at a time and no second
-    copy of the model ever exists.
+    Collective: every rank must consume the whole iterator in the same order, because gathering a
+    ``DTensor`` is an all-gather. The gathered tensor is handed to the caller and dropped here, so with
+    a consumer that copies and forgets, no second copy of the model ever exists. On CPU ranks that share
+    a host, the tensors of one decoder layer are gathered together, in one collective through shared
+    memory (`layer_groups`): then at most one layer's tensors plus the one being consumed are alive.
+    Elsewhere each tensor is gathered on its own and about one tensor is alive at a time.
     """
-    for name, tensor in model.state_dict().items():
-        full, is_new = gather_full(tensor, dtype)
-        if stats is not None:
-            stats.record(full, is_new)
-        # state_dict() tensors are already detached; yield the very object we track, so the
-        # bookkeeping sees exactly when the consumer lets go of it.
-        yield name, full
-        del full
+    for group in layer_groups(model.state_dict().items()):
+        shm = _shm_for_group(group, dtype)
+        if shm is not None and len(group) > 1:
+            buffer, fulls = _gather_group_dim0(shm, [_cast(t, dtype) for _, t in group])
+            if stats is not None:
+                stats.record_buffer(
+                    buffer
+                )  # the whole layer, gathered, is alive until its last tensor is out
+            del buffer
+            while fulls:
+                name, copy_out = group[len(group) - len(fulls)][0], fulls.pop(0)
+                tensor = copy_out()
+                del copy_out  # the last one holds the buffer: it goes before the next layer is gathered
+                if stats is not None:
+                    stats.record(tensor, True)
+                yield name, tensor
+                del tensor
+            continue
+        for name, tensor in group:
+            full, is_new = gather_full(tensor, dtype)
+            if stats is not None:
+                stats.record(full, is_new)
+            # state_dict() tensors are already detached; yield the very object we track, so the
+            # bookkeeping sees exactly when the consumer lets go of it.
+            yield name, full
+            del full
+
+
+_LAYER = re.compile(r"^(.*?\.\d+)\.")
+
+
+def layer_groups(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive state-dict entries grouped by the decoder layer they belong to (the name up to its
+    first numeric component, ``model.layers.3``); an entry outside any layer is a group of its own."""
+    group: list[tuple[str, torch.Tensor]] = []
+    key: str | None = None
+    for name, tensor in items:
+        m = _LAYER.match(name)
+        k = m.group(1) if m else None
+        if group and (k is None or k != key):
+            yield group
+            group = []
+        group.append((name, tensor))
+        key = k
+    if group:
+        yield group
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        return tensor.to(dtype)
+    return tensor
+
+
+def _shm_for_group(group: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> ShmCollectives | None:
+    """The shared-memory collectives when every tensor of ``group`` is a CPU DTensor sharded on dim 0 of
+    the same 1-D mesh of several ranks and all have one dtype after the cast; else None."""
+    first = group[0][1]
+    if not isinstance(first, DTensor) or first.device.type != "cpu":
+        return None
+    mesh = first.device_mesh
+    if mesh.ndim != 1 or mesh.size() == 1:
+        return None
+    dtypes = set()
+    for _, t in group:
+        if not isinstance(t, DTensor) or t.device_mesh != mesh or tuple(t.placements) != (Shard(0),):
+            return None
+        dtypes.add(dtype if dtype is not None and t.is_floating_point() else t.dtype)
+    if len(dtypes) != 1:
+        return None
+    return for_group(mesh.get_group())
+
+
+def _gather_group_dim0(
+    shm: ShmCollectives, tensors: list[DTensor]
+) -> tuple[torch.Tensor, list[Callable[[], torch.Tensor]]]:
+    """Full tensors of several dim-0-sharded DTensors (one dtype) with one all-gather: every rank lays its
+    shards end to end (each padded to ``ceil(rows / W)`` rows, `_gather_dim0`'s layout). Returns the
+    gathered buffer (``[W, per-rank elements]``) and one function per tensor that copies its full tensor
+    out of the buffer when called; the functions hold the buffer."""
+    world, rank = shm.world, shm.rank
+    sizes = []
+    for t in tensors:
+        rest = math.prod(t.shape[1:])
+        sizes.append(-(-t.shape[0] // world) * rest)
+    per_rank = sum(sizes)
+    out = torch.empty(world * per_rank, dtype=tensors[0].dtype)
+    mine = out[rank * per_rank : (rank + 1) * per_rank]
+    offset = 0
+    for t, size in zip(tensors, sizes):
+        local = t.to_local().reshape(-1)
+        mine[offset : offset + local.numel()].copy_(local)
+        offset += size
+    shm.all_gather(out, mine)
+    by_rank = out.view(world, per_rank)
+
+    def full(t: DTensor, offset: int, size: int) -> Callable[[], torch.Tensor]:
+        rows = t.shape[0]
+        chunk_rows = -(-rows // world)
+
+        def copy_out() -> torch.Tensor:
+            pieces = [by_rank[r, offset : offset + size] for r in range(world)]
+            return torch.cat(pieces).view(world * chunk_rows, *t.shape[1:])[:rows]
+
+        return copy_out
+
+    fulls, offset = [], 0
+    for t, size in zip(tensors, sizes):
+        fulls.append(full(t, offset, size))
+        offset += size
+    return by_rank, fulls

@@ -57,6 +57,7 @@ class InspectionHooks:
         return {
             "peak_live_bytes": float(stats.peak_live_bytes),
             "largest_bytes": float(stats.largest_bytes),
+            "largest_buffer_bytes": float(stats.largest_buffer_bytes),
             "total_bytes": float(stats.total_bytes),
         }
 

@@ -183,6 +183,7 @@ class WeightSyncEndpoint:
             "sync/broadcast_mb": sent / 1e6,
             "sync/num_buckets": float(buckets),
             "sync/largest_tensor_mb": stats.largest_bytes / 1e6,
+            "sync/largest_layer_buffer_mb": stats.largest_buffer_bytes / 1e6,
             "sync/peak_live_gathered_mb": stats.peak_live_bytes / 1e6,
         }
 

@@ -414,7 +414,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
     def update_weights(self, *, reset_prefix_cache: bool = True) -> dict[str, float]:
         """Stream the actor's FSDP2 shards, one full tensor at a time, into the rollout engine in place.
 
-        Collective across ranks (each ``full_tensor`` is an all-gather). The actor's parameters must be
+        Collective across ranks (each gather of a layer or a tensor is an all-gather). The actor's parameters must be
         on the device and the engine's weights awake. No-op for the HF rollout, which runs on the actor's
         own module.
         """
@@ -438,6 +438,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
             "sync/num_tensors": float(stats.num_tensors),
             "sync/total_mb": stats.total_bytes / 1e6,
             "sync/largest_tensor_mb": stats.largest_bytes / 1e6,
+            "sync/largest_layer_buffer_mb": stats.largest_buffer_bytes / 1e6,
             "sync/peak_live_gathered_mb": stats.peak_live_bytes / 1e6,
             **memory_metrics("sync"),
         }

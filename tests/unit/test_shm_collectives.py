@@ -88,7 +88,48 @@ def _collectives(rank: int, out: str) -> None:
             res["mismatch"].append(("gather_full", shape))
         if tuple(got.shape) != shape:
             res["mismatch"].append(("gather_full shape", shape, tuple(got.shape)))
+    _grouped_stream(mesh, res)
     torch.save(res, Path(out) / f"rank{rank}.pt")
+
+
+def _grouped_stream(mesh, res: dict) -> None:
+    """The weight stream gathers a decoder layer's tensors in one collective: the same full tensors as
+    ``DTensor.full_tensor()`` one by one, rows not divisible by the ranks included, cast or not."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    import fusedrl.workers.fsdp as fsdp
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 5)  # 5 rows over 2 ranks: 3 + 2
+            self.norm = nn.Parameter(torch.randn(3))  # 3 rows: 2 + 1
+            self.gate = nn.Parameter(torch.randn(1, 2))  # 1 row: one rank holds nothing
+
+    torch.manual_seed(0)  # the same model on both ranks
+    model = nn.Module()
+    model.embed = nn.Embedding(7, 4)
+    model.layers = nn.ModuleList([Layer(), Layer()])
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    calls = []
+    real = fsdp._gather_group_dim0
+    fsdp._gather_group_dim0 = lambda shm, tensors: calls.append(len(tensors)) or real(shm, tensors)
+    try:
+        for dtype in (None, torch.bfloat16):
+            want = {n: t.full_tensor() for n, t in model.state_dict().items()}
+            want = {n: t if dtype is None else t.to(dtype) for n, t in want.items()}
+            got = {n: t.clone() for n, t in fsdp.stream_full_tensors(model, dtype=dtype)}
+            if list(got) != list(want):
+                res["mismatch"].append(("stream names", list(got)))
+            for n, t in want.items():
+                if n in got and not (got[n].dtype == t.dtype and torch.equal(got[n], t)):
+                    res["mismatch"].append(("stream", n, str(dtype)))
+    finally:
+        fsdp._gather_group_dim0 = real
+    res["grouped_gathers"] = calls  # one per layer per stream
 
 
 @pytest.mark.timeout(300)
@@ -98,6 +139,7 @@ def test_shared_memory_collectives_equal_gloo(tmp_path):
         assert r["mismatch"] == []
         assert r["left_in_shm"] == []  # every segment's name is unlinked once all ranks mapped it
         assert r["generations"] >= 2  # the segment grew at least once
+        assert r["grouped_gathers"] == [4, 4, 4, 4]  # each layer's 4 tensors in one gather, 2 streams
 
 
 # -------------------------------------------------------------------------------------------- fallbacks
