@@ -21,7 +21,9 @@ may give the rollout's after a ``/`` (``fusedrl-2@bfloat16/float32``: bf16 train
 scripts set); ``+eager`` runs the rollout engine eager (``rollout.enforce_eager=true``; by default vLLM
 compiles its model with torch.compile on CPU); ``+compiled`` compiles the training passes' decoder layers
 (``model.compile_layers=true``); ``+gloo`` sends the workers' collectives through gloo instead of shared
-memory (``FUSEDRL_SHM_COLLECTIVES=0``). Flags combine: ``fusedrl-2+packed+eager``.
+memory (``FUSEDRL_SHM_COLLECTIVES=0``); ``+glibc`` keeps glibc's malloc in the workers (``FUSEDRL_TCMALLOC=0``;
+by default they preload tcmalloc where the machine has it). ``trl+tcmalloc`` runs TRL with the same tcmalloc
+preloaded (``LD_PRELOAD``), so both sides get the allocator. Flags combine: ``fusedrl-2+packed+eager``.
 "vs TRL" divides by the fastest TRL variant's median (TRL's best mode in this run).
 
 ``--isa avx2`` emulates an AVX2-only CPU on a newer one: every process runs with
@@ -86,6 +88,18 @@ def run_fusedrl(
         },
         "response_tokens": [s.get("response_length/mean", 0.0) for s in res["steps"]],
     }
+
+
+def tcmalloc_for_trl() -> str:
+    """The tcmalloc fusedrl's workers preload, for a ``trl+tcmalloc`` process (the same allocator)."""
+    from fusedrl.trainer.runtime import tcmalloc_path
+
+    path = tcmalloc_path()
+    if not path:
+        sys.exit(
+            "trl+tcmalloc: no tcmalloc on this machine (see docs/architecture.md, the CPU workers' allocator)"
+        )
+    return path
 
 
 def run_trl(steps: int, dtype: str, preset: str) -> dict:
@@ -166,18 +180,20 @@ def main() -> None:
     args = ap.parse_args()
     if args.one:
         name, train, rollout = split_variant(args.one, args.dtype)
-        if name == "trl":
+        if name.split("+")[0] == "trl":  # +tcmalloc: the parent process preloaded it (see below)
             res = run_trl(args.steps, train, args.preset)
         else:
             base, *flags = name.split("+")
-            unknown = set(flags) - {"packed", "eager", "compiled", "gloo"}
+            unknown = set(flags) - {"packed", "eager", "compiled", "gloo", "glibc"}
             if unknown:
                 sys.exit(
                     f"unknown variant flag(s) {sorted(unknown)} in {args.one!r}: "
-                    "use +packed, +eager, +compiled, +gloo"
+                    "use +packed, +eager, +compiled, +gloo, +glibc"
                 )
             if "gloo" in flags:  # FSDP2's collectives and the weight stream through gloo, not shared memory
                 os.environ["FUSEDRL_SHM_COLLECTIVES"] = "0"
+            if "glibc" in flags:  # workers keep glibc's malloc instead of tcmalloc
+                os.environ["FUSEDRL_TCMALLOC"] = "0"
             res = run_fusedrl(
                 int(base.split("-")[1]),
                 args.steps,
@@ -197,7 +213,7 @@ def main() -> None:
     from benchmarks.common import record, run_in_subprocess
 
     variants = args.variants.split(",")
-    trl_variants = [v for v in variants if split_variant(v, args.dtype)[0] == "trl"]
+    trl_variants = [v for v in variants if split_variant(v, args.dtype)[0].split("+")[0] == "trl"]
     if trl_variants and not args.trl_path:
         sys.exit("--trl-path: the folder TRL was installed into (see the module docstring)")
     isa_env = AVX2_ENV if args.isa == "avx2" else {}
@@ -205,6 +221,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for v in variants:
             env = {**isa_env, **({"PYTHONPATH": args.trl_path} if v in trl_variants else {})}
+            if v in trl_variants and "+tcmalloc" in v:
+                env["LD_PRELOAD"] = tcmalloc_for_trl()
             cli = ["--one", v, "--steps", str(args.steps), "--dtype", args.dtype, "--preset", args.preset]
             runs[v].append(run_in_subprocess("benchmarks.trl_side_by_side", cli, timeout=3600, env=env))
     steps = {v: [t for r in rs for t in r["step_s"]] for v, rs in runs.items()}

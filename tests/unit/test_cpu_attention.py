@@ -253,6 +253,23 @@ def test_packed_model_forward_equals_padded(tiny_model_dir, monkeypatch):
     assert calls == [[0, 33, 73, 94, 134]] * 2  # one call per decoder layer, split at each sequence
     assert lengths == [33, 40, 21, 40]
 
+    # The packed forwards skip Transformers' [N, N] mask with this attention (it reads the positions), and
+    # get the same logits; any other attention keeps the mask.
+    from fusedrl.workers.packing import packed_mask_argument
+
+    no_mask = packed_mask_argument(model)
+    assert no_mask == {"full_attention": None}
+    with torch.no_grad():
+        unmasked = model(
+            input_ids=ids[real][None], position_ids=position_ids[real][None], attention_mask=no_mask
+        ).logits[0]
+    assert torch.equal(unmasked, packed)
+    sdpa = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    assert packed_mask_argument(sdpa) is None
+    sdpa.config.layer_types = ["sliding_attention"] * len(sdpa.config.layer_types)
+    model.config.layer_types = sdpa.config.layer_types
+    assert packed_mask_argument(model) is None
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bucketed_layout_with_filler_equals_per_sequence_attention(dtype):
