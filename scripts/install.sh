@@ -41,7 +41,7 @@ try:
 except Exception as exc:  # pragma: no cover - reported, not fatal: HF rollout still works
     print(f"[install] WARNING: `import vllm` failed ({exc!r}); only the HF rollout will be available")
 PY
-# tcmalloc for the CPU workers (fusedrl.trainer.runtime.tcmalloc_path; 10-25% off a CPU training step).
+# tcmalloc for the CPU workers (fusedrl.trainer.runtime.tcmalloc_path; 5-10% off a CPU training step).
 # Installed from the system's packages when we may (root, apt-get); never fatal. FUSEDRL_TCMALLOC=0 skips it.
 if [ "${FUSEDRL_TCMALLOC:-auto}" != "0" ]; then
   found="$("$VENV/bin/python" -c 'from fusedrl.trainer.runtime import tcmalloc_path; print(tcmalloc_path() or "")' 2>/dev/null || true)"
@@ -54,7 +54,7 @@ if [ "${FUSEDRL_TCMALLOC:-auto}" != "0" ]; then
         >/dev/null 2>&1 || echo "[install] note: could not install libtcmalloc-minimal4; workers use glibc malloc"
     else
       echo "[install] note: no tcmalloc found; installing libtcmalloc-minimal4 (Debian/Ubuntu) or gperftools-libs"
-      echo "          (RPM) makes CPU training steps 10-25% faster (FUSEDRL_TCMALLOC=<path> points at one)"
+      echo "          (RPM) makes CPU training steps 5-10% faster (FUSEDRL_TCMALLOC=<path> points at one)"
     fi
   fi
 fi

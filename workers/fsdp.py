@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 import re
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -191,7 +191,7 @@ def build_adamw(model: nn.Module, optim_cfg: Any, lr: float | None = None) -> to
     )
 
 
-def _fused_adamw_ok(params: list[torch.Tensor]) -> bool:
+def _fused_adamw_ok(params: Sequence[torch.Tensor]) -> bool:
     """torch's fused AdamW takes floating parameters on CPU or CUDA."""
     return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
@@ -238,13 +238,13 @@ def gather_full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tuple
     sharded over several ranks (an all-gather); with one rank the shard is the whole tensor and our own
     storage is returned. ``dtype``: cast floating tensors to it first, the shard before the gather (half
     the bytes on the wire for bf16; rounding is per element, so the result equals casting afterwards)."""
-    cast = dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype
-    if cast:
+    recast = dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype
+    if recast:
         tensor = tensor.to(dtype)  # a DTensor stays a DTensor: only the local shard is cast
     if not isinstance(tensor, DTensor):
-        return tensor, cast
+        return tensor, recast
     if tensor.device_mesh.size() == 1:
-        return tensor.to_local(), cast
+        return tensor.to_local(), recast
     if (
         tensor.device_mesh.ndim == 1
         and tuple(tensor.placements) == (Shard(0),)
@@ -285,7 +285,8 @@ def stream_full_tensors(
     for group in layer_groups(model.state_dict().items()):
         shm = _shm_for_group(group, dtype)
         if shm is not None and len(group) > 1:
-            buffer, fulls = _gather_group_dim0(shm, [_cast(t, dtype) for _, t in group])
+            shards = [cast(DTensor, _cast(t, dtype)) for _, t in group]  # `_shm_for_group`: all DTensors
+            buffer, fulls = _gather_group_dim0(shm, shards)
             if stats is not None:
                 stats.record_buffer(
                     buffer
@@ -356,7 +357,7 @@ def _shm_for_group(group: list[tuple[str, torch.Tensor]], dtype: torch.dtype | N
 
 
 def _gather_group_dim0(
-    shm: ShmCollectives, tensors: list[DTensor]
+    shm: ShmCollectives, tensors: Sequence[DTensor]
 ) -> tuple[torch.Tensor, list[Callable[[], torch.Tensor]]]:
     """Full tensors of several dim-0-sharded DTensors (one dtype) with one all-gather: every rank lays its
     shards end to end (each padded to ``ceil(rows / W)`` rows, `_gather_dim0`'s layout). Returns the
