@@ -90,6 +90,11 @@ def run_fusedrl(
     }
 
 
+def is_trl(name: str) -> bool:
+    """A TRL variant: ``trl`` or ``trl+tcmalloc``."""
+    return name.split("+")[0] == "trl"
+
+
 def tcmalloc_for_trl() -> str:
     """The tcmalloc fusedrl's workers preload, for a ``trl+tcmalloc`` process (the same allocator)."""
     from fusedrl.trainer.runtime import tcmalloc_path
@@ -180,7 +185,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.one:
         name, train, rollout = split_variant(args.one, args.dtype)
-        if name.split("+")[0] == "trl":  # +tcmalloc: the parent process preloaded it (see below)
+        if is_trl(name):  # trl+tcmalloc: the parent process preloaded it (see below)
             res = run_trl(args.steps, train, args.preset)
         else:
             base, *flags = name.split("+")
@@ -213,7 +218,7 @@ def main() -> None:
     from benchmarks.common import record, run_in_subprocess
 
     variants = args.variants.split(",")
-    trl_variants = [v for v in variants if split_variant(v, args.dtype)[0].split("+")[0] == "trl"]
+    trl_variants = [v for v in variants if is_trl(split_variant(v, args.dtype)[0])]
     if trl_variants and not args.trl_path:
         sys.exit("--trl-path: the folder TRL was installed into (see the module docstring)")
     isa_env = AVX2_ENV if args.isa == "avx2" else {}

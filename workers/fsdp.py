@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -200,9 +200,10 @@ def _fused_adamw_ok(params: Sequence[torch.Tensor]) -> bool:
 class StreamStats:
     """Bookkeeping of one weight stream: how many full tensors were alive at once, at most.
 
-    ``peak_live_bytes`` counts the gathered tensors (and layer buffers, ``largest_buffer_bytes``) the stream
-    created that were still referenced by anyone (us or the engine's loader) when the next one was created. With one rank and no dtype change
-    no tensor is created (the shard *is* the full tensor) and it stays 0.
+    ``peak_live_bytes`` counts the gathered tensors (and layer buffers, ``largest_buffer_bytes``) the
+    stream created that were still referenced by anyone (us or the engine's loader) when the next one was
+    created. With one rank and no dtype change no tensor is created (the shard *is* the full tensor) and it
+    stays 0.
     """
 
     num_tensors: int = 0
@@ -238,35 +239,83 @@ def gather_full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tuple
     sharded over several ranks (an all-gather); with one rank the shard is the whole tensor and our own
     storage is returned. ``dtype``: cast floating tensors to it first, the shard before the gather (half
     the bytes on the wire for bf16; rounding is per element, so the result equals casting afterwards)."""
-    recast = dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype
-    if recast:
-        tensor = tensor.to(dtype)  # a DTensor stays a DTensor: only the local shard is cast
+    cast_to = _cast(tensor, dtype)
+    recast = cast_to is not tensor
+    tensor = cast_to  # a DTensor stays a DTensor: only the local shard is cast
     if not isinstance(tensor, DTensor):
         return tensor, recast
     if tensor.device_mesh.size() == 1:
         return tensor.to_local(), recast
-    if (
-        tensor.device_mesh.ndim == 1
-        and tuple(tensor.placements) == (Shard(0),)
-        and tensor.device.type == "cpu"
-    ):
-        shm = for_group(tensor.device_mesh.get_group())
-        if shm is not None:
-            return _gather_dim0(shm, tensor), True
+    shm = _dim0_shm(tensor)
+    if shm is not None:
+        _, (full,) = _gather_dim0(shm, [tensor])
+        return full(), True
     return tensor.full_tensor(), True
 
 
-def _gather_dim0(shm: ShmCollectives, tensor: DTensor) -> torch.Tensor:
-    """``tensor.full_tensor()`` for FSDP2's dim-0 sharding (``torch.chunk``: rank r holds rows
-    ``[r * c, (r + 1) * c)`` of ``c = ceil(rows / W)``, the last ranks fewer or none), through shared memory."""
-    local = tensor.to_local()
-    rows, world, rank = tensor.shape[0], shm.world, shm.rank
-    chunk = -(-rows // world)
-    out = torch.empty((chunk * world, *tensor.shape[1:]), dtype=local.dtype)
-    mine = out[rank * chunk : (rank + 1) * chunk]
-    mine[: local.shape[0]].copy_(local)
-    shm.all_gather(out.view(-1), mine.reshape(-1))
-    return out[:rows]
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` in ``dtype`` when it is floating and of another dtype; else ``tensor`` itself."""
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        return tensor.to(dtype)
+    return tensor
+
+
+def _is_dim0(tensor: torch.Tensor) -> TypeGuard[DTensor]:
+    """A CPU DTensor sharded on dim 0 of a 1-D mesh (FSDP2's layout): what the shared-memory gather takes."""
+    return (
+        isinstance(tensor, DTensor)
+        and tensor.device.type == "cpu"
+        and tensor.device_mesh.ndim == 1
+        and tuple(tensor.placements) == (Shard(0),)
+    )
+
+
+def _dim0_shm(tensor: torch.Tensor) -> ShmCollectives | None:
+    """The shared-memory collectives of ``tensor``'s mesh when it is `_is_dim0` and the mesh's ranks share a
+    host (`fusedrl.workers.shm_collectives.for_group`); else None."""
+    return for_group(tensor.device_mesh.get_group()) if _is_dim0(tensor) else None
+
+
+def _gather_dim0(
+    shm: ShmCollectives, tensors: Sequence[DTensor]
+) -> tuple[torch.Tensor, list[Callable[[], torch.Tensor]]]:
+    """``full_tensor()`` of dim-0-sharded DTensors of one dtype with one all-gather through shared memory.
+
+    FSDP2 shards like ``torch.chunk``: rank r holds rows ``[r * c, (r + 1) * c)`` of ``c = ceil(rows / W)``,
+    the last ranks fewer or none. Every rank lays its shards end to end, each padded to ``c`` rows. Returns
+    the gathered buffer (``[W, per-rank elements]``) and one function per tensor that gives its full tensor
+    when called (a view of the buffer for a single tensor, whose padded layout is the full tensor's; else
+    a copy out of it); the functions hold the buffer."""
+    world, rank = shm.world, shm.rank
+    sizes = [-(-t.shape[0] // world) * math.prod(t.shape[1:]) for t in tensors]  # per rank, padded
+    per_rank = sum(sizes)
+    out = torch.empty(world * per_rank, dtype=tensors[0].dtype)
+    mine = out[rank * per_rank : (rank + 1) * per_rank]
+    offset = 0
+    for t, size in zip(tensors, sizes):
+        local = t.to_local().reshape(-1)
+        mine[offset : offset + local.numel()].copy_(local)
+        offset += size
+    shm.all_gather(out, mine)
+    by_rank = out.view(world, per_rank)
+
+    def full(t: DTensor, offset: int, size: int) -> Callable[[], torch.Tensor]:
+        rows, rest = t.shape[0], t.shape[1:]
+
+        def copy_out() -> torch.Tensor:
+            if size == per_rank:  # the only tensor: the buffer is its padded full tensor
+                return by_rank.view(-1, *rest)[:rows]
+            return torch.cat([by_rank[r, offset : offset + size] for r in range(world)]).view(-1, *rest)[
+                :rows
+            ]
+
+        return copy_out
+
+    fulls, offset = [], 0
+    for t, size in zip(tensors, sizes):
+        fulls.append(full(t, offset, size))
+        offset += size
+    return by_rank, fulls
 
 
 def stream_full_tensors(
@@ -286,14 +335,12 @@ def stream_full_tensors(
         shm = _shm_for_group(group, dtype)
         if shm is not None and len(group) > 1:
             shards = [cast(DTensor, _cast(t, dtype)) for _, t in group]  # `_shm_for_group`: all DTensors
-            buffer, fulls = _gather_group_dim0(shm, shards)
-            if stats is not None:
-                stats.record_buffer(
-                    buffer
-                )  # the whole layer, gathered, is alive until its last tensor is out
+            buffer, fulls = _gather_dim0(shm, shards)
+            if stats is not None:  # the whole layer, gathered, is alive until its last tensor is out
+                stats.record_buffer(buffer)
             del buffer
-            while fulls:
-                name, copy_out = group[len(group) - len(fulls)][0], fulls.pop(0)
+            for name, _ in group:
+                copy_out = fulls.pop(0)
                 tensor = copy_out()
                 del copy_out  # the last one holds the buffer: it goes before the next layer is gathered
                 if stats is not None:
@@ -331,66 +378,15 @@ def layer_groups(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tup
         yield group
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-        return tensor.to(dtype)
-    return tensor
-
-
 def _shm_for_group(group: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> ShmCollectives | None:
-    """The shared-memory collectives when every tensor of ``group`` is a CPU DTensor sharded on dim 0 of
-    the same 1-D mesh of several ranks and all have one dtype after the cast; else None."""
+    """The shared-memory collectives when every tensor of ``group`` is `_is_dim0` on one mesh of several
+    ranks and all have one dtype after the cast to ``dtype``; else None."""
     first = group[0][1]
-    if not isinstance(first, DTensor) or first.device.type != "cpu":
+    if not _is_dim0(first) or first.device_mesh.size() == 1:
         return None
     mesh = first.device_mesh
-    if mesh.ndim != 1 or mesh.size() == 1:
+    if not all(_is_dim0(t) and t.device_mesh == mesh for _, t in group):
         return None
-    dtypes = set()
-    for _, t in group:
-        if not isinstance(t, DTensor) or t.device_mesh != mesh or tuple(t.placements) != (Shard(0),):
-            return None
-        dtypes.add(dtype if dtype is not None and t.is_floating_point() else t.dtype)
-    if len(dtypes) != 1:
+    if len({dtype if dtype is not None and t.is_floating_point() else t.dtype for _, t in group}) != 1:
         return None
-    return for_group(mesh.get_group())
-
-
-def _gather_group_dim0(
-    shm: ShmCollectives, tensors: Sequence[DTensor]
-) -> tuple[torch.Tensor, list[Callable[[], torch.Tensor]]]:
-    """Full tensors of several dim-0-sharded DTensors (one dtype) with one all-gather: every rank lays its
-    shards end to end (each padded to ``ceil(rows / W)`` rows, `_gather_dim0`'s layout). Returns the
-    gathered buffer (``[W, per-rank elements]``) and one function per tensor that copies its full tensor
-    out of the buffer when called; the functions hold the buffer."""
-    world, rank = shm.world, shm.rank
-    sizes = []
-    for t in tensors:
-        rest = math.prod(t.shape[1:])
-        sizes.append(-(-t.shape[0] // world) * rest)
-    per_rank = sum(sizes)
-    out = torch.empty(world * per_rank, dtype=tensors[0].dtype)
-    mine = out[rank * per_rank : (rank + 1) * per_rank]
-    offset = 0
-    for t, size in zip(tensors, sizes):
-        local = t.to_local().reshape(-1)
-        mine[offset : offset + local.numel()].copy_(local)
-        offset += size
-    shm.all_gather(out, mine)
-    by_rank = out.view(world, per_rank)
-
-    def full(t: DTensor, offset: int, size: int) -> Callable[[], torch.Tensor]:
-        rows = t.shape[0]
-        chunk_rows = -(-rows // world)
-
-        def copy_out() -> torch.Tensor:
-            pieces = [by_rank[r, offset : offset + size] for r in range(world)]
-            return torch.cat(pieces).view(world * chunk_rows, *t.shape[1:])[:rows]
-
-        return copy_out
-
-    fulls, offset = [], 0
-    for t, size in zip(tensors, sizes):
-        fulls.append(full(t, offset, size))
-        offset += size
-    return by_rank, fulls
+    return _dim0_shm(first)

@@ -414,8 +414,8 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
     def update_weights(self, *, reset_prefix_cache: bool = True) -> dict[str, float]:
         """Stream the actor's FSDP2 shards, one full tensor at a time, into the rollout engine in place.
 
-        Collective across ranks (each gather of a layer or a tensor is an all-gather). The actor's parameters must be
-        on the device and the engine's weights awake. No-op for the HF rollout, which runs on the actor's
+        Collective across ranks (each gather of a layer or a tensor is an all-gather). The actor's
+        parameters must be on the device and the engine's weights awake. No-op for the HF rollout, which runs on the actor's
         own module.
         """
         actor = self._need(self.actor, "actor", "update_weights")

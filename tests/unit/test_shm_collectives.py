@@ -115,8 +115,14 @@ def _grouped_stream(mesh, res: dict) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     calls = []
-    real = fsdp._gather_group_dim0
-    fsdp._gather_group_dim0 = lambda shm, tensors: calls.append(len(tensors)) or real(shm, tensors)
+    real = fsdp._gather_dim0
+
+    def counted(shm, tensors):  # the gathers of several tensors at once (a single one is gather_full's)
+        if len(tensors) > 1:
+            calls.append(len(tensors))
+        return real(shm, tensors)
+
+    fsdp._gather_dim0 = counted
     try:
         for dtype in (None, torch.bfloat16):
             want = {n: t.full_tensor() for n, t in model.state_dict().items()}
@@ -128,7 +134,7 @@ def _grouped_stream(mesh, res: dict) -> None:
                 if n in got and not (got[n].dtype == t.dtype and torch.equal(got[n], t)):
                     res["mismatch"].append(("stream", n, str(dtype)))
     finally:
-        fsdp._gather_group_dim0 = real
+        fsdp._gather_dim0 = real
     res["grouped_gathers"] = calls  # one per layer per stream
 
 
