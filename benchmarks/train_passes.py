@@ -264,10 +264,11 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
         for variant in variants:
             apply(variant)
             for name, fn in phases.items():
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                shapes = bool(os.environ.get("PROFILE_SHAPES"))  # group the table by input shapes
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as prof:
                     fn()
-                profiles[f"{variant}/{name}"] = prof.key_averages().table(
-                    sort_by="self_cpu_time_total", row_limit=args["top"], max_name_column_width=40
+                profiles[f"{variant}/{name}"] = prof.key_averages(group_by_input_shape=shapes).table(
+                    sort_by="self_cpu_time_total", row_limit=args["top"], max_name_column_width=int(os.environ.get("PROFILE_NAME_WIDTH", "40"))
                 )
     apply("base")
     if rank == 0:

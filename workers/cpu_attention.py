@@ -16,10 +16,15 @@ A packed row (``use_remove_padding``: several sequences end to end, positions re
 sequence's causal attention on its own (`packed_attention`) instead of SDPA over the whole row with a
 block-diagonal mask, whose masked blocks PyTorch's CPU kernels still compute.
 
-The matmul path computes the scores in the input dtype, the softmax in float32 (as Hugging Face's eager
-attention does), and gives fully masked query rows (left padding) a finite uniform softmax instead of NaN.
-It saves the ``[b, heads, q, k]`` probabilities for backward (flash saves none), bounded by the length
-limit. The choice depends only on shapes and dtypes, so a recomputation under gradient checkpointing
+The matmul path is three kernels: one batched GEMM per key/value head that writes the scaled scores with
+the mask added (``baddbmm``: the heads sharing a key/value head are one matrix, the mask an additive bias
+in the input dtype), PyTorch's softmax, which reads bf16/fp16 and accumulates in float32, and a second
+batched GEMM. Written as ``softmax(scores.float())`` with a separate mask pass, the same arithmetic took
+2x as long forward+backward under torch.compile (float32 score copies in and out of memory;
+benchmarks/RESULTS.md, 2026-12-03). The forward output is the same as a float32 softmax rounded to the input
+dtype; the backward starts from the rounded probabilities. Fully masked query rows (left padding) get a
+finite uniform softmax instead of NaN. It saves the ``[b, heads, q, k]`` probabilities for backward (flash
+saves none), bounded by the length limit. The choice depends only on shapes and dtypes, so a recomputation under gradient checkpointing
 takes the same path as the forward it replays.
 
 `register` makes the function and its mask builder (SDPA's boolean masks) known to Transformers under
@@ -55,7 +60,7 @@ def matmul_attention(
     scaling: float,
     causal: bool,
 ) -> torch.Tensor:
-    """``softmax(q k^T * scaling + mask) v`` with grouped-query heads, softmax in float32.
+    """``softmax(q k^T * scaling + mask) v`` with grouped-query heads (the softmax accumulates in float32).
 
     query: [b, h, q, d]; key, value: [b, kvh, k, d] with kvh dividing h; mask: [b | 1, 1, q, k], boolean
     (True attends) or additive, or None (then causal, aligned to the last key, when ``causal``).
@@ -64,19 +69,42 @@ def matmul_attention(
     b, h, q_len, d = query.shape
     kvh, k_len = key.shape[1], key.shape[2]
     group = h // kvh
-    q5 = query.view(b, kvh, group, q_len, d)  # the heads sharing one key/value head side by side
-    scores = torch.matmul(q5, key.unsqueeze(2).transpose(-1, -2)).float() * scaling  # [b, kvh, g, q, k]
-    if mask is None and causal and q_len > 1:
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-    if mask is not None:
-        mask = mask.unsqueeze(-3) if mask.dim() == 4 else mask  # [b|1, 1, 1, q, k] against the group dim
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
-        else:
-            scores = scores + mask.float()
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)  # [b, kvh, g, q, k]
-    out = torch.matmul(probs, value.unsqueeze(2))  # [b, kvh, g, q, d]
-    return out.reshape(b, h, q_len, d)
+    # The heads sharing one key/value head are the rows of one matrix: [b * kvh, group * q, d].
+    q3 = query.reshape(b * kvh, group * q_len, d)
+    k3 = key.reshape(b * kvh, k_len, d).transpose(1, 2)  # [b * kvh, d, k]
+    bias = _score_bias(mask, causal, (b, kvh, group, q_len, k_len), query.dtype, query.device)
+    if bias is None:
+        scores = torch.bmm(q3, k3) * scaling
+    else:
+        scores = torch.baddbmm(bias, q3, k3, alpha=scaling)  # [b * kvh, group * q, k]
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs, value.reshape(b * kvh, k_len, d))  # [b * kvh, group * q, d]
+    return out.view(b, h, q_len, d)
+
+
+def _score_bias(
+    mask: torch.Tensor | None,
+    causal: bool,
+    shape: tuple[int, int, int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """`matmul_attention`'s mask as an additive ``[b * kvh, group * q, k]`` bias in ``dtype`` (0 where a
+    query attends, the dtype's lowest finite value where it does not), or None when nothing is masked."""
+    b, kvh, group, q_len, k_len = shape
+    if mask is None:
+        if not (causal and q_len > 1):
+            return None
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
+    lowest = torch.finfo(dtype).min
+    if mask.dtype == torch.bool:
+        bias = torch.zeros((), dtype=dtype, device=device).masked_fill(~mask, lowest)
+    else:  # additive; a float32 lowest or -inf would round to -inf in bf16 (NaN in a fully masked row)
+        bias = mask.to(dtype).clamp(min=lowest)
+    bias = bias.reshape(-1, 1, 1, q_len, k_len)  # [b | 1, 1, 1, q, k]
+    if bias.shape[0] == 1:  # one mask for every row: [1, group * q, k], broadcast by baddbmm, not copied
+        return bias.expand(1, 1, group, q_len, k_len).reshape(1, group * q_len, k_len)
+    return bias.expand(b, kvh, group, q_len, k_len).reshape(b * kvh, group * q_len, k_len)
 
 
 def packed_segments(position_ids: Any, query: torch.Tensor, key: torch.Tensor) -> list[int] | None:
@@ -143,12 +171,12 @@ def segment_layout(
     lengths: list[int], *, total: int | None = None, longest: int | None = None, device: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each token of a packed row goes in a right-padded ``[S, L]`` batch of its sequences:
-    ``(row [N], col [N], mask [S, 1, L, L])``, the mask causal over each row's real keys.
+    ``(row [N], col [N], real [S, L])``, ``real`` True at the slots that hold a token.
 
     ``lengths``: the sequences' lengths in row order. ``total`` > sum(lengths): the row ends in that many
     filler tokens (a compiled model's packed row, widened to a few sizes), which go to one extra row at
     columns clamped to ``L - 1``; they attend among themselves only and nothing attends to them.
-    ``longest`` >= max(lengths) widens ``L`` (again for a few sizes); the added keys are masked."""
+    ``longest`` >= max(lengths) widens ``L`` (again for a few sizes)."""
     real_total = sum(lengths)
     total = real_total if total is None else total
     filler = total - real_total
@@ -159,10 +187,8 @@ def segment_layout(
     sizes = torch.tensor(counts, device=device)  # [S]
     row = torch.repeat_interleave(torch.arange(s_count, device=device), sizes)  # [N]
     col = (torch.arange(total, device=device) - starts[row]).clamp(max=longest - 1)  # [N]
-    pos = torch.arange(longest, device=device)
-    real = pos[None] < sizes[:, None]  # [S, L] keys that exist
-    mask = (pos[None, :, None] >= pos[None, None, :]) & real[:, None, :]  # [S, L, L] causal, real keys
-    return row, col, mask[:, None]  # [N], [N], [S, 1, L, L]
+    real = torch.arange(longest, device=device)[None] < sizes[:, None]  # [S, L]
+    return row, col, real
 
 
 def segments_attention(
@@ -174,19 +200,23 @@ def segments_attention(
     scaling: float,
 ) -> torch.Tensor:
     """`packed_attention` through a `segment_layout`: scatter the row's tokens into a right-padded
-    ``[S, heads, L, d]`` batch, attend with the layout's mask, gather the tokens back (all differentiable;
-    shapes depend only on the layout's, so a compiled layer sees one shape per layout size)."""
-    row, col, mask = layout
-    s_count, longest = mask.shape[0], mask.shape[-1]
+    ``[S, heads, L, d]`` batch, attend causally, gather the tokens back (all differentiable; shapes depend
+    only on the layout's, so a compiled layer sees one shape per layout size).
 
-    def to_rows(x: torch.Tensor) -> torch.Tensor:  # [1, H, N, d] -> [S, H, L, d]
-        rows = x.new_zeros(s_count, longest, x.shape[1], x.shape[3])
-        rows[row, col] = x[0].transpose(0, 1)  # [N, H, d] into their (sequence, position) slots
-        return rows.transpose(1, 2)
+    The causal mask alone is exact here: a sequence's padding sits after its last token, so every key a
+    real query may see (at or before its own position) is real. Only the padding queries see padding keys,
+    and their outputs are never gathered. One ``[L, L]`` mask then serves every sequence and head."""
+    row, col, real = layout
+    s_count, longest = real.shape
+
+    def to_rows(x: torch.Tensor) -> torch.Tensor:  # [1, H, N, d] -> [S, H, L, d], contiguous
+        rows = x.new_zeros(s_count, x.shape[1], longest, x.shape[3])
+        rows[row, :, col] = x[0].transpose(0, 1)  # [N, H, d] into their (sequence, position) slots
+        return rows
 
     q, k, v = to_rows(query), to_rows(key), to_rows(value)
-    out = _causal_attention(q, k, v, mask, scaling=scaling)  # [S, h, L, d]
-    return out.transpose(1, 2)[row, col].transpose(0, 1)[None]  # [1, h, N, d]
+    out = _causal_attention(q, k, v, None, scaling=scaling)  # [S, h, L, d]
+    return out[row, :, col].transpose(0, 1)[None]  # [1, h, N, d]
 
 
 def attention(

@@ -279,8 +279,9 @@ def test_bucketed_layout_with_filler_equals_per_sequence_attention(dtype):
     lengths, filler = [5, 9, 4], 6
     n = sum(lengths) + filler
     layout = cpu_attention.segment_layout(lengths, total=n, longest=32)
-    row, col, mask = layout
-    assert mask.shape == (4, 1, 32, 32)  # three sequences + the filler's row
+    row, col, real_slots = layout
+    assert real_slots.shape == (4, 32)  # three sequences + the filler's row
+    assert real_slots.sum(1).tolist() == [*lengths, filler]
     assert row.tolist() == [0] * 5 + [1] * 9 + [2] * 4 + [3] * 6
     assert col[-filler:].tolist() == list(range(filler))
     q, k, v = _qkv(1, 4, 2, n, 8, dtype)
