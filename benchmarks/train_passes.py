@@ -268,7 +268,9 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
                 with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as prof:
                     fn()
                 profiles[f"{variant}/{name}"] = prof.key_averages(group_by_input_shape=shapes).table(
-                    sort_by="self_cpu_time_total", row_limit=args["top"], max_name_column_width=int(os.environ.get("PROFILE_NAME_WIDTH", "40"))
+                    sort_by="self_cpu_time_total",
+                    row_limit=args["top"],
+                    max_name_column_width=int(os.environ.get("PROFILE_NAME_WIDTH", "40")),
                 )
     apply("base")
     if rank == 0:

@@ -16,6 +16,7 @@ from fusedrl.workers.fsdp import (
     StreamStats,
     build_adamw,
     load_causal_lm,
+    to_dtype,
     resolve_attn_implementation,
     shard_for_training,
     stream_full_tensors,
@@ -59,8 +60,15 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _sharded_model(
-    model_cfg: ModelConfig, fsdp_cfg: FsdpConfig | RefFsdpConfig, *, lora: bool = False
+    model_cfg: ModelConfig, fsdp_cfg: FsdpConfig | RefFsdpConfig, *, lora: bool = False, frozen: bool = False
 ) -> nn.Module:
+    """The role's model, loaded in ``fsdp_cfg.model_dtype`` and FSDP2-sharded with its ``param_dtype``.
+
+    ``frozen`` (the reference): where ``param_dtype`` differs from ``model_dtype``, the weights are cast to
+    ``param_dtype`` once here and sharded without mixed precision. A frozen model's master weights are only
+    ever read through that cast, so the forwards are the same bit for bit, while every pass skips casting
+    the gathered shards and gathers half the bytes (bf16 from float32), and the shards take half the memory.
+    """
     model = load_causal_lm(
         model_cfg.path,
         fsdp_cfg.model_dtype,
@@ -70,10 +78,15 @@ def _sharded_model(
         from fusedrl.workers.lora import add_lora
 
         model = add_lora(model, model_cfg)
+    param_dtype = fsdp_cfg.param_dtype
+    if frozen and param_dtype and to_dtype(param_dtype) != to_dtype(fsdp_cfg.model_dtype):
+        for p in model.parameters():  # parameters only, as the mixed precision casts (buffers such as
+            p.data = p.data.to(to_dtype(param_dtype))  # the rotary inv_freq stay float32)
+        param_dtype = None
     return shard_for_training(
         model,
         gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
-        param_dtype=fsdp_cfg.param_dtype,
+        param_dtype=param_dtype,
         compile_layers=bool(model_cfg.compile_layers),
     )
 
@@ -87,7 +100,7 @@ class RefRole:
         self.cfg = ref_cfg
         self.use_remove_padding = bool(model_cfg.use_remove_padding)
         self.sp_group = sp_group(sp)
-        self.model = _sharded_model(model_cfg, ref_cfg.fsdp_config)
+        self.model = _sharded_model(model_cfg, ref_cfg.fsdp_config, frozen=True)
         check_heads(self.model, sp)
         self.model.eval()
         for p in self.model.parameters():
