@@ -16,10 +16,10 @@ from fusedrl.workers.fsdp import (
     StreamStats,
     build_adamw,
     load_causal_lm,
-    to_dtype,
     resolve_attn_implementation,
     shard_for_training,
     stream_full_tensors,
+    to_dtype,
 )
 from fusedrl.workers.logprob import (
     batched_log_probs,
