@@ -22,7 +22,8 @@ scripts set); ``+eager`` runs the rollout engine eager (``rollout.enforce_eager=
 compiles its model with torch.compile on CPU); ``+compiled`` compiles the training passes' decoder layers
 (``model.compile_layers=true``); ``+gloo`` sends the workers' collectives through gloo instead of shared
 memory (``FUSEDRL_SHM_COLLECTIVES=0``); ``+glibc`` keeps glibc's malloc in the workers (``FUSEDRL_TCMALLOC=0``;
-by default they preload tcmalloc where the machine has it). ``trl+tcmalloc`` runs TRL with the same tcmalloc
+by default they preload tcmalloc where the machine has it); ``+unbound`` leaves the workers' threads free to
+move between cores (``FUSEDRL_BIND_CPUS=0``; by default each worker is bound to its slot's cores). ``trl+tcmalloc`` runs TRL with the same tcmalloc
 preloaded (``LD_PRELOAD``), so both sides get the allocator. Flags combine: ``fusedrl-2+packed+eager``.
 "vs TRL" divides by the fastest TRL variant's median (TRL's best mode in this run).
 
@@ -189,16 +190,18 @@ def main() -> None:
             res = run_trl(args.steps, train, args.preset)
         else:
             base, *flags = name.split("+")
-            unknown = set(flags) - {"packed", "eager", "compiled", "gloo", "glibc"}
+            unknown = set(flags) - {"packed", "eager", "compiled", "gloo", "glibc", "unbound"}
             if unknown:
                 sys.exit(
                     f"unknown variant flag(s) {sorted(unknown)} in {args.one!r}: "
-                    "use +packed, +eager, +compiled, +gloo, +glibc"
+                    "use +packed, +eager, +compiled, +gloo, +glibc, +unbound"
                 )
             if "gloo" in flags:  # FSDP2's collectives and the weight stream through gloo, not shared memory
                 os.environ["FUSEDRL_SHM_COLLECTIVES"] = "0"
             if "glibc" in flags:  # workers keep glibc's malloc instead of tcmalloc
                 os.environ["FUSEDRL_TCMALLOC"] = "0"
+            if "unbound" in flags:  # workers' threads free to move between cores
+                os.environ["FUSEDRL_BIND_CPUS"] = "0"
             res = run_fusedrl(
                 int(base.split("-")[1]),
                 args.steps,

@@ -35,6 +35,10 @@ class InspectionHooks:
         with self._resident():
             return {n: p.to_local().detach().cpu().clone() for n, p in self.actor.model.named_parameters()}
 
+    def cpu_affinity(self) -> list[int]:
+        """The CPUs this worker's main thread may run on."""
+        return sorted(os.sched_getaffinity(0))
+
     def ref_state(self) -> dict[str, torch.Tensor]:
         """This rank's local shards of the reference's parameters (copies), keyed by name."""
         assert self.ref is not None

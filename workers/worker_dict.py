@@ -37,6 +37,7 @@ from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import seed_rng, shard_prefix
 from fusedrl.lora import lora_enabled
 from fusedrl.role_config import ModelConfig, RefConfig, RoleConfigs
+from fusedrl.utils.hardware import bind_process_cpus
 from fusedrl.workers.actor import ActorRole, RefRole
 from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
 from fusedrl.workers.critic import CriticRole
@@ -105,6 +106,11 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         self.rollout_asleep = False  # the engine released its memory (until the next wake-up)
 
     # ------------------------------------------------------------------ setup
+    def bind_cpus(self, cpus: Sequence[int]) -> list[int]:
+        """Bind this worker's threads (training, engine, collectives) to ``cpus``, the cores of its slot
+        (`fusedrl.controller.placement.RoleGroups.bind_cpus`); returns the CPUs it now runs on."""
+        return bind_process_cpus(cpus)
+
     def init_roles(self, master_addr: str, master_port: int) -> dict[str, float]:
         """Join the process group, then build the roles this worker holds. Collective."""
         t0 = time.perf_counter()

@@ -7,6 +7,7 @@ broadcast route (`fusedrl.controller.weight_sync.BroadcastRoute`) instead of the
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from fusedrl.controller.weight_sync import BroadcastRoute
 from fusedrl.controller.worker_group import ResourcePool, WorkerGroup, cpus_for_cpu_slots
 from fusedrl.placement_config import Placement, PoolSpec, read_placement
 from fusedrl.role_config import RoleConfigs
+from fusedrl.utils.hardware import slot_cpu_sets
 
 # Roles that must share the actor's worker when they are on the actor's pool: the in-place weight stream
 # goes from the actor's shards into the engine of the same process, and the run checkpoint saves actor and
@@ -92,6 +94,9 @@ def slot_pool(trainer_cfg: Any) -> ResourcePool:
     )
 
 
+BIND_ENV = "FUSEDRL_BIND_CPUS"
+
+
 class RoleGroups:
     """The run's worker groups, looked up by the roles they hold (several roles may share one group)."""
 
@@ -132,6 +137,7 @@ class RoleGroups:
             started.add(pool_name)
             by_role.update(dict.fromkeys(roles, group))
         groups = cls(by_role)
+        groups.bind_cpus(pools, cpus)
         if "rollout" in by_role and by_role["rollout"] is not by_role["actor"]:
             # Pools may land on different nodes: then the sync store listens on the node's address.
             multi_node = sum(1 for node in ray.nodes() if node["Alive"]) > 1
@@ -139,6 +145,23 @@ class RoleGroups:
             groups.weight_route = BroadcastRoute(by_role["actor"], by_role["rollout"], bucket_mb, multi_node)
             groups.weight_route.connect()
         return groups
+
+    def bind_cpus(self, pools: dict[str, ResourcePool], per_slot: int) -> None:
+        """On one machine without GPUs, bind each slot's workers to cores of their own (`slot_cpu_sets`,
+        ``per_slot`` cores each): the scheduler otherwise moves the workers' threads between cores, and each
+        move costs the caches (2 cores: 4% of a bf16 GRPO step, benchmarks/RESULTS.md). ``FUSEDRL_BIND_CPUS=0``
+        leaves them unbound; so does a cluster of several machines or a run with more slots than cores."""
+        if os.environ.get(BIND_ENV, "1") == "0" or torch.cuda.is_available():
+            return
+        if any(p.nnodes != 1 for p in pools.values()) or sum(1 for n in ray.nodes() if n["Alive"]) != 1:
+            return
+        pool_list = list(pools.values())
+        sets = slot_cpu_sets([p.world_size for p in pool_list], per_slot, sorted(os.sched_getaffinity(0)))
+        if sets is None:
+            return
+        for group in self.unique():
+            index = next(i for i, p in enumerate(pool_list) if p is group.pool)
+            group.run_shards(lambda w, cpus: w.bind_cpus.remote(cpus), sets[index])
 
     def stream_weights(self) -> list[dict[str, float]]:
         """The actor's weights into every rollout engine: in place where they share the workers (each rank's

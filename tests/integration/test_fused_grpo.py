@@ -6,6 +6,8 @@ state it checks. Tests run in file order and leave the rollout in sync with the 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from support import started_trainer
@@ -229,6 +231,15 @@ def test_sync_holds_no_second_copy(trainer, tiny_model_dir):
     for k, d in zip(kept, dropped):
         assert k["peak_live_bytes"] >= 0.95 * k["total_bytes"]
         assert d["peak_live_bytes"] <= d["largest_buffer_bytes"] + d["largest_bytes"]
+
+
+def test_workers_are_bound_to_cores_of_their_own(trainer):
+    """Two CPU slots on this machine: each worker runs on its own core (`RoleGroups.bind_cpus`)."""
+    cpus = trainer.workers.run_all(lambda w: w.cpu_affinity.remote())
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert all(len(c) == 1 for c in cpus), cpus
+        assert cpus[0] != cpus[1], cpus
+        assert set(cpus[0] + cpus[1]) <= os.sched_getaffinity(0)
 
 
 def test_memory_choreography_order(trainer):
