@@ -6,7 +6,7 @@ heads, 4 key/value heads, head dim 64) with half the rows left-padded by a third
 
 - ``flash``: SDPA restricted to its flash kernel (what SDPA picks on CPU);
 - ``math``: SDPA restricted to its math kernel;
-- ``matmul``: `fusedrl.workers.cpu_attention.matmul_attention` (two batched matmuls, float32 softmax);
+- ``matmul``: `fusedrl.workers.cpu_attention.matmul_attention` (two batched matmuls around a softmax that accumulates in float32);
 - ``auto``: `fusedrl.workers.cpu_attention.attention`, what ``attn_implementation=auto`` runs on CPU.
 
 A packed row (``use_remove_padding``) of the same sequences is timed two ways: SDPA over the whole row with
