@@ -146,19 +146,16 @@ def packed_attention(
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
-        outs.append(_causal_attention(q, k, v, None, scaling=scaling))
+        outs.append(_causal_attention(q, k, v, scaling=scaling))
     return torch.cat(outs, dim=2)  # [1, h, N, d]
 
 
-def _causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, scaling: float
-) -> torch.Tensor:
-    """Causal attention (``mask``: None, or a boolean mask that already holds the causal pattern) by the
-    kernel an unpacked batch of these shapes gets: `matmul_attention` or SDPA."""
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float) -> torch.Tensor:
+    """Causal attention by the kernel an unpacked batch of these shapes gets: `matmul_attention` or SDPA."""
     if takes_matmul_path(q, k, 0.0):
-        return matmul_attention(q, k, v, mask, scaling=scaling, causal=True)
+        return matmul_attention(q, k, v, None, scaling=scaling, causal=True)
     return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True
+        q, k, v, is_causal=True, scale=scaling, enable_gqa=True
     )
 
 
@@ -215,7 +212,7 @@ def segments_attention(
         return rows
 
     q, k, v = to_rows(query), to_rows(key), to_rows(value)
-    out = _causal_attention(q, k, v, None, scaling=scaling)  # [S, h, L, d]
+    out = _causal_attention(q, k, v, scaling=scaling)  # [S, h, L, d]
     return out[row, :, col].transpose(0, 1)[None]  # [1, h, N, d]
 
 

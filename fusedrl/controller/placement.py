@@ -97,6 +97,11 @@ def slot_pool(trainer_cfg: Any) -> ResourcePool:
 BIND_ENV = "FUSEDRL_BIND_CPUS"
 
 
+def _alive_nodes() -> int:
+    """The Ray nodes of the cluster that are alive."""
+    return sum(1 for node in ray.nodes() if node["Alive"])
+
+
 class RoleGroups:
     """The run's worker groups, looked up by the roles they hold (several roles may share one group)."""
 
@@ -140,7 +145,7 @@ class RoleGroups:
         groups.bind_cpus(pools, cpus)
         if "rollout" in by_role and by_role["rollout"] is not by_role["actor"]:
             # Pools may land on different nodes: then the sync store listens on the node's address.
-            multi_node = sum(1 for node in ray.nodes() if node["Alive"]) > 1
+            multi_node = _alive_nodes() > 1
             bucket_mb = float(config.trainer.placement.weight_sync_bucket_mb)
             groups.weight_route = BroadcastRoute(by_role["actor"], by_role["rollout"], bucket_mb, multi_node)
             groups.weight_route.connect()
@@ -153,15 +158,14 @@ class RoleGroups:
         leaves them unbound; so does a cluster of several machines or a run with more slots than cores."""
         if os.environ.get(BIND_ENV, "1") == "0" or torch.cuda.is_available():
             return
-        if any(p.nnodes != 1 for p in pools.values()) or sum(1 for n in ray.nodes() if n["Alive"]) != 1:
+        if any(p.nnodes != 1 for p in pools.values()) or _alive_nodes() != 1:
             return
-        pool_list = list(pools.values())
-        sets = slot_cpu_sets([p.world_size for p in pool_list], per_slot, sorted(os.sched_getaffinity(0)))
+        sets = slot_cpu_sets([p.world_size for p in pools.values()], per_slot, os.sched_getaffinity(0))
         if sets is None:
             return
+        by_pool = {id(pool): pool_sets for pool, pool_sets in zip(pools.values(), sets, strict=True)}
         for group in self.unique():
-            index = next(i for i, p in enumerate(pool_list) if p is group.pool)
-            group.run_shards(lambda w, cpus: w.bind_cpus.remote(cpus), sets[index])
+            group.run_shards(lambda w, cpus: w.bind_cpus.remote(cpus), by_pool[id(group.pool)])
 
     def stream_weights(self) -> list[dict[str, float]]:
         """The actor's weights into every rollout engine: in place where they share the workers (each rank's

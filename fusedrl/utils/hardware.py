@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 # /proc/cpuinfo flags of the instructions that compute bf16 dot products in hardware.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -79,14 +79,15 @@ def cpus_per_cpu_slot(slots_per_node: int, node_cpus: int | None = None) -> int:
 
 
 def slot_cpu_sets(
-    slot_counts: Sequence[int], per_slot: int, cpus: Sequence[int]
+    slot_counts: Sequence[int], per_slot: int, cpus: Iterable[int]
 ) -> list[list[list[int]]] | None:
     """Disjoint CPU sets for the slots of several pools on one machine: ``per_slot`` consecutive CPUs of
     ``cpus`` for each slot, pools in order, slots by rank (``result[pool][rank]``); None when the slots need
     more CPUs than there are."""
-    if per_slot < 1 or sum(slot_counts) * per_slot > len(cpus):
+    ordered: list[int] = sorted(cpus)
+    if per_slot < 1 or sum(slot_counts) * per_slot > len(ordered):
         return None
-    ordered, sets, start = sorted(cpus), [], 0
+    sets, start = [], 0
     for count in slot_counts:
         sets.append([ordered[start + i * per_slot : start + (i + 1) * per_slot] for i in range(count)])
         start += count * per_slot
