@@ -6,7 +6,9 @@ The fused worker's roles (`ActorRole`, `RefRole`, FSDP2 over a real gloo group o
 15-35 real tokens left-padded to 64; responses of up to ``--response-length`` tokens, three quarters at
 full length as from a random model). No Ray, no vLLM: only the passes. Reported per phase: seconds,
 GFLOP/s (FLOPs counted by ``torch.utils.flop_counter`` on the real tokens' forward/backward), and the
-top operators by self CPU time (``torch.profiler``) on rank 0.
+top operators by self CPU time (``torch.profiler``) on rank 0. The ranks run with the allocator a fused worker
+gets: tcmalloc preloaded where the machine has it (`fusedrl.trainer.runtime.tcmalloc_path`;
+``FUSEDRL_TCMALLOC=0``: glibc's malloc), each bound to ``T`` cores of its own (``FUSEDRL_BIND_CPUS=0``: unbound).
 
 ``--variants`` measures switches of the implementation side by side in one process, alternating, so a
 shared machine's load falls on all alike: ``base`` (everything on, float32), ``no_trim`` (micro-batches
@@ -161,6 +163,12 @@ def _rank_main(rank: int, world: int, threads: int, port: int, args: dict, out: 
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if os.environ.get("FUSEDRL_BIND_CPUS", "1") != "0":  # each rank on cores of its own, as a fused worker
+        from fusedrl.utils.hardware import bind_process_cpus, slot_cpu_sets
+
+        sets = slot_cpu_sets([world], threads, os.sched_getaffinity(0))
+        if sets:
+            bind_process_cpus(sets[0][rank])
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -321,7 +329,15 @@ def main() -> None:
         "top": a.top,
     }
     from benchmarks.common import record
+    from fusedrl.trainer.runtime import tcmalloc_preload
     from fusedrl.utils.hardware import native_bf16
+
+    # The ranks get the allocator a fused worker gets (tcmalloc where the machine has it; glibc's malloc
+    # faults large activation buffers back in on every allocation: 8-9% of a bf16 update here).
+    preload = tcmalloc_preload()
+    if preload and "tcmalloc" not in os.environ.get("LD_PRELOAD", ""):
+        os.environ["LD_PRELOAD"] = preload
+    allocator = "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "glibc malloc"
 
     rows, payload, prof_text = [], {"layouts": {}}, []
     ceil_text = []
@@ -364,7 +380,8 @@ def main() -> None:
             f"<= {a.response_length} ({dtype} compute); median of {a.reps}. FLOPs: real tokens only "
             f"(torch.utils.flop_counter). Matmul ceiling (2048x512 @ 512x1408), GFLOP/s per thread, "
             f"measured in the same worker processes between the rounds, all ranks at once: "
-            f"{'; '.join(ceil_text)} ({native_bf16()[1]}).",
+            f"{'; '.join(ceil_text)} ({native_bf16()[1]}). Allocator of the ranks: {allocator}; "
+            f"{'unbound' if os.environ.get('FUSEDRL_BIND_CPUS', '1') == '0' else 'each rank bound to cores of its own'}.",
             "",
             header,
             "|" + "---|" * (len(PHASES) + 4),

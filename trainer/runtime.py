@@ -94,9 +94,9 @@ def init_ray(config: DictConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):  # a running (multi-node) cluster: join it as it is sized
         ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING)
         return
-    preload = tcmalloc_path()
+    preload = tcmalloc_preload()
     if preload:  # local workers only: another node may keep the library elsewhere or not at all
-        env["LD_PRELOAD"] = ":".join(p for p in (preload, os.environ.get("LD_PRELOAD", "")) if p)
+        env["LD_PRELOAD"] = preload
     ray.init(
         num_cpus=int(num_cpus),
         include_dashboard=False,
@@ -114,6 +114,15 @@ _TCMALLOC_DIRS = (
     "/usr/lib64",
 )
 _TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+
+
+def tcmalloc_preload() -> str | None:
+    """``LD_PRELOAD`` for a local worker process: `tcmalloc_path` ahead of this process's own preloads, or
+    None where there is no tcmalloc to preload."""
+    path = tcmalloc_path()
+    if not path:
+        return None
+    return ":".join(p for p in (path, os.environ.get("LD_PRELOAD", "")) if p)
 
 
 def tcmalloc_path() -> str | None:

@@ -25,6 +25,20 @@ def test_tcmalloc_choice(monkeypatch, tmp_path):
     assert tcmalloc_path() == str(given)
 
 
+def test_tcmalloc_preload_keeps_the_callers_preloads(monkeypatch, tmp_path):
+    from fusedrl.trainer.runtime import tcmalloc_preload
+
+    given = tmp_path / "libtcmalloc_minimal.so.4"
+    given.write_bytes(b"")
+    monkeypatch.setenv("FUSEDRL_TCMALLOC", str(given))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert tcmalloc_preload() == str(given)
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libother.so")
+    assert tcmalloc_preload() == f"{given}:/opt/libother.so"
+    monkeypatch.setenv("FUSEDRL_TCMALLOC", "0")
+    assert tcmalloc_preload() is None
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("choice", ["auto", "0"])
 def test_local_workers_preload_tcmalloc(monkeypatch, choice):
