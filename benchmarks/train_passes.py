@@ -163,7 +163,7 @@ def _rank_main(rank: int, world: int, threads: int, port: int, args: dict, out: 
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if os.environ.get("FUSEDRL_BIND_CPUS", "1") != "0":  # each rank on cores of its own, as a fused worker
+    if args["bind"]:  # each rank on cores of its own, as a fused worker
         from fusedrl.utils.hardware import bind_process_cpus, slot_cpu_sets
 
         sets = slot_cpu_sets([world], threads, os.sched_getaffinity(0))
@@ -318,6 +318,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
+    from fusedrl.controller.placement import BIND_ENV  # here, not at the top: the spawned ranks need no Ray
+
     args = {
         "preset": a.preset,
         "response_length": a.response_length,
@@ -327,6 +329,7 @@ def main() -> None:
         "param_dtype": a.param_dtype,
         "profile": a.profile,
         "top": a.top,
+        "bind": os.environ.get(BIND_ENV, "1") != "0",
     }
     from benchmarks.common import record
     from fusedrl.trainer.runtime import tcmalloc_preload
@@ -334,10 +337,10 @@ def main() -> None:
 
     # The ranks get the allocator a fused worker gets (tcmalloc where the machine has it; glibc's malloc
     # faults large activation buffers back in on every allocation: 8-9% of a bf16 update here).
-    preload = tcmalloc_preload()
-    if preload and "tcmalloc" not in os.environ.get("LD_PRELOAD", ""):
-        os.environ["LD_PRELOAD"] = preload
-    allocator = "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "glibc malloc"
+    if "tcmalloc" not in os.environ.get("LD_PRELOAD", ""):
+        os.environ["LD_PRELOAD"] = tcmalloc_preload() or os.environ.get("LD_PRELOAD", "")
+    allocator = "tcmalloc" if "tcmalloc" in os.environ["LD_PRELOAD"] else "glibc malloc"
+    binding = "each rank bound to cores of its own" if args["bind"] else "unbound"
 
     rows, payload, prof_text = [], {"layouts": {}}, []
     ceil_text = []
@@ -380,8 +383,7 @@ def main() -> None:
             f"<= {a.response_length} ({dtype} compute); median of {a.reps}. FLOPs: real tokens only "
             f"(torch.utils.flop_counter). Matmul ceiling (2048x512 @ 512x1408), GFLOP/s per thread, "
             f"measured in the same worker processes between the rounds, all ranks at once: "
-            f"{'; '.join(ceil_text)} ({native_bf16()[1]}). Allocator of the ranks: {allocator}; "
-            f"{'unbound' if os.environ.get('FUSEDRL_BIND_CPUS', '1') == '0' else 'each rank bound to cores of its own'}.",
+            f"{'; '.join(ceil_text)} ({native_bf16()[1]}). Allocator of the ranks: {allocator}; {binding}.",
             "",
             header,
             "|" + "---|" * (len(PHASES) + 4),
