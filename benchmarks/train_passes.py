@@ -19,7 +19,7 @@ under FSDP2 bf16 mixed precision, with ``model.attn_implementation=auto``: on CP
 two matmuls, `fusedrl.workers.cpu_attention`), ``bf16_sdpa`` (the same with plain SDPA attention),
 ``packed`` and ``bf16_packed`` (``model.use_remove_padding=true``: no compute on padding), ``compiled`` and
 ``bf16_compiled`` (``model.compile_layers=true``: torch.compile of each decoder layer, compiled during the
-warm-up, which is not timed), ``bf16_packed_compiled`` (both).
+warm-up, which is not timed), ``packed_compiled`` and ``bf16_packed_compiled`` (both).
 
     python -m benchmarks.train_passes [--layouts 1x2,2x1] [--preset small] [--reps 3] [--variants base,no_trim]
 """
@@ -48,8 +48,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def synthetic_batch(response_length: int, seed: int = 0):
-    """64 rows shaped like a GRPO batch of a random model on the arithmetic prompts."""
+def synthetic_batch(response_length: int, seed: int = 0, samples_per_prompt: int = 1):
+    """64 rows shaped like a GRPO batch of a random model on the arithmetic prompts; ``samples_per_prompt``
+    consecutive rows share their prompt (GRPO's groups; 1: every row its own prompt)."""
     from fusedrl.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
@@ -59,10 +60,14 @@ def synthetic_batch(response_length: int, seed: int = 0):
     responses = torch.zeros(ROWS, tr, dtype=torch.long)
     response_mask = torch.zeros(ROWS, tr, dtype=torch.long)
     for i in range(ROWS):
-        lp = int(torch.randint(15, 36, (1,), generator=g))
+        new_prompt = i % samples_per_prompt == 0
+        lp = int(torch.randint(15, 36, (1,), generator=g)) if new_prompt else 0
         lr = tr if torch.rand(1, generator=g) < 0.75 else int(torch.randint(1, tr + 1, (1,), generator=g))
-        prompts[i, TP - lp :] = torch.randint(3, 500, (lp,), generator=g)
-        prompt_mask[i, TP - lp :] = 1
+        if new_prompt:
+            prompts[i, TP - lp :] = torch.randint(3, 500, (lp,), generator=g)
+            prompt_mask[i, TP - lp :] = 1
+        else:  # the group's prompt
+            prompts[i], prompt_mask[i] = prompts[i - 1], prompt_mask[i - 1]
         responses[i, :lr] = torch.randint(3, 500, (lr,), generator=g)
         response_mask[i, :lr] = 1
     batch = RolloutBatch(
@@ -133,6 +138,7 @@ def role_settings(
     micro: int = 8,
     packed: bool = False,
     compiled: bool = False,
+    share: bool = True,
 ) -> tuple[Any, Any, Any]:
     """(model, actor, ref) configs as a fused worker gets them (typed): the YAML's defaults with the
     benchmark's shape on top, so every key the roles read is there and has the user's default."""
@@ -151,6 +157,7 @@ def role_settings(
         f"actor_rollout_ref.model.attn_implementation={attn}",
         f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
         f"actor_rollout_ref.model.compile_layers={str(compiled).lower()}",
+        f"actor_rollout_ref.model.share_prompt_prefix={str(share).lower()}",
     ]
     if param_dtype:
         for role in ("actor", "ref"):
@@ -192,18 +199,20 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     for variant, (dtype, attn, packed, compiled) in {
         "packed": (args["param_dtype"], "auto", True, False),
         "compiled": (args["param_dtype"], "auto", False, True),
+        "packed_compiled": (args["param_dtype"], "auto", True, True),
         "bf16": ("bfloat16", "auto", False, False),
         "bf16_sdpa": ("bfloat16", "sdpa", False, False),
         "bf16_packed": ("bfloat16", "auto", True, False),
         "bf16_compiled": ("bfloat16", "auto", False, True),
         "bf16_packed_compiled": ("bfloat16", "auto", True, True),
     }.items():
-        if variant in args["variants"] or f"{variant}_gloo" in args["variants"]:
-            bm, ba, br = role_settings(path, dtype, attn, args["micro"], packed, compiled)
-            roles[variant] = (ActorRole(bm, ba, rollout_n=4), RefRole(bm, br))
+        for name, share in ((variant, True), (f"{variant}_unshared", False)):
+            if name in args["variants"] or f"{name}_gloo" in args["variants"]:
+                bm, ba, br = role_settings(path, dtype, attn, args["micro"], packed, compiled, share)
+                roles[name] = (ActorRole(bm, ba, rollout_n=4), RefRole(bm, br))
     actor, ref = roles["base"]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    full = synthetic_batch(args["response_length"])
+    full = synthetic_batch(args["response_length"], samples_per_prompt=args["samples_per_prompt"])
     rows = ROWS // world
     shard = full[rank * rows : (rank + 1) * rows]
     fwd_flops, fb_flops = _count_flops(hf, shard, args["micro"])
@@ -314,6 +323,9 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=8, help="update micro-batch rows per worker")
     ap.add_argument("--variants", default="base")
     ap.add_argument("--param-dtype", default=None)
+    ap.add_argument(
+        "--samples-per-prompt", type=int, default=1, help="rows sharing a prompt (GRPO's n; 1: all distinct)"
+    )
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--no-record", action="store_true")
@@ -327,6 +339,7 @@ def main() -> None:
         "micro": a.micro_batch,
         "variants": a.variants.split(","),
         "param_dtype": a.param_dtype,
+        "samples_per_prompt": a.samples_per_prompt,
         "profile": a.profile,
         "top": a.top,
         "bind": os.environ.get(BIND_ENV, "1") != "0",
@@ -379,9 +392,11 @@ def main() -> None:
     )
     table = "\n".join(
         [
-            f"Training passes, {a.preset} model, {ROWS} samples, prompts 15-35 tokens left-padded to {TP}, responses "
+            f"Training passes, {a.preset} model, {ROWS} samples ({a.samples_per_prompt} per prompt), prompts 15-35 "
+            f"tokens left-padded to {TP}, responses "
             f"<= {a.response_length} ({dtype} compute); median of {a.reps}. FLOPs: real tokens only "
-            f"(torch.utils.flop_counter). Matmul ceiling (2048x512 @ 512x1408), GFLOP/s per thread, "
+            f"(torch.utils.flop_counter), every sample's whole sequence: with shared prompts (variants without "
+            f"`_unshared`, several samples per prompt) the rates are of the unshared work. Matmul ceiling (2048x512 @ 512x1408), GFLOP/s per thread, "
             f"measured in the same worker processes between the rounds, all ranks at once: "
             f"{'; '.join(ceil_text)} ({native_bf16()[1]}). Allocator of the ranks: {allocator}; {binding}.",
             "",
@@ -399,7 +414,8 @@ def main() -> None:
     }
     cmd = (
         f"python -m benchmarks.train_passes --layouts {a.layouts} --preset {a.preset} --response-length "
-        f"{a.response_length} --reps {a.reps} --micro-batch {a.micro_batch} --variants {a.variants}"
+        f"{a.response_length} --reps {a.reps} --micro-batch {a.micro_batch} --variants {a.variants} "
+        f"--samples-per-prompt {a.samples_per_prompt}"
         + (f" --param-dtype {a.param_dtype}" if a.param_dtype else "")
         + (" --profile" if a.profile else "")
     )

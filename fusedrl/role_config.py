@@ -75,6 +75,7 @@ class ModelConfig:
     path: str
     enable_gradient_checkpointing: bool
     use_remove_padding: bool
+    share_prompt_prefix: bool
     attn_implementation: str
     compile_layers: bool
     lora_rank: int

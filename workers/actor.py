@@ -99,6 +99,7 @@ class RefRole:
         way (the driver gives a group's workers the same rows for both)."""
         self.cfg = ref_cfg
         self.use_remove_padding = bool(model_cfg.use_remove_padding)
+        self.share_prompts = bool(model_cfg.share_prompt_prefix)
         self.sp_group = sp_group(sp)
         self.model = _sharded_model(model_cfg, ref_cfg.fsdp_config, frozen=True)
         check_heads(self.model, sp)
@@ -118,6 +119,7 @@ class RefRole:
             ),
             remove_padding=self.use_remove_padding,
             sp_group=self.sp_group,
+            share_prompts=self.share_prompts,
         )
 
 
@@ -137,6 +139,7 @@ class ActorRole:
         self.world_size = dist.get_world_size() // int(cfg.ulysses_sequence_parallel_size)
         self.rollout_n = rollout_n
         self.use_remove_padding = bool(model_cfg.use_remove_padding)
+        self.share_prompts = bool(model_cfg.share_prompt_prefix)
         self.lora = lora_enabled(model_cfg)  # the model is a PEFT model: only adapters train
         self.model = _sharded_model(model_cfg, cfg.fsdp_config, lora=self.lora)
         check_heads(self.model, int(cfg.ulysses_sequence_parallel_size))
@@ -179,6 +182,7 @@ class ActorRole:
             remove_padding=self.use_remove_padding,
             with_sum_pi_squared=with_sum_pi_squared,
             sp_group=self.sp_group,
+            share_prompts=self.share_prompts,
         )
         return (lp, spp) if with_sum_pi_squared else lp
 
@@ -196,6 +200,7 @@ class ActorRole:
             with_entropy=True,
             remove_padding=self.use_remove_padding,
             sp_group=self.sp_group,
+            share_prompts=self.share_prompts,
         )  # [b, Tr]
         clip = float(cfg.clip_ratio)
         old_log_prob = mb.old_log_probs  # [b, Tr]

@@ -216,6 +216,39 @@ def segments_attention(
     return out[row, :, col].transpose(0, 1)[None]  # [1, h, N, d]
 
 
+# The keyword a packed forward with shared prompts (`fusedrl.workers.packing.pack_shared_prompts`) passes
+# its `fusedrl.workers.packing.shared_prompt_layout` under.
+SHARED_LAYOUT_KWARG = "fusedrl_shared_prompts"
+
+
+def shared_segments_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: tuple[torch.Tensor, torch.Tensor],
+    *,
+    scaling: float,
+) -> torch.Tensor:
+    """Causal attention of a packed row whose samples share their prompt's tokens: ``[1, h, N, d]`` ->
+    ``[1, h, N, d]``. ``layout = (src [S, L], dst [N])``: gather each sample's whole sequence (its shared
+    prompt, then its own tokens) into row ``s`` of a right-padded ``[S, heads, L, d]`` batch, attend
+    causally, and read each token's output from slot ``dst``. A shared prompt token is a key of every
+    sample of its group; its gradient arrives summed over them (the gather's backward)."""
+    src, dst = layout
+    s_count, longest = src.shape
+    flat = src.flatten()  # [S * L]
+
+    def to_rows(x: torch.Tensor) -> torch.Tensor:  # [1, H, N, d] -> [S, H, L, d], contiguous
+        rows = x[0].transpose(0, 1)[flat]  # [S * L, H, d]
+        return rows.view(s_count, longest, x.shape[1], x.shape[3]).transpose(1, 2).contiguous()
+
+    out = _causal_attention(to_rows(query), to_rows(key), to_rows(value), scaling=scaling)  # [S, h, L, d]
+    heads, dim = out.shape[1], out.shape[3]
+    return (
+        out.transpose(1, 2).reshape(s_count * longest, heads, dim)[dst].transpose(0, 1)[None]
+    )  # [1, h, N, d]
+
+
 def attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -239,6 +272,16 @@ def attention(
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     # A sliding window lives in Transformers' mask only: a packed row with one goes to SDPA with that mask.
     packable = plain and causal and dropout == 0.0 and kwargs.get("sliding_window") is None
+    shared = kwargs.get(SHARED_LAYOUT_KWARG)
+    if shared is not None:
+        if not (packable and query.shape[0] == 1 and query.shape[2] == shared[1].shape[0]):
+            raise ValueError(
+                "a packed row with shared prompts reached an attention call that cannot run it "
+                "(sliding window, dropout or a KV cache): set actor_rollout_ref.model.share_prompt_prefix=false"
+            )
+        return shared_segments_attention(query, key, value, shared, scaling=scale).transpose(
+            1, 2
+        ).contiguous(), None
     layout = kwargs.get(LAYOUT_KWARG)
     if packable and layout is not None and query.shape[0] == 1 and query.shape[2] == layout[0].shape[0]:
         return segments_attention(query, key, value, layout, scaling=scale).transpose(1, 2).contiguous(), None

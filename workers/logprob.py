@@ -25,7 +25,7 @@ from fusedrl.balance import sequence_lengths, token_budget_bins
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.fsdp import gathered_for_pass
 from fusedrl.workers.layer_compile import bucketed_window, has_compiled_layers
-from fusedrl.workers.packing import pack_batch
+from fusedrl.workers.packing import pack_batch, packed_mask_argument
 
 B = TypeVar("B", RolloutBatch, dict)
 
@@ -127,6 +127,7 @@ def response_log_probs(
     remove_padding: bool = False,
     with_sum_pi_squared: bool = False,
     sp_group: Any = None,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over prompt+response; returns ``(log_probs [B, Tr], entropy [B, Tr] | None)``, or with
     ``with_sum_pi_squared`` ``(log_probs, Σπ² [B, Tr])``. ``sp_group``: Ulysses sequence parallelism over
@@ -135,6 +136,9 @@ def response_log_probs(
     Runs with whatever grad mode the caller set: under ``torch.no_grad`` for old/ref log-probs, with
     grad inside the actor update. With ``remove_padding`` the rows are packed into one sequence and the
     results are 0 on response padding; padded, the values on padding are meaningless (callers mask).
+    ``share_prompts`` (with ``remove_padding``, ``model.share_prompt_prefix``): rows with the same prompt
+    share one copy of it in the packed row, where the model runs fusedrl's CPU attention (elsewhere the
+    rows are packed whole; see `fusedrl.workers.packing.pack_shared_prompts`).
     """
     if sp_group is not None:
         from fusedrl.workers.ulysses import ulysses_response_log_probs
@@ -149,7 +153,8 @@ def response_log_probs(
             grad_scale=float(dist.get_world_size(sp_group)),  # FSDP averages over the group: see ulysses
         )
     if remove_padding:
-        packed = pack_batch(batch, bucketed=has_compiled_layers(model))
+        share = share_prompts and packed_mask_argument(model) is not None
+        packed = pack_batch(batch, bucketed=has_compiled_layers(model), share_prompts=share)
         log_probs, entropy = _token_log_probs(
             packed.response_logits(model),  # [M, V]
             packed.targets,
@@ -203,6 +208,7 @@ def batched_log_probs(
     max_token_len: int | None = None,
     remove_padding: bool = False,
     sp_group: Any = None,
+    share_prompts: bool = False,
 ) -> torch.Tensor:
     """No-grad log-probs of the whole batch, ``[B, Tr]``: ``micro_batch_size`` rows per forward, or
     micro-batches of at most ``max_token_len`` real tokens when that is set (dynamic batch size).
@@ -216,6 +222,7 @@ def batched_log_probs(
         remove_padding=remove_padding,
         with_sum_pi_squared=False,
         sp_group=sp_group,
+        share_prompts=share_prompts,
     )[0]
 
 
@@ -230,6 +237,7 @@ def batched_log_probs_and_sum_pi_squared(
     remove_padding: bool = False,
     with_sum_pi_squared: bool = True,
     sp_group: Any = None,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`batched_log_probs` and, from the same forwards, Σπ² ``[B, Tr]`` (None unless
     ``with_sum_pi_squared``); both 0 on padding."""
@@ -243,6 +251,7 @@ def batched_log_probs_and_sum_pi_squared(
                 remove_padding=remove_padding,
                 with_sum_pi_squared=with_sum_pi_squared,
                 sp_group=sp_group,
+                share_prompts=share_prompts,
             )
             for mb in mbs
         ]  # ([b_i, Tr], [b_i, Tr] | None) each

@@ -109,6 +109,7 @@ class LoraRefView:
                 ),
                 remove_padding=self.actor.use_remove_padding,
                 sp_group=self.actor.sp_group,
+                share_prompts=self.actor.share_prompts,
             )
 
 

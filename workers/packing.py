@@ -95,7 +95,7 @@ def packed_mask_argument(model: torch.nn.Module) -> dict[str, None] | None:
     return {"full_attention": None}
 
 
-def pack_batch(batch: RolloutBatch, *, bucketed: bool = False) -> PackedBatch:
+def pack_batch(batch: RolloutBatch, *, bucketed: bool = False, share_prompts: bool = False) -> PackedBatch:
     """Pack the real prompt+response tokens of ``batch``'s rows into one row (see the module docstring).
 
     Tokens are kept where ``batch.sequences()``'s attention mask is 1 and keep the positions that
@@ -105,7 +105,12 @@ def pack_batch(batch: RolloutBatch, *, bucketed: bool = False) -> PackedBatch:
     filler tokens to a `bucket_width` and carries its `segment_layout` (longest sequence also widened to a
     bucket) for the attention, so a compiled layer sees a few shapes per run instead of one per
     micro-batch. The filler sits after every real token, attends only to itself and is never read.
+
+    ``share_prompts``: rows with the same prompt (a GRPO group's samples) share one copy of it in the row
+    (`pack_shared_prompts`); the model must run fusedrl's CPU attention (`packed_mask_argument` not None).
     """
+    if share_prompts:
+        return pack_shared_prompts(batch, bucketed=bucketed)
     input_ids, attention_mask, position_ids = batch.sequences()  # [b, Tp+Tr] each
     keep = attention_mask.bool()  # [b, Tp+Tr]
     # Index of every kept token in the packed row (meaningless where keep is False).
@@ -136,3 +141,119 @@ def pack_batch(batch: RolloutBatch, *, bucketed: bool = False) -> PackedBatch:
         response_mask=response_mask,  # [b, Tr]
         model_kwargs=model_kwargs,
     )
+
+
+def prompt_groups(batch: RolloutBatch) -> list[list[int]]:
+    """The rows of ``batch`` grouped by identical real prompt tokens, groups in order of first appearance
+    (a GRPO group's samples, wherever balancing put them in the micro-batch)."""
+    groups: dict[bytes, list[int]] = {}
+    keep = batch.prompt_mask.bool()  # [b, Tp]
+    for row in range(batch.num_samples):
+        groups.setdefault(batch.prompts[row][keep[row]].numpy().tobytes(), []).append(row)
+    return list(groups.values())
+
+
+def pack_shared_prompts(batch: RolloutBatch, *, bucketed: bool = False) -> PackedBatch:
+    """`pack_batch` with each distinct prompt once: the row holds, per group of rows with the same prompt,
+    the prompt's tokens followed by every row's response-side tokens (positions as in the padded forward:
+    each response continues at the prompt's length). The attention gets a `shared_prompt_layout` that
+    lays out every sample's whole sequence (the shared prompt, then its own response) as one row of a
+    padded batch, so each response token sees exactly the keys it sees unshared. Per-token work (the
+    linears, norms, MLPs) runs on the prompt once per group instead of once per sample: with GRPO's n
+    samples of ``P`` prompt and ``R`` response tokens, ``P + nR`` tokens instead of ``n(P + R)``. Same
+    outputs as `pack_batch` up to floating-point summation order (the prompt's gradients arrive summed
+    over its samples)."""
+    from fusedrl.workers.cpu_attention import SHARED_LAYOUT_KWARG
+
+    input_ids, attention_mask, position_ids = batch.sequences()  # [b, T] each, T = Tp + Tr
+    b, total_cols = input_ids.shape
+    prompt_len = batch.prompts.shape[1]
+    keep = attention_mask.bool()  # [b, T]
+    cols = torch.arange(total_cols)
+    sources: list[torch.Tensor] = []  # flat [b * T] indices of the packed row's tokens, in row order
+    new_index = torch.zeros(b, total_cols, dtype=torch.long)  # packed index of each kept (row, col)
+    out_slot: list[torch.Tensor] = []  # per packed token: the sample row whose attention output it takes
+    sequences: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * b  # per row: packed indices
+    at = 0
+    for group in prompt_groups(batch):
+        first = group[0]
+        p_cols = cols[:prompt_len][keep[first, :prompt_len]]  # [P]
+        p_index = torch.arange(at, at + p_cols.numel())  # [P]
+        sources.append(first * total_cols + p_cols)
+        out_slot.append(torch.full((p_cols.numel(),), first))
+        at += p_cols.numel()
+        for row in group:
+            new_index[row, p_cols] = p_index
+            r_cols = cols[prompt_len:][keep[row, prompt_len:]]  # [R_row]
+            r_index = torch.arange(at, at + r_cols.numel())  # [R_row]
+            new_index[row, r_cols] = r_index
+            sources.append(row * total_cols + r_cols)
+            out_slot.append(torch.full((r_cols.numel(),), row))
+            sequences[row] = torch.cat([p_index, r_index])
+            at += r_cols.numel()
+    flat = torch.cat(sources)  # [N]
+    ids, pos = input_ids.flatten()[flat][None], position_ids.flatten()[flat][None]  # [1, N] each
+    # The token at (row, col) is predicted by the output at the row's previous kept token.
+    previous = torch.zeros(b, total_cols, dtype=torch.long)  # [b, T]
+    for row in range(b):
+        kept = cols[keep[row]]
+        if kept.numel():
+            previous[row, kept[1:]] = new_index[row, kept[:-1]]
+    response_mask = batch.response_mask.bool()  # [b, Tr]
+    pred_index = previous[:, prompt_len:][response_mask]  # [M]
+    real = ids.shape[1]
+    lengths = [int(seq.numel()) for seq in sequences]
+    width, longest = real, max(max(lengths), 1)
+    if bucketed:
+        from fusedrl.workers.layer_compile import bucket_width
+
+        width, longest = bucket_width(real), bucket_width(longest)
+        if width > real:
+            filler = width - real
+            ids = torch.cat([ids, ids.new_zeros(1, filler)], dim=1)  # [1, width]
+            pos = torch.cat([pos, (torch.arange(filler) % longest)[None]], dim=1)
+    layout = shared_prompt_layout(sequences, torch.cat(out_slot), width=width, longest=longest)
+    return PackedBatch(
+        input_ids=ids,  # [1, N] (bucketed: [1, width])
+        position_ids=pos,  # [1, N] (bucketed: [1, width])
+        pred_index=pred_index,  # [M]
+        targets=batch.responses[response_mask],  # [M]
+        response_mask=response_mask,  # [b, Tr]
+        model_kwargs={SHARED_LAYOUT_KWARG: layout},
+    )
+
+
+def shared_prompt_layout(
+    sequences: list[torch.Tensor], out_row: torch.Tensor, *, width: int, longest: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(src [S, L], dst [width])`` for `fusedrl.workers.cpu_attention.shared_segments_attention`.
+
+    ``sequences[s]``: the packed indices of sample ``s``'s whole sequence in order (its prompt's tokens,
+    shared with its group, then its own); ``out_row [N]``: for each real packed token, the sample whose
+    attention output it takes (for a prompt token, the first sample of its group). ``src[s, c]`` is the
+    packed token at column ``c`` of sample ``s``'s row (padding slots repeat a real token: the causal
+    mask keeps real queries off them); ``dst[n]`` is the flat ``s * L + c`` slot token ``n`` reads its
+    output from. Tokens past the real ones (``width`` > N: a compiled model's filler) get one extra row
+    of their own, their columns clamped to ``L - 1``; nothing reads their outputs."""
+    real = int(out_row.numel())
+    filler = width - real
+    rows = len(sequences) + (1 if filler > 0 else 0)
+    src = torch.zeros(rows, longest, dtype=torch.long)  # [S, L]
+    column = torch.zeros(width, dtype=torch.long)  # [width]: each token's column in its output row
+    out = torch.zeros(width, dtype=torch.long)  # [width]: each token's output row
+    out[:real] = out_row
+    for s, seq in enumerate(sequences):
+        n = int(seq.numel())
+        if n:
+            src[s, :n] = seq
+            src[s, n:] = seq[-1]
+    for s, seq in enumerate(sequences):
+        mine = out_row[seq] == s  # the tokens of this sequence that read their output from it
+        column[seq[mine]] = torch.arange(int(seq.numel()))[mine]
+    if filler > 0:
+        f_cols = torch.arange(filler).clamp(max=longest - 1)
+        src[-1] = real + torch.arange(longest).clamp(max=filler - 1)
+        column[real:] = f_cols
+        out[real:] = rows - 1
+    dst = out * longest + column  # [width]
+    return src, dst
