@@ -20,7 +20,8 @@ may give the rollout's after a ``/`` (``fusedrl-2@bfloat16/float32``: bf16 train
 ``fusedrl-2+packed`` turns on ``model.use_remove_padding`` (no compute on padding; what verl's example
 scripts set); ``+eager`` runs the rollout engine eager (``rollout.enforce_eager=true``; by default vLLM
 compiles its model with torch.compile on CPU); ``+compiled`` compiles the training passes' decoder layers
-(``model.compile_layers=true``); ``+gloo`` sends the workers' collectives through gloo instead of shared
+(``model.compile_layers=true``); ``+unshared`` packs each sample's prompt with it instead of once per
+group (``model.share_prompt_prefix=false``; sharing is the default, it acts on packed rows); ``+gloo`` sends the workers' collectives through gloo instead of shared
 memory (``FUSEDRL_SHM_COLLECTIVES=0``); ``+glibc`` keeps glibc's malloc in the workers (``FUSEDRL_TCMALLOC=0``;
 by default they preload tcmalloc where the machine has it); ``+unbound`` leaves the workers' threads free to
 move between cores (``FUSEDRL_BIND_CPUS=0``; by default each worker is bound to its slot's cores). ``trl+tcmalloc`` runs TRL with the same tcmalloc
@@ -64,6 +65,7 @@ def run_fusedrl(
     packed: bool = False,
     eager: bool = False,
     compiled: bool = False,
+    shared: bool = True,
 ) -> dict:
     from benchmarks.step_breakdown import measure
 
@@ -71,6 +73,7 @@ def run_fusedrl(
         f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
         f"actor_rollout_ref.rollout.enforce_eager={str(eager).lower()}",
         f"actor_rollout_ref.model.compile_layers={str(compiled).lower()}",
+        f"actor_rollout_ref.model.share_prompt_prefix={str(shared).lower()}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
@@ -190,11 +193,11 @@ def main() -> None:
             res = run_trl(args.steps, train, args.preset)
         else:
             base, *flags = name.split("+")
-            unknown = set(flags) - {"packed", "eager", "compiled", "gloo", "glibc", "unbound"}
+            unknown = set(flags) - {"packed", "eager", "compiled", "gloo", "glibc", "unbound", "unshared"}
             if unknown:
                 sys.exit(
                     f"unknown variant flag(s) {sorted(unknown)} in {args.one!r}: "
-                    "use +packed, +eager, +compiled, +gloo, +glibc, +unbound"
+                    "use +packed, +eager, +compiled, +gloo, +glibc, +unbound, +unshared"
                 )
             if "gloo" in flags:  # FSDP2's collectives and the weight stream through gloo, not shared memory
                 os.environ["FUSEDRL_SHM_COLLECTIVES"] = "0"
@@ -211,6 +214,7 @@ def main() -> None:
                 packed="packed" in flags,
                 eager="eager" in flags,
                 compiled="compiled" in flags,
+                shared="unshared" not in flags,
             )
         import torch
 

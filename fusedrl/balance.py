@@ -82,18 +82,27 @@ def token_budget_bins(lengths: Sequence[int], budget: int, *, min_bins: int = 1)
         num_bins += 1
 
 
-def balanced_rank_order(lengths: Sequence[int], world_size: int) -> list[int]:
+def balanced_rank_order(
+    lengths: Sequence[int], world_size: int, groups: Sequence[Sequence[int]] | None = None
+) -> list[int]:
     """A row permutation after which equal contiguous per-rank chunks carry about equal tokens.
 
     The chunks are those of `fusedrl.batch.split_for_ranks`: ``ceil(B / W)`` rows per rank, the last
     rank(s) taking what is left. Each rank keeps its exact row count; within a rank the rows stay in
     their original relative order. Returns indices ``order`` with ``batch[order]`` the balanced batch.
+
+    ``groups`` (lists of row indices covering every row once, e.g. a prompt's samples): each group goes
+    to one rank whole, heaviest group first onto the least-loaded rank with room for it, so a packed row
+    can hold the group's prompt once (`fusedrl.workers.packing.pack_shared_prompts`); a group that fits
+    no rank's remaining room is placed row by row as without ``groups``.
     """
     n = len(lengths)
     if world_size <= 1 or n <= 1:
         return list(range(n))
     chunk = -(-n // world_size)  # ceil
     room = [max(0, min(chunk, n - r * chunk)) for r in range(world_size)]
+    if groups is not None:
+        return _balanced_group_order(lengths, room, groups)
     heap = [(0, r) for r in range(world_size) if room[r] > 0]  # (load, rank)
     heapq.heapify(heap)
     ranks: list[list[int]] = [[] for _ in range(world_size)]
@@ -102,6 +111,28 @@ def balanced_rank_order(lengths: Sequence[int], world_size: int) -> list[int]:
         ranks[r].append(i)
         if len(ranks[r]) < room[r]:  # a full rank leaves the heap
             heapq.heappush(heap, (load + lengths[i], r))
+    return [i for rows in ranks for i in sorted(rows)]
+
+
+def _balanced_group_order(
+    lengths: Sequence[int], room: list[int], groups: Sequence[Sequence[int]]
+) -> list[int]:
+    """`balanced_rank_order` with whole groups (see there)."""
+    load = [0] * len(room)
+    ranks: list[list[int]] = [[] for _ in room]
+    loose: list[int] = []  # rows of groups that fit no rank whole
+    for group in sorted(groups, key=lambda g: -sum(lengths[i] for i in g)):
+        fits = [(load[r], r) for r in range(len(room)) if room[r] - len(ranks[r]) >= len(group)]
+        if not fits:
+            loose.extend(group)
+            continue
+        r = min(fits)[1]
+        ranks[r].extend(group)
+        load[r] += sum(lengths[i] for i in group)
+    for i in sorted(loose, key=lambda i: -lengths[i]):
+        r = min((load[r], r) for r in range(len(room)) if len(ranks[r]) < room[r])[1]
+        ranks[r].append(i)
+        load[r] += lengths[i]
     return [i for rows in ranks for i in sorted(rows)]
 
 

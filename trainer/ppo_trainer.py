@@ -304,11 +304,21 @@ class PPOTrainer(RewardModelScoring):
     def balance_batch(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Reorder rows so each DP rank's contiguous shard carries about the same real tokens
         (``trainer.balance_batch``). Content is unchanged; advantages are computed here on the whole
-        batch by ``uid``, so a GRPO group split across ranks is fine; each epoch still uses every row once."""
+        batch by ``uid``, so a GRPO group split across ranks is fine; each epoch still uses every row once.
+        With shared prompts in packed rows (``model.share_prompt_prefix``) a ``uid``'s rows go to one rank
+        together."""
         lengths = sequence_lengths(batch)
         world = self.workers.world_size
         if self.config.trainer.balance_batch and world > 1:
-            batch = apply_order(batch, order := balanced_rank_order(lengths, world))
+            model = self.config.actor_rollout_ref.model
+            groups = None
+            if model.use_remove_padding and model.share_prompt_prefix and batch.uid is not None:
+                # A prompt's samples stay on one rank, where its packed rows hold the prompt once.
+                by_uid: dict[str, list[int]] = {}
+                for row, uid in enumerate(batch.uid):
+                    by_uid.setdefault(str(uid), []).append(row)
+                groups = list(by_uid.values())
+            batch = apply_order(batch, order := balanced_rank_order(lengths, world, groups))
             lengths = [lengths[i] for i in order]
         loads = rank_token_loads(lengths, world)
         metrics["balance/max_over_mean_rank_tokens"] = max(loads) / max(sum(loads) / world, 1.0)

@@ -121,6 +121,27 @@ def test_rank_order_random_is_never_worse(seed):
     assert max(after) <= max(before)
 
 
+def test_rank_order_keeps_groups_whole():
+    """Four prompts x 2 samples on 2 ranks: heaviest group first onto the least-loaded rank, every group
+    on one rank, loads 20+2 | 16+6."""
+    lengths = [10, 10, 1, 1, 8, 8, 3, 3]
+    groups = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    order = balanced_rank_order(lengths, 2, groups)
+    assert order == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert rank_token_loads([lengths[i] for i in order], 2) == [22, 22]
+    # Row by row: the same loads, every group split across the ranks.
+    assert balanced_rank_order(lengths, 2) == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def test_rank_order_places_a_group_that_fits_nowhere_row_by_row():
+    """3 groups of 2 on 2 ranks of 3 rows: the lightest group fits no rank whole after the first two."""
+    lengths = [5, 5, 4, 4, 1, 1]
+    order = balanced_rank_order(lengths, 2, [[0, 1], [2, 3], [4, 5]])
+    # 10 -> r0, 8 -> r1; then rows 4 and 5 one by one: 4 -> r1 (load 8), 5 -> r0 (r1 is full)
+    assert order == [0, 1, 5, 2, 3, 4]
+    assert rank_token_loads([lengths[i] for i in order], 2) == [11, 9]
+
+
 def _batch(prompt_lens: list[int], response_lens: list[int], tp: int = 5, tr: int = 4) -> RolloutBatch:
     b = len(prompt_lens)
     prompt_mask = torch.zeros(b, tp, dtype=torch.long)
@@ -260,3 +281,23 @@ def test_defaults_follow_verl(base):
     assert on.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz is True
     assert on.actor_rollout_ref.ref.log_prob_use_dynamic_bsz is True and on.critic.use_dynamic_bsz is True
     assert on.critic.model.use_remove_padding is True
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_trainer_keeps_a_prompts_samples_on_one_rank_when_packed_rows_share_it(base, packed):
+    """`PPOTrainer.balance_batch` with shared prompts in packed rows keeps each uid's rows on one rank;
+    padded, it balances row by row (groups may split)."""
+    from types import SimpleNamespace
+
+    from fusedrl.trainer.ppo_trainer import PPOTrainer
+
+    cfg = load_config([*base, f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}"])
+    assert cfg.actor_rollout_ref.model.share_prompt_prefix is True  # the default
+    batch = _batch([5, 5, 1, 1, 4, 4, 2, 2], [4, 4, 1, 1, 4, 4, 1, 1])  # uids u0 u0 u1 u1 u2 u2 u3 u3
+    trainer = SimpleNamespace(config=cfg, workers=SimpleNamespace(world_size=2))
+    metrics: dict = {}
+    out = PPOTrainer.balance_batch(trainer, batch, metrics)
+    uids = out.field_list("uid")
+    split = set(uids[:4]) & set(uids[4:])
+    assert (not split) if packed else split == {"u0", "u1", "u2", "u3"}
+    assert metrics["balance/max_over_mean_rank_tokens"] == pytest.approx(1.0)  # 18 | 18 either way
