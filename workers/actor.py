@@ -29,6 +29,7 @@ from fusedrl.workers.logprob import (
     token_budget,
 )
 from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates, set_lr
+from fusedrl.workers.packing import packed_mask_argument
 from fusedrl.workers.ulysses import check_heads, sp_group
 
 
@@ -99,9 +100,9 @@ class RefRole:
         way (the driver gives a group's workers the same rows for both)."""
         self.cfg = ref_cfg
         self.use_remove_padding = bool(model_cfg.use_remove_padding)
-        self.share_prompts = bool(model_cfg.share_prompt_prefix)
         self.sp_group = sp_group(sp)
         self.model = _sharded_model(model_cfg, ref_cfg.fsdp_config, frozen=True)
+        self.share_prompts = shares_prompts(model_cfg, self.model)
         check_heads(self.model, sp)
         self.model.eval()
         for p in self.model.parameters():
@@ -123,6 +124,15 @@ class RefRole:
         )
 
 
+def shares_prompts(model_cfg: ModelConfig, model: torch.nn.Module) -> bool:
+    """Whether this role's packed rows hold a prompt once for the rows that share it: packing and
+    ``model.share_prompt_prefix`` on, and fusedrl's CPU attention running every layer."""
+    return (
+        bool(model_cfg.use_remove_padding and model_cfg.share_prompt_prefix)
+        and packed_mask_argument(model) is not None
+    )
+
+
 class ActorRole:
     """The policy being trained: forward/backward under FSDP2, AdamW, grad clipping, micro-batching.
 
@@ -139,9 +149,9 @@ class ActorRole:
         self.world_size = dist.get_world_size() // int(cfg.ulysses_sequence_parallel_size)
         self.rollout_n = rollout_n
         self.use_remove_padding = bool(model_cfg.use_remove_padding)
-        self.share_prompts = bool(model_cfg.share_prompt_prefix)
         self.lora = lora_enabled(model_cfg)  # the model is a PEFT model: only adapters train
         self.model = _sharded_model(model_cfg, cfg.fsdp_config, lora=self.lora)
+        self.share_prompts = shares_prompts(model_cfg, self.model)
         check_heads(self.model, int(cfg.ulysses_sequence_parallel_size))
         self.optimizer = build_adamw(self.model, cfg.optim)
         self.policy_loss = get_policy_loss(cfg.policy_loss.loss_mode)
@@ -275,6 +285,7 @@ class ActorRole:
             world_size=dist.get_world_size(),  # all ranks: sp replicas count in the normaliser and in FSDP's mean
             max_token_len=token_budget(cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu),
             on_micro_split=orders.append,
+            share_prompts=self.share_prompts,
         )
         self.forward_log_probs = (
             restore_order(self._forward_log_probs, orders[0]) * batch.response_mask if from_forward else None

@@ -25,7 +25,7 @@ from fusedrl.balance import sequence_lengths, token_budget_bins
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.fsdp import gathered_for_pass
 from fusedrl.workers.layer_compile import bucketed_window, has_compiled_layers
-from fusedrl.workers.packing import pack_batch, packed_mask_argument
+from fusedrl.workers.packing import pack_batch, packed_mask_argument, prompt_groups
 
 B = TypeVar("B", RolloutBatch, dict)
 
@@ -49,7 +49,7 @@ def micro_batches(batch: B, size: int) -> Iterator[B]:
 
 
 def split_micro_batches(
-    batch: RolloutBatch, *, rows: int, max_token_len: int | None = None
+    batch: RolloutBatch, *, rows: int, max_token_len: int | None = None, share_prompts: bool = False
 ) -> tuple[list[RolloutBatch], torch.Tensor]:
     """The micro-batches of one pass over ``batch`` and ``order`` ``[B]``: the original row index of each
     row of ``cat(micro-batches)`` (so ``out[order] = cat(results)`` restores the batch's row order).
@@ -62,7 +62,16 @@ def split_micro_batches(
     if max_token_len is None:
         return list(micro_batches(batch, rows)), torch.arange(batch.num_samples)
     lengths = sequence_lengths(batch)
-    bins = token_budget_bins(lengths, max_token_len)
+    groups = shared_prompt_units(batch, lengths, max_token_len) if share_prompts else None
+
+    def bins_of(min_bins: int = 1) -> list[list[int]]:
+        if groups is not None and min_bins <= len(groups[0]):
+            units, unit_lengths = groups
+            unit_bins = token_budget_bins(unit_lengths, max_token_len, min_bins=min_bins)
+            return [sorted(i for u in b for i in units[u]) for b in unit_bins]
+        return token_budget_bins(lengths, max_token_len, min_bins=min_bins)
+
+    bins = bins_of()
     if dist.is_initialized() and dist.get_world_size() > 1:
         # Every rank takes the largest count; the greedy fill may need more bins than asked on some rank,
         # so repeat until all counts are equal. The exit test uses only all-reduced numbers: every rank
@@ -76,9 +85,21 @@ def split_micro_batches(
             most, fewest = int(count[0]), -int(count[1])
             if most == fewest:
                 break
-            bins = token_budget_bins(lengths, max_token_len, min_bins=most)
+            bins = bins_of(most)
     order = torch.tensor([i for rows_of_bin in bins for i in rows_of_bin], dtype=torch.long)  # [B]
     return [batch[torch.tensor(b, dtype=torch.long)] for b in bins], order
+
+
+def shared_prompt_units(
+    batch: RolloutBatch, lengths: list[int], max_token_len: int
+) -> tuple[list[list[int]], list[int]] | None:
+    """With shared prompts, token-budget micro-batches are filled with whole groups of rows that share a
+    prompt (`fusedrl.workers.packing.prompt_groups`), each counted at its packed size (the prompt once):
+    ``(groups, tokens per group)``, or None (fill row by row) when a group exceeds the budget."""
+    units = prompt_groups(batch)
+    prompt_tokens = batch.prompt_mask.sum(1).tolist()  # [b]
+    sizes = [sum(lengths[i] for i in g) - (len(g) - 1) * int(prompt_tokens[g[0]]) for g in units]
+    return None if max(sizes, default=0) > max_token_len else (units, sizes)
 
 
 def token_budget(use_dynamic_bsz: bool, max_token_len: int) -> int | None:
@@ -241,7 +262,9 @@ def batched_log_probs_and_sum_pi_squared(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`batched_log_probs` and, from the same forwards, Σπ² ``[B, Tr]`` (None unless
     ``with_sum_pi_squared``); both 0 on padding."""
-    mbs, order = split_micro_batches(batch, rows=micro_batch_size, max_token_len=max_token_len)
+    mbs, order = split_micro_batches(
+        batch, rows=micro_batch_size, max_token_len=max_token_len, share_prompts=share_prompts
+    )
     with gathered_for_pass(model):  # one all-gather per layer for the whole pass, not per micro-batch
         outs = [
             response_log_probs(

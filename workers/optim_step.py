@@ -89,6 +89,7 @@ def minibatch_updates(
     world_size: int,
     max_token_len: int | None = None,
     on_micro_split: Callable[[torch.Tensor], None] | None = None,
+    share_prompts: bool = False,
 ) -> dict[str, float]:
     """``epochs`` passes of mini-batch SGD over this rank's shard; returns metrics averaged over
     mini-batches (identical on every rank).
@@ -98,6 +99,7 @@ def minibatch_updates(
     ``micro_loss`` receives both that normaliser and the token count (for token-weighted metrics).
     With ``max_token_len`` (dynamic batch size) micro-batches hold at most that many real tokens and
     ``micro_rows`` is ignored; the gradient is the same, since only the split changes.
+    ``share_prompts``: token-budget micro-batches hold whole prompt groups (`split_micro_batches`).
     ``on_micro_split`` receives each mini-batch's ``order`` (see `split_micro_batches`) before its
     micro-batches run, for callers that collect per-micro-batch outputs.
     """
@@ -115,7 +117,9 @@ def minibatch_updates(
             norm, token_norm = (v / world_size for v in local.tolist())
             stepper.optimizer.zero_grad(set_to_none=True)
             mini_terms: dict[str, torch.Tensor] = {}
-            mbs, order = split_micro_batches(mini, rows=micro_rows, max_token_len=max_token_len)
+            mbs, order = split_micro_batches(
+                mini, rows=micro_rows, max_token_len=max_token_len, share_prompts=share_prompts
+            )
             if on_micro_split is not None:
                 on_micro_split(order)
             # Layers stay gathered across the mini-batch's forwards and backwards; resharded before the

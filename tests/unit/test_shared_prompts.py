@@ -190,3 +190,29 @@ def test_actor_update_with_shared_prompts_equals_unshared(tiny_model_dir, tmp_pa
     assert any(not torch.equal(p, shared["before"][n]) for n, p in shared["params"].items())  # it trained
     norm = shared["metrics"]["actor/grad_norm"]
     assert norm > 0 and abs(norm - whole["metrics"]["actor/grad_norm"]) <= 1e-4 * norm
+
+
+def test_token_budget_micro_batches_hold_whole_groups():
+    """Dynamic batch size with shared prompts: micro-batches hold whole prompt groups, each counted at
+    its packed size (the prompt once), so fewer micro-batches fit the same budget."""
+    from fusedrl.workers.logprob import split_micro_batches
+
+    batch = _grouped_batch()
+    # groups (rows): [0, 2, 5] 5 + 6+3+1 = 15 packed tokens, [1, 4] 9 + 2+4 = 15, [3, 7] 3 + 8+5 = 16,
+    # [6] 7 + 1 = 8: 54 in all, 3 micro-batches of <= 24 (16 | 15 + 8 | 15); whole rows (76 tokens)
+    # need 4 or more.
+    mbs, order = split_micro_batches(batch, rows=1, max_token_len=24, share_prompts=True)
+    assert len(mbs) == 3
+    assert sorted(order.tolist()) == list(range(8))
+    groups = [{0, 2, 5}, {1, 4}, {3, 7}, {6}]
+    start = 0
+    for mb in mbs:
+        rows = set(order[start : start + mb.num_samples].tolist())
+        start += mb.num_samples
+        assert all(g <= rows or not (g & rows) for g in groups), rows  # no group split
+        assert pack_batch(mb, share_prompts=True).input_ids.shape[1] <= 24
+    assert len(split_micro_batches(batch, rows=1, max_token_len=24)[0]) >= 4
+    # A group over the budget on its own: row by row, as without sharing.
+    assert len(split_micro_batches(batch, rows=1, max_token_len=14, share_prompts=True)[0]) == len(
+        split_micro_batches(batch, rows=1, max_token_len=14)[0]
+    )
