@@ -35,7 +35,7 @@ from fusedrl.data.sft_dataset import (
     eval_batches,
     shard_batch,
 )
-from fusedrl.role_config import build_sft_role_configs
+from fusedrl.sft_role_config import build_sft_role_configs
 from fusedrl.tracking import KNOWN_LOGGERS, Tracker, format_duration, timer
 from fusedrl.workers.fsdp import DTYPES
 from fusedrl.workers.sft_worker import LR_SCHEDULERS, SFTWorker

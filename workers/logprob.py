@@ -62,11 +62,11 @@ def split_micro_batches(
     if max_token_len is None:
         return list(micro_batches(batch, rows)), torch.arange(batch.num_samples)
     lengths = sequence_lengths(batch)
-    groups = shared_prompt_units(batch, lengths, max_token_len) if share_prompts else None
+    # With shared prompts, whole prompt groups (empty: fill row by row)
+    units, unit_lengths = shared_prompt_units(batch, lengths, max_token_len) if share_prompts else ([], [])
 
     def bins_of(min_bins: int = 1) -> list[list[int]]:
-        if groups is not None and min_bins <= len(groups[0]):
-            units, unit_lengths = groups
+        if units and min_bins <= len(units):
             unit_bins = token_budget_bins(unit_lengths, max_token_len, min_bins=min_bins)
             return [sorted(i for u in b for i in units[u]) for b in unit_bins]
         return token_budget_bins(lengths, max_token_len, min_bins=min_bins)
@@ -92,14 +92,14 @@ def split_micro_batches(
 
 def shared_prompt_units(
     batch: RolloutBatch, lengths: list[int], max_token_len: int
-) -> tuple[list[list[int]], list[int]] | None:
+) -> tuple[list[list[int]], list[int]]:
     """With shared prompts, token-budget micro-batches are filled with whole groups of rows that share a
     prompt (`fusedrl.workers.packing.prompt_groups`), each counted at its packed size (the prompt once):
-    ``(groups, tokens per group)``, or None (fill row by row) when a group exceeds the budget."""
+    ``(groups, tokens per group)``, or ``([], [])`` (fill row by row) when a group exceeds the budget."""
     units = prompt_groups(batch)
     prompt_tokens = batch.prompt_mask.sum(1).tolist()  # [b]
     sizes = [sum(lengths[i] for i in g) - (len(g) - 1) * int(prompt_tokens[g[0]]) for g in units]
-    return None if max(sizes, default=0) > max_token_len else (units, sizes)
+    return ([], []) if max(sizes, default=0) > max_token_len else (units, sizes)
 
 
 def token_budget(use_dynamic_bsz: bool, max_token_len: int) -> int | None:

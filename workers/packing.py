@@ -128,10 +128,7 @@ def pack_batch(batch: RolloutBatch, *, bucketed: bool = False, share_prompts: bo
 
         lengths = keep.sum(1).tolist()  # real tokens per row
         total, longest = bucket_width(ids.shape[1]), bucket_width(max(max(lengths), 1))
-        filler = total - ids.shape[1]
-        if filler:
-            ids = torch.cat([ids, ids.new_zeros(1, filler)], dim=1)  # [1, total]
-            pos = torch.cat([pos, (torch.arange(filler, device=pos.device) % longest)[None]], dim=1)
+        ids, pos = _with_filler(ids, pos, total=total, longest=longest)  # [1, total] each
         model_kwargs[LAYOUT_KWARG] = segment_layout(lengths, total=total, longest=longest, device=ids.device)
     return PackedBatch(
         input_ids=ids,  # [1, N] (bucketed: [1, total])
@@ -141,6 +138,19 @@ def pack_batch(batch: RolloutBatch, *, bucketed: bool = False, share_prompts: bo
         response_mask=response_mask,  # [b, Tr]
         model_kwargs=model_kwargs,
     )
+
+
+def _with_filler(
+    ids: torch.Tensor, pos: torch.Tensor, *, total: int, longest: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A compiled model's packed row ``[1, N]`` widened to ``[1, total]`` with filler tokens (id 0,
+    positions counting up modulo ``longest``), which attend only among themselves and are never read."""
+    filler = total - ids.shape[1]
+    if filler <= 0:
+        return ids, pos
+    ids = torch.cat([ids, ids.new_zeros(1, filler)], dim=1)
+    pos = torch.cat([pos, (torch.arange(filler, device=pos.device) % longest)[None]], dim=1)
+    return ids, pos
 
 
 def prompt_groups(batch: RolloutBatch) -> list[list[int]]:
@@ -208,10 +218,7 @@ def pack_shared_prompts(batch: RolloutBatch, *, bucketed: bool = False) -> Packe
         from fusedrl.workers.layer_compile import bucket_width
 
         width, longest = bucket_width(real), bucket_width(longest)
-        if width > real:
-            filler = width - real
-            ids = torch.cat([ids, ids.new_zeros(1, filler)], dim=1)  # [1, width]
-            pos = torch.cat([pos, (torch.arange(filler) % longest)[None]], dim=1)
+        ids, pos = _with_filler(ids, pos, total=width, longest=longest)  # [1, width] each
     layout = shared_prompt_layout(sequences, torch.cat(out_slot), width=width, longest=longest)
     return PackedBatch(
         input_ids=ids,  # [1, N] (bucketed: [1, width])
@@ -247,9 +254,8 @@ def shared_prompt_layout(
         if n:
             src[s, :n] = seq
             src[s, n:] = seq[-1]
-    for s, seq in enumerate(sequences):
         mine = out_row[seq] == s  # the tokens of this sequence that read their output from it
-        column[seq[mine]] = torch.arange(int(seq.numel()))[mine]
+        column[seq[mine]] = torch.arange(n)[mine]
     if filler > 0:
         f_cols = torch.arange(filler).clamp(max=longest - 1)
         src[-1] = real + torch.arange(longest).clamp(max=filler - 1)

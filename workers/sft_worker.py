@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedrl.checkpoint import ACTOR_DIR, shard_prefix
-from fusedrl.role_config import SFTRoleConfigs
+from fusedrl.sft_role_config import SFTRoleConfigs
 from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
 from fusedrl.workers.distributed import DistributedWorker
 from fusedrl.workers.export import export_hf
@@ -90,7 +90,7 @@ def trimmed_micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
 
 class SFTWorker(DistributedWorker):
     """One data-parallel rank of supervised fine-tuning. ``config`` is the typed SFT config the driver
-    built (`fusedrl.role_config.SFTRoleConfigs`, with ``total_steps``: the run's optimizer steps, which the
+    built (`fusedrl.sft_role_config.SFTRoleConfigs`, with ``total_steps``: the run's optimizer steps, which the
     LR schedule spans)."""
 
     config: SFTRoleConfigs

@@ -15,12 +15,11 @@ import yaml
 
 from fusedrl.role_config import (
     RoleConfigs,
-    SFTRoleConfigs,
     TokenIds,
     build_role_configs,
-    build_sft_role_configs,
     role_configs_from_overrides,
 )
+from fusedrl.sft_role_config import SFTRoleConfigs, build_sft_role_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "trainer" / "config"
