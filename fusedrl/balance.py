@@ -101,28 +101,14 @@ def balanced_rank_order(
         return list(range(n))
     chunk = -(-n // world_size)  # ceil
     room = [max(0, min(chunk, n - r * chunk)) for r in range(world_size)]
-    if groups is not None:
-        return _balanced_group_order(lengths, room, groups)
-    heap = [(0, r) for r in range(world_size) if room[r] > 0]  # (load, rank)
-    heapq.heapify(heap)
+    # Without groups every row is a group of its own: longest row first onto the least-loaded rank with room
+    # (ties: lowest rank), the same greedy.
+    units = groups if groups is not None else [[i] for i in range(n)]
+    load = [0] * world_size
     ranks: list[list[int]] = [[] for _ in range(world_size)]
-    for i in _longest_first(lengths):
-        load, r = heapq.heappop(heap)
-        ranks[r].append(i)
-        if len(ranks[r]) < room[r]:  # a full rank leaves the heap
-            heapq.heappush(heap, (load + lengths[i], r))
-    return [i for rows in ranks for i in sorted(rows)]
-
-
-def _balanced_group_order(
-    lengths: Sequence[int], room: list[int], groups: Sequence[Sequence[int]]
-) -> list[int]:
-    """`balanced_rank_order` with whole groups (see there)."""
-    load = [0] * len(room)
-    ranks: list[list[int]] = [[] for _ in room]
     loose: list[int] = []  # rows of groups that fit no rank whole
-    for group in sorted(groups, key=lambda g: -sum(lengths[i] for i in g)):
-        fits = [(load[r], r) for r in range(len(room)) if room[r] - len(ranks[r]) >= len(group)]
+    for group in sorted(units, key=lambda g: -sum(lengths[i] for i in g)):  # stable: ties keep their order
+        fits = [(load[r], r) for r in range(world_size) if room[r] - len(ranks[r]) >= len(group)]
         if not fits:
             loose.extend(group)
             continue
@@ -130,7 +116,7 @@ def _balanced_group_order(
         ranks[r].extend(group)
         load[r] += sum(lengths[i] for i in group)
     for i in sorted(loose, key=lambda i: -lengths[i]):
-        r = min((load[r], r) for r in range(len(room)) if len(ranks[r]) < room[r])[1]
+        r = min((load[r], r) for r in range(world_size) if len(ranks[r]) < room[r])[1]
         ranks[r].append(i)
         load[r] += lengths[i]
     return [i for rows in ranks for i in sorted(rows)]
