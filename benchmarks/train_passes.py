@@ -19,7 +19,9 @@ under FSDP2 bf16 mixed precision, with ``model.attn_implementation=auto``: on CP
 two matmuls, `fusedrl.workers.cpu_attention`), ``bf16_sdpa`` (the same with plain SDPA attention),
 ``packed`` and ``bf16_packed`` (``model.use_remove_padding=true``: no compute on padding), ``compiled`` and
 ``bf16_compiled`` (``model.compile_layers=true``: torch.compile of each decoder layer, compiled during the
-warm-up, which is not timed), ``packed_compiled`` and ``bf16_packed_compiled`` (both).
+warm-up, which is not timed), ``packed_compiled`` and ``bf16_packed_compiled`` (both). A suffix
+``_unshared`` turns ``model.share_prompt_prefix`` off; ``_plaingrad`` keeps PyTorch's own linear weight
+gradients in the compiled layers (`fusedrl.workers.layer_compile.RowMajorGradLinear` off).
 
     python -m benchmarks.train_passes [--layouts 1x2,2x1] [--preset small] [--reps 3] [--variants base,no_trim]
 """
@@ -27,6 +29,7 @@ warm-up, which is not timed), ``packed_compiled`` and ``bf16_packed_compiled`` (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -166,6 +169,21 @@ def role_settings(
     return cfg.model, cfg.actor, cfg.ref
 
 
+@contextlib.contextmanager
+def _plain_weight_grads(plain: bool):
+    """With ``plain``, compiled layers keep ``nn.Linear``'s own weight gradient (the ``_plaingrad``
+    variants) instead of `fusedrl.workers.layer_compile.RowMajorGradLinear`."""
+    import fusedrl.workers.layer_compile as layer_compile
+
+    kept = layer_compile.use_row_major_weight_grads
+    if plain:
+        layer_compile.use_row_major_weight_grads = lambda module: 0
+    try:
+        yield
+    finally:
+        layer_compile.use_row_major_weight_grads = kept
+
+
 def _rank_main(rank: int, world: int, threads: int, port: int, args: dict, out: str) -> None:
     import torch.distributed as dist
 
@@ -206,10 +224,12 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
         "bf16_compiled": ("bfloat16", "auto", False, True),
         "bf16_packed_compiled": ("bfloat16", "auto", True, True),
     }.items():
-        for name, share in ((variant, True), (f"{variant}_unshared", False)):
-            if name in args["variants"] or f"{name}_gloo" in args["variants"]:
-                bm, ba, br = role_settings(path, dtype, attn, args["micro"], packed, compiled, share)
-                roles[name] = (ActorRole(bm, ba, rollout_n=4), RefRole(bm, br))
+        for base_name, share in ((variant, True), (f"{variant}_unshared", False)):
+            for name, plain in ((base_name, False), (f"{base_name}_plaingrad", True)):
+                if name in args["variants"] or f"{name}_gloo" in args["variants"]:
+                    bm, ba, br = role_settings(path, dtype, attn, args["micro"], packed, compiled, share)
+                    with _plain_weight_grads(plain):
+                        roles[name] = (ActorRole(bm, ba, rollout_n=4), RefRole(bm, br))
     actor, ref = roles["base"]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     full = synthetic_batch(args["response_length"], samples_per_prompt=args["samples_per_prompt"])

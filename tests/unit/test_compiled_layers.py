@@ -109,7 +109,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str, packed: bool) ->
 
     with single_rank_group(port):
         from fusedrl.workers.actor import ActorRole, RefRole
-        from fusedrl.workers.layer_compile import has_compiled_layers
+        from fusedrl.workers.layer_compile import RowMajorGradLinear, has_compiled_layers
 
         result: dict = {}
         cases = (
@@ -128,6 +128,10 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str, packed: bool) ->
                 roles[compiled] = (ActorRole(model_cfg, actor_cfg, rollout_n=2), RefRole(model_cfg, ref_cfg))
             before = local_params(roles[False][0].model)
             out: dict = {"marked": [has_compiled_layers(roles[c][0].model) for c in (False, True)]}
+            out["row_major_linears"] = [
+                sum(isinstance(m, RowMajorGradLinear) for m in roles[c][0].model.modules())
+                for c in (False, True)
+            ]
             graphs_before = counters["stats"]["unique_graphs"]
             lp_diffs, ref_diffs = [], []
             # Three batches whose micro-batches need 17-20 response columns: four different widths, one
@@ -213,6 +217,10 @@ def test_compiled_layers_match_eager(tiny_model_dir, tmp_path, packed):
     assert critic["value_diff"] < 1e-4 * max(1.0, critic["value_scale"]), critic
     for checkpointing, r in result.items():
         assert r["marked"] == [False, True], (checkpointing, r)
+        # compiled on CPU, every decoder layer's linears take the row-major weight gradient (a no-op in
+        # float32, which this test runs: the eager/compiled agreement below covers the swap too)
+        eager_swapped, compiled_swapped = r["row_major_linears"]
+        assert eager_swapped == 0 and compiled_swapped >= 4 * 2, (checkpointing, r)
         # Really compiled, and one bucket means one shape: one no-grad graph (two if the actor's and the
         # reference's layers are guarded apart), where the exact widths would have compiled 4 per role.
         assert 1 <= r["graphs"] <= most_graphs, (checkpointing, r)
