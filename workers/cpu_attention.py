@@ -71,15 +71,35 @@ def matmul_attention(
     group = h // kvh
     # The heads sharing one key/value head are the rows of one matrix: [b * kvh, group * q, d].
     q3 = query.reshape(b * kvh, group * q_len, d)
-    k3 = key.reshape(b * kvh, k_len, d).transpose(1, 2)  # [b * kvh, d, k]
     bias = _score_bias(mask, causal, (b, kvh, group, q_len, k_len), query.dtype, query.device)
-    if bias is None:
-        scores = torch.bmm(q3, k3) * scaling
-    else:
-        scores = torch.baddbmm(bias, q3, k3, alpha=scaling)  # [b * kvh, group * q, k]
+    scores = _Scores.apply(q3, key.reshape(b * kvh, k_len, d), bias, scaling)  # [b * kvh, group * q, k]
     probs = torch.softmax(scores, dim=-1)
     out = torch.bmm(probs, value.reshape(b * kvh, k_len, d))  # [b * kvh, group * q, d]
     return out.view(b, h, q_len, d)
+
+
+class _Scores(torch.autograd.Function):
+    """``bias + scaling * q3 @ k3^T`` whose key gradient comes out in the keys' own ``[k, d]`` layout
+    (``dS^T @ q3``). Through autograd's ``baddbmm`` it arrives as the transpose of a ``[d, k]`` product,
+    and a packed row's gather of the keys then scatters it back element by element: 18% of a shared-prompt
+    micro-batch's attention (forward + backward, bf16, one thread, compiled; benchmarks/RESULTS.md)."""
+
+    @staticmethod
+    def forward(
+        ctx, q3: torch.Tensor, k3: torch.Tensor, bias: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(q3, k3)
+        ctx.scaling = scaling
+        if bias is None:
+            return torch.bmm(q3, k3.transpose(1, 2)) * scaling
+        return torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scaling)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        q3, k3 = ctx.saved_tensors
+        grad_q = torch.bmm(grad, k3) * ctx.scaling if ctx.needs_input_grad[0] else None
+        grad_k = torch.bmm(grad.transpose(1, 2), q3) * ctx.scaling if ctx.needs_input_grad[1] else None
+        return grad_q, grad_k, None, None
 
 
 def _score_bias(
