@@ -142,6 +142,7 @@ def role_settings(
     packed: bool = False,
     compiled: bool = False,
     share: bool = True,
+    log_prob_micro: int = 16,
 ) -> tuple[Any, Any, Any]:
     """(model, actor, ref) configs as a fused worker gets them (typed): the YAML's defaults with the
     benchmark's shape on top, so every key the roles read is there and has the user's default."""
@@ -156,7 +157,7 @@ def role_settings(
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         "actor_rollout_ref.actor.optim.lr=1e-6",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={log_prob_micro}",
         f"actor_rollout_ref.model.attn_implementation={attn}",
         f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
         f"actor_rollout_ref.model.compile_layers={str(compiled).lower()}",
@@ -212,7 +213,9 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     from fusedrl.workers.actor import ActorRole, RefRole
 
     path = model_dir(args["preset"])
-    model_cfg, actor_cfg, ref_cfg = role_settings(path, args["param_dtype"], micro=args["micro"])
+    model_cfg, actor_cfg, ref_cfg = role_settings(
+        path, args["param_dtype"], micro=args["micro"], log_prob_micro=args["log_prob_micro"]
+    )
     roles = {"base": (ActorRole(model_cfg, actor_cfg, rollout_n=4), RefRole(model_cfg, ref_cfg))}
     for variant, (dtype, attn, packed, compiled) in {
         "packed": (args["param_dtype"], "auto", True, False),
@@ -227,7 +230,9 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
         for base_name, share in ((variant, True), (f"{variant}_unshared", False)):
             for name, plain in ((base_name, False), (f"{base_name}_plaingrad", True)):
                 if name in args["variants"] or f"{name}_gloo" in args["variants"]:
-                    bm, ba, br = role_settings(path, dtype, attn, args["micro"], packed, compiled, share)
+                    bm, ba, br = role_settings(
+                        path, dtype, attn, args["micro"], packed, compiled, share, args["log_prob_micro"]
+                    )
                     with _plain_weight_grads(plain):
                         roles[name] = (ActorRole(bm, ba, rollout_n=4), RefRole(bm, br))
     actor, ref = roles["base"]
@@ -239,7 +244,7 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     temperature = 1.0
 
     def old():
-        return actor.compute_log_prob(shard, temperature=temperature, micro_batch_size=16)
+        return actor.compute_log_prob(shard, temperature=temperature, micro_batch_size=args["log_prob_micro"])
 
     def run_ref():
         return ref.compute_log_prob(shard, temperature=temperature)
@@ -341,6 +346,12 @@ def main() -> None:
     ap.add_argument("--response-length", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--micro-batch", type=int, default=8, help="update micro-batch rows per worker")
+    ap.add_argument(
+        "--log-prob-micro-batch",
+        type=int,
+        default=16,
+        help="old-log-prob and reference micro-batch rows per worker (trl_side_by_side: the whole shard)",
+    )
     ap.add_argument("--variants", default="base")
     ap.add_argument("--param-dtype", default=None)
     ap.add_argument(
@@ -357,6 +368,7 @@ def main() -> None:
         "response_length": a.response_length,
         "reps": a.reps,
         "micro": a.micro_batch,
+        "log_prob_micro": a.log_prob_micro_batch,
         "variants": a.variants.split(","),
         "param_dtype": a.param_dtype,
         "samples_per_prompt": a.samples_per_prompt,
@@ -434,7 +446,7 @@ def main() -> None:
     }
     cmd = (
         f"python -m benchmarks.train_passes --layouts {a.layouts} --preset {a.preset} --response-length "
-        f"{a.response_length} --reps {a.reps} --micro-batch {a.micro_batch} --variants {a.variants} "
+        f"{a.response_length} --reps {a.reps} --micro-batch {a.micro_batch} --log-prob-micro-batch {a.log_prob_micro_batch} --variants {a.variants} "
         f"--samples-per-prompt {a.samples_per_prompt}"
         + (f" --param-dtype {a.param_dtype}" if a.param_dtype else "")
         + (" --profile" if a.profile else "")
