@@ -98,24 +98,37 @@ def matmul_ceiling(dtype: torch.dtype, reps: int = 5) -> float:
     return 2 * 2048 * 512 * 1408 / best / 1e9
 
 
-def _count_flops(model, batch, micro: int) -> tuple[float, float]:
-    """(forward FLOPs, forward+backward FLOPs) of the real tokens of ``batch`` (packed, no padding)."""
+def _count_flops(model, batch, micro: int) -> dict[str, float]:
+    """FLOPs of the real tokens of ``batch`` (packed, no padding): ``fwd`` and ``fwd_bwd`` count every
+    sample's whole sequence; ``fwd_held`` and ``fwd_bwd_held`` the work a packed row with shared prompts
+    executes: the linears' FLOPs (``mm``/``addmm``) scaled by the tokens the shared row holds, the rest
+    (attention: each sample still attends over its whole sequence) as counted."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from fusedrl.workers.logprob import micro_batches
     from fusedrl.workers.packing import pack_batch
 
-    fwd = total = 0.0
+    linear_ops = {torch.ops.aten.mm, torch.ops.aten.addmm}
+
+    def totals(counter: FlopCounterMode, held_share: float) -> tuple[float, float]:
+        total = counter.get_total_flops()
+        linear = sum(n for op, n in counter.get_flop_counts()["Global"].items() if op in linear_ops)
+        return total, total - linear * (1.0 - held_share)
+
+    out = dict.fromkeys(("fwd", "fwd_held", "fwd_bwd", "fwd_bwd_held"), 0.0)
     for mb in micro_batches(batch, micro):
         packed = pack_batch(mb)
+        held_share = pack_batch(mb, share_prompts=True).input_ids.shape[1] / packed.input_ids.shape[1]
         with FlopCounterMode(display=False) as counter, torch.no_grad():
             packed.forward(model)
-        fwd += counter.get_total_flops()
+        whole, held = totals(counter, held_share)
+        out["fwd"], out["fwd_held"] = out["fwd"] + whole, out["fwd_held"] + held
         with FlopCounterMode(display=False) as counter:
             packed.forward(model).logits.float().sum().backward()
-        total += counter.get_total_flops()
+        whole, held = totals(counter, held_share)
+        out["fwd_bwd"], out["fwd_bwd_held"] = out["fwd_bwd"] + whole, out["fwd_bwd_held"] + held
     model.zero_grad(set_to_none=True)
-    return fwd, total
+    return out
 
 
 def _hf_fwd_bwd(model, batch, micro: int, temperature: float) -> None:
@@ -240,7 +253,7 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     full = synthetic_batch(args["response_length"], samples_per_prompt=args["samples_per_prompt"])
     rows = ROWS // world
     shard = full[rank * rows : (rank + 1) * rows]
-    fwd_flops, fb_flops = _count_flops(hf, shard, args["micro"])
+    counted = _count_flops(hf, shard, args["micro"])
     temperature = 1.0
 
     def old():
@@ -319,8 +332,10 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
         result = {
             "world": world,
             "threads": torch.get_num_threads(),
-            "fwd_gflop_per_rank": fwd_flops / 1e9,
-            "fwd_bwd_gflop_per_rank": fb_flops / 1e9,
+            "fwd_gflop_per_rank": counted["fwd"] / 1e9,
+            "fwd_bwd_gflop_per_rank": counted["fwd_bwd"] / 1e9,
+            "fwd_gflop_held_per_rank": counted["fwd_held"] / 1e9,
+            "fwd_bwd_gflop_held_per_rank": counted["fwd_bwd_held"] / 1e9,
             "times": times,
             "warmup_s": warmup,
             "ceiling_gflops_per_rank": ceilings,
@@ -410,6 +425,11 @@ def main() -> None:
                 sum(flops[p] for p in train) / sum(statistics.median(per_phase[p]) for p in train) / threads
             )
             share = f"{rate:.0f} = {100 * rate / ceil[dtype]:.0f}% of {dtype} {ceil[dtype]:.0f}"
+            if a.samples_per_prompt > 1 and "_unshared" not in variant and "packed" in variant:
+                held = {"old_log_prob": res["fwd_gflop_held_per_rank"], "ref": res["fwd_gflop_held_per_rank"]}
+                held["update"] = res["fwd_bwd_gflop_held_per_rank"]
+                executed = sum(held.values()) / sum(statistics.median(per_phase[p]) for p in train) / threads
+                share += f"; executed {executed:.0f} = {100 * executed / ceil[dtype]:.0f}%"
             warm = f"{res['warmup_s'][variant]:.1f}"
             rows.append(f"| {layout} | {variant} | " + " | ".join(cells) + f" | {share} | {warm} |")
         for key, table in res["profiles"].items():
@@ -428,7 +448,8 @@ def main() -> None:
             f"tokens left-padded to {TP}, responses "
             f"<= {a.response_length} ({dtype} compute); median of {a.reps}. FLOPs: real tokens only "
             f"(torch.utils.flop_counter), every sample's whole sequence: with shared prompts (variants without "
-            f"`_unshared`, several samples per prompt) the rates are of the unshared work. Matmul ceiling (2048x512 @ 512x1408), GFLOP/s per thread, "
+            f'`_unshared`, several samples per prompt) the rates are of the unshared work, and "executed" counts the work the '
+            f"shared rows hold (linears on the tokens held, attention as unshared). Matmul ceiling (2048x512 @ 512x1408), GFLOP/s per thread, "
             f"measured in the same worker processes between the rounds, all ranks at once: "
             f"{'; '.join(ceil_text)} ({native_bf16()[1]}). Allocator of the ranks: {allocator}; {binding}.",
             "",

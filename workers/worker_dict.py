@@ -376,7 +376,9 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         """One PPO update of the actor on this shard (micro-batches, a global loss normaliser) at learning
         rate ``lr`` (the driver's schedule; None keeps the optimizer's)."""
         actor = self._need(self.actor, "actor", "actor_update")
+        t0 = time.perf_counter()
         metrics = actor.update(_to_device(batch), temperature=temperature, lr=lr)
+        metrics["timing_s/update_actor_inner"] = time.perf_counter() - t0
         metrics.update(memory_metrics("update"))
         metrics.update(self.last_rollout_memory)
         metrics["memory/peak_rss_gb"] = peak_rss_gb()
