@@ -151,26 +151,19 @@ def token_budget_problems(cfg: DictConfig) -> list[str]:
 
 
 def compile_layers_problems(cfg: DictConfig, *, with_critic: bool) -> list[str]:
-    """``model.compile_layers`` compiles static shapes (`fusedrl.workers.layer_compile`): it takes
-    micro-batches of a fixed row count (padded or packed), and neither LoRA nor Ulysses (not supported
-    compiled yet).
-    ``with_critic``: the run builds a critic, so ``critic.model.compile_layers`` is checked too."""
+    """``model.compile_layers`` (`fusedrl.workers.layer_compile`) takes neither LoRA nor Ulysses (not
+    supported compiled yet). ``with_critic``: the run builds a critic, so ``critic.model.compile_layers``
+    is checked too."""
     found: list[str] = []
     arr = "actor_rollout_ref"
     checks = {
         f"{arr}.model": [
             (f"{arr}.model.lora_rank", 0),
-            (f"{arr}.actor.use_dynamic_bsz", False),
-            (f"{arr}.rollout.log_prob_use_dynamic_bsz", False),
-            (f"{arr}.ref.log_prob_use_dynamic_bsz", False),
             (f"{arr}.actor.ulysses_sequence_parallel_size", 1),
         ],
     }
     if with_critic:
-        checks["critic.model"] = [
-            ("critic.use_dynamic_bsz", False),
-            ("critic.ulysses_sequence_parallel_size", 1),
-        ]
+        checks["critic.model"] = [("critic.ulysses_sequence_parallel_size", 1)]
     for section, keys in checks.items():
         if not OmegaConf.select(cfg, f"{section}.compile_layers", default=False):
             continue
@@ -178,8 +171,7 @@ def compile_layers_problems(cfg: DictConfig, *, with_critic: bool) -> list[str]:
             value = OmegaConf.select(cfg, key)
             if value != allowed:
                 found.append(
-                    f"`{section}.compile_layers`=true with `{key}`={value}: compiled layers run "
-                    f"micro-batches of a fixed row count, without LoRA or Ulysses. Set `{key}`={allowed}, or "
-                    f"`{section}.compile_layers=false`."
+                    f"`{section}.compile_layers`=true with `{key}`={value}: compiled layers run without LoRA "
+                    f"or Ulysses. Set `{key}`={allowed}, or `{section}.compile_layers=false`."
                 )
     return found

@@ -185,25 +185,16 @@ LAYOUT_KWARG = "fusedrl_segments"
 
 
 def segment_layout(
-    lengths: list[int], *, total: int | None = None, longest: int | None = None, device: Any = None
+    lengths: list[int], *, device: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each token of a packed row goes in a right-padded ``[S, L]`` batch of its sequences:
-    ``(row [N], col [N], real [S, L])``, ``real`` True at the slots that hold a token.
-
-    ``lengths``: the sequences' lengths in row order. ``total`` > sum(lengths): the row ends in that many
-    filler tokens (a compiled model's packed row, widened to a few sizes), which go to one extra row at
-    columns clamped to ``L - 1``; they attend among themselves only and nothing attends to them.
-    ``longest`` >= max(lengths) widens ``L`` (again for a few sizes)."""
-    real_total = sum(lengths)
-    total = real_total if total is None else total
-    filler = total - real_total
-    longest = max(lengths) if longest is None else longest
-    counts = list(lengths) + ([filler] if filler > 0 else [])
-    s_count = len(counts)
-    starts = torch.tensor([0, *counts[:-1]], device=device).cumsum(0)  # [S]
-    sizes = torch.tensor(counts, device=device)  # [S]
-    row = torch.repeat_interleave(torch.arange(s_count, device=device), sizes)  # [N]
-    col = (torch.arange(total, device=device) - starts[row]).clamp(max=longest - 1)  # [N]
+    ``(row [N], col [N], real [S, L])``, ``real`` True at the slots that hold a token. ``lengths``: the
+    sequences' lengths in row order."""
+    longest = max(max(lengths), 1)
+    starts = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0)  # [S]
+    sizes = torch.tensor(lengths, device=device)  # [S]
+    row = torch.repeat_interleave(torch.arange(len(lengths), device=device), sizes)  # [N]
+    col = torch.arange(sum(lengths), device=device) - starts[row]  # [N]
     real = torch.arange(longest, device=device)[None] < sizes[:, None]  # [S, L]
     return row, col, real
 

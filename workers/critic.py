@@ -114,7 +114,7 @@ class CriticRole:
         if self.sp_group is not None:  # Ulysses: this rank runs its slice of the packed tokens
             return ulysses_response_values(self.model, mb, self.sp_group, grad_scale=float(self.sp))
         if self.use_remove_padding:
-            packed = pack_batch(mb, bucketed=has_compiled_layers(self.model))
+            packed = pack_batch(mb, layout=has_compiled_layers(self.model))
             logits = packed.forward(self.model).logits  # [1, N, 1]
             return packed.unpack(packed.response_rows(logits)[:, 0].float())  # [M] -> [b, Tr]
         input_ids, attention_mask, position_ids = mb.sequences()  # [b, Tp+Tr] each

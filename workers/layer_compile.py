@@ -1,20 +1,22 @@
 """Compiled decoder layers for the training passes (``model.compile_layers``).
 
-Each decoder layer's ``forward`` is replaced by ``torch.compile(forward, dynamic=False)`` after FSDP2 has
-wrapped the layer, so FSDP2's gather/reshard hooks stay outside the compiled code (they run around the
-module call; only the layer's own arithmetic is compiled). One compiled graph serves every layer of the
-model: the layers' parameters are graph inputs, not constants.
+Each decoder layer's ``forward`` is replaced by ``torch.compile(forward)`` after FSDP2 has wrapped the
+layer, so FSDP2's gather/reshard hooks stay outside the compiled code (they run around the module call;
+only the layer's own arithmetic is compiled). One compiled graph serves every layer of the model: the
+layers' parameters are graph inputs, not constants.
 
-Why static shapes, and what that asks of the callers: a graph compiled for one ``[rows, columns]`` runs
-the fused kernels Inductor generated for exactly that shape (measured in the GRPO step on an AMX Xeon:
-the reference pass 25% and the update 15-20% faster than eager; on an AVX-512 BF16 EPYC the update ~15%,
-the reference about the same; ``dynamic=True`` was slower than eager). A new shape costs a
-compile (seconds), so the padded forwards keep the number of shapes small: `bucketed_window` widens the
-trimmed padding window to one of a few widths per doubling (padding columns are masked, so results do
-not change), packed rows (``use_remove_padding``) are widened the same way with filler tokens and carry
-their attention layout (`fusedrl.workers.packing.pack_batch`), and micro-batches have a fixed row count.
-Token-budget micro-batches (``use_dynamic_bsz``) change their row count every micro-batch;
-`fusedrl.config` refuses them with this key, as it refuses LoRA and Ulysses.
+Shapes. The first call compiles for its exact shapes. The first call with a different token count
+recompiles once with dynamo's automatic dynamic shapes: the sizes that changed (tokens of a packed row,
+rows and columns of a padded batch, sequences and the longest one in an attention layout) become symbolic,
+the rest (hidden, head and MLP sizes) stay constants, and that graph serves every later shape. A run thus
+compiles twice per graph (grad / no-grad) and never pads a batch to fit a compiled shape. Measured on an
+AVX-512 BF16 EPYC (benchmarks/RESULTS.md, 2026-12-04): the dynamic graph runs a layer's packed bf16
+forward + backward in the same time per token as the static one, and the GRPO step lost the 2-6 s a new
+width cost when every shape was compiled (widths bucketed, up to 1/8 padding). ``dynamic=True`` is not
+used: it makes the rotary embedding's head dimension symbolic too, and the attention's copies then run
+as scalar loops (reference pass 2.2x slower). Packed rows carry their attention layout as tensors
+(`fusedrl.workers.packing.pack_batch` with ``layout=True``) so that no sequence boundary is read as a
+Python number inside the compiled code.
 
 On CPU Inductor needs a C++ compiler; without one the layers stay eager and one line says so.
 
@@ -42,12 +44,9 @@ from fusedrl.workers.fsdp import decoder_layers
 
 logger = logging.getLogger(__name__)
 
-# Padded forwards of a compiled model span one of a few widths per doubling (`bucket_width`): a multiple of
-# 8 columns up to 127, of 16 up to 255, of 32 up to 511, ...: at most 1/8 more columns than the batch needs.
-MIN_STEP = 8
-# Compiled graphs kept per code object before dynamo falls back to eager for new shapes: (grad / no-grad)
-# x (full / last micro-batch) x the width buckets of a run's sequence lengths, with room to spare.
-RECOMPILE_LIMIT = 128
+# Compiled graphs kept per code object before dynamo falls back to eager: (grad / no-grad) x (the first,
+# static shape + the dynamic one), with room to spare.
+RECOMPILE_LIMIT = 32
 _MARK = "_fusedrl_compiled_layers"
 
 
@@ -70,7 +69,7 @@ def compile_layers(model: nn.Module) -> bool:
     for layer in decoder_layers(model):
         if not torch.cuda.is_available():
             use_row_major_weight_grads(layer)
-        layer.forward = torch.compile(layer.forward, dynamic=False)  # type: ignore[method-assign]
+        layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
     setattr(model, _MARK, True)
     return True
 
@@ -133,27 +132,6 @@ def use_row_major_weight_grads(module: nn.Module) -> int:
 
 
 def has_compiled_layers(model: nn.Module) -> bool:
-    """Whether `compile_layers` compiled ``model``'s layers (its padded forwards then use `bucketed_window`)."""
+    """Whether `compile_layers` compiled ``model``'s layers (its packed rows then carry their attention
+    layout as tensors)."""
     return bool(getattr(model, _MARK, False))
-
-
-def _round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
-
-
-def bucket_width(width: int) -> int:
-    """The smallest bucket >= ``width``: a multiple of ``max(MIN_STEP, 2**(bits(width) - 4))``."""
-    return _round_up(width, max(MIN_STEP, 1 << max(width.bit_length() - 4, 0)))
-
-
-def bucketed_window(first: int, last: int, prompt_len: int, resp_len: int) -> tuple[int, int]:
-    """Widen a padded forward's window ``[first, prompt_len + last)`` (prompt columns from ``first``,
-    ``last`` response columns) to a `bucket_width` where the batch's columns allow.
-
-    ``last`` grows first (up to ``resp_len``) to a multiple of ``MIN_STEP``, so the LM head's
-    ``logits_to_keep`` varies little too; then ``first`` moves left (down to 0). Every added column is
-    padding in every row (the caller trimmed exactly those), so the result is the same up to rounding."""
-    last = min(_round_up(last, MIN_STEP), resp_len)
-    width = prompt_len - first + last
-    first = max(prompt_len + last - bucket_width(width), 0)
-    return first, last

@@ -24,7 +24,7 @@ from fusedrl.algorithms import entropy_from_logits
 from fusedrl.balance import sequence_lengths, token_budget_bins
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.fsdp import gathered_for_pass
-from fusedrl.workers.layer_compile import bucketed_window, has_compiled_layers
+from fusedrl.workers.layer_compile import has_compiled_layers
 from fusedrl.workers.packing import pack_batch, packed_mask_argument, prompt_groups
 
 B = TypeVar("B", RolloutBatch, dict)
@@ -175,7 +175,7 @@ def response_log_probs(
         )
     if remove_padding:
         share = share_prompts and packed_mask_argument(model) is not None
-        packed = pack_batch(batch, bucketed=has_compiled_layers(model), share_prompts=share)
+        packed = pack_batch(batch, layout=has_compiled_layers(model), share_prompts=share)
         log_probs, entropy = _token_log_probs(
             packed.response_logits(model),  # [M, V]
             packed.targets,
@@ -193,8 +193,6 @@ def response_log_probs(
         # data.max_prompt_length, responses right-padded to the longest allowed. Keep >= 1 column of each.
         first = min(int(batch.prompt_mask.any(0).float().argmax()), prompt_len - 1)
         last = max(int(batch.response_mask.any(0).nonzero().max()) + 1 if batch.response_mask.any() else 1, 1)
-        if has_compiled_layers(model):  # few distinct shapes, each compiled once (see workers/layer_compile)
-            first, last = bucketed_window(first, last, prompt_len, resp_len)
         input_ids, attention_mask, position_ids = (
             t[:, first : prompt_len + last] for t in (input_ids, attention_mask, position_ids)
         )  # [B, Tp' + Tr'] each

@@ -95,22 +95,21 @@ def packed_mask_argument(model: torch.nn.Module) -> dict[str, None] | None:
     return {"full_attention": None}
 
 
-def pack_batch(batch: RolloutBatch, *, bucketed: bool = False, share_prompts: bool = False) -> PackedBatch:
+def pack_batch(batch: RolloutBatch, *, layout: bool = False, share_prompts: bool = False) -> PackedBatch:
     """Pack the real prompt+response tokens of ``batch``'s rows into one row (see the module docstring).
 
     Tokens are kept where ``batch.sequences()``'s attention mask is 1 and keep the positions that
     method gives them, so the packed forward sees exactly what the padded forward attends to.
 
-    ``bucketed`` (a model with compiled layers, `fusedrl.workers.layer_compile`): the row is widened with
-    filler tokens to a `bucket_width` and carries its `segment_layout` (longest sequence also widened to a
-    bucket) for the attention, so a compiled layer sees a few shapes per run instead of one per
-    micro-batch. The filler sits after every real token, attends only to itself and is never read.
+    ``layout`` (a model with compiled layers, `fusedrl.workers.layer_compile`): the row carries its
+    `segment_layout` for fusedrl's attention, tensors whose sizes a compiled layer takes as symbolic,
+    instead of sequence boundaries read from the positions as Python numbers.
 
     ``share_prompts``: rows with the same prompt (a GRPO group's samples) share one copy of it in the row
     (`pack_shared_prompts`); the model must run fusedrl's CPU attention (`packed_mask_argument` not None).
     """
     if share_prompts:
-        return pack_shared_prompts(batch, bucketed=bucketed)
+        return pack_shared_prompts(batch)
     input_ids, attention_mask, position_ids = batch.sequences()  # [b, Tp+Tr] each
     keep = attention_mask.bool()  # [b, Tp+Tr]
     # Index of every kept token in the packed row (meaningless where keep is False).
@@ -122,35 +121,18 @@ def pack_batch(batch: RolloutBatch, *, bucketed: bool = False, share_prompts: bo
     pred_index = flat_index[:, prompt_len:][response_mask] - 1  # [M]
     ids, pos = input_ids[keep].unsqueeze(0), position_ids[keep].unsqueeze(0)  # [1, N] each
     model_kwargs: dict[str, Any] = {}
-    if bucketed:
+    if layout:
         from fusedrl.workers.cpu_attention import LAYOUT_KWARG, segment_layout
-        from fusedrl.workers.layer_compile import bucket_width
 
-        lengths = keep.sum(1).tolist()  # real tokens per row
-        total, longest = bucket_width(ids.shape[1]), bucket_width(max(max(lengths), 1))
-        ids, pos = _with_filler(ids, pos, total=total, longest=longest)  # [1, total] each
-        model_kwargs[LAYOUT_KWARG] = segment_layout(lengths, total=total, longest=longest, device=ids.device)
+        model_kwargs[LAYOUT_KWARG] = segment_layout(keep.sum(1).tolist(), device=ids.device)
     return PackedBatch(
-        input_ids=ids,  # [1, N] (bucketed: [1, total])
-        position_ids=pos,  # [1, N] (bucketed: [1, total])
+        input_ids=ids,  # [1, N]
+        position_ids=pos,  # [1, N]
         pred_index=pred_index.clamp(min=0),  # [M]; >= 0 whenever every row has a prompt token
         targets=batch.responses[response_mask],  # [M]
         response_mask=response_mask,  # [b, Tr]
         model_kwargs=model_kwargs,
     )
-
-
-def _with_filler(
-    ids: torch.Tensor, pos: torch.Tensor, *, total: int, longest: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A compiled model's packed row ``[1, N]`` widened to ``[1, total]`` with filler tokens (id 0,
-    positions counting up modulo ``longest``), which attend only among themselves and are never read."""
-    filler = total - ids.shape[1]
-    if filler <= 0:
-        return ids, pos
-    ids = torch.cat([ids, ids.new_zeros(1, filler)], dim=1)
-    pos = torch.cat([pos, (torch.arange(filler, device=pos.device) % longest)[None]], dim=1)
-    return ids, pos
 
 
 def prompt_groups(batch: RolloutBatch) -> list[list[int]]:
@@ -163,7 +145,7 @@ def prompt_groups(batch: RolloutBatch) -> list[list[int]]:
     return list(groups.values())
 
 
-def pack_shared_prompts(batch: RolloutBatch, *, bucketed: bool = False) -> PackedBatch:
+def pack_shared_prompts(batch: RolloutBatch) -> PackedBatch:
     """`pack_batch` with each distinct prompt once: the row holds, per group of rows with the same prompt,
     the prompt's tokens followed by every row's response-side tokens (positions as in the padded forward:
     each response continues at the prompt's length). The attention gets a `shared_prompt_layout` that
@@ -211,18 +193,10 @@ def pack_shared_prompts(batch: RolloutBatch, *, bucketed: bool = False) -> Packe
             previous[row, kept[1:]] = new_index[row, kept[:-1]]
     response_mask = batch.response_mask.bool()  # [b, Tr]
     pred_index = previous[:, prompt_len:][response_mask]  # [M]
-    real = ids.shape[1]
-    lengths = [int(seq.numel()) for seq in sequences]
-    width, longest = real, max(max(lengths), 1)
-    if bucketed:
-        from fusedrl.workers.layer_compile import bucket_width
-
-        width, longest = bucket_width(real), bucket_width(longest)
-        ids, pos = _with_filler(ids, pos, total=width, longest=longest)  # [1, width] each
-    layout = shared_prompt_layout(sequences, torch.cat(out_slot), width=width, longest=longest)
+    layout = shared_prompt_layout(sequences, torch.cat(out_slot))
     return PackedBatch(
-        input_ids=ids,  # [1, N] (bucketed: [1, width])
-        position_ids=pos,  # [1, N] (bucketed: [1, width])
+        input_ids=ids,  # [1, N]
+        position_ids=pos,  # [1, N]
         pred_index=pred_index,  # [M]
         targets=batch.responses[response_mask],  # [M]
         response_mask=response_mask,  # [b, Tr]
@@ -231,24 +205,19 @@ def pack_shared_prompts(batch: RolloutBatch, *, bucketed: bool = False) -> Packe
 
 
 def shared_prompt_layout(
-    sequences: list[torch.Tensor], out_row: torch.Tensor, *, width: int, longest: int
+    sequences: list[torch.Tensor], out_row: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(src [S, L], dst [width])`` for `fusedrl.workers.cpu_attention.shared_segments_attention`.
+    """``(src [S, L], dst [N])`` for `fusedrl.workers.cpu_attention.shared_segments_attention`.
 
     ``sequences[s]``: the packed indices of sample ``s``'s whole sequence in order (its prompt's tokens,
-    shared with its group, then its own); ``out_row [N]``: for each real packed token, the sample whose
+    shared with its group, then its own); ``out_row [N]``: for each packed token, the sample whose
     attention output it takes (for a prompt token, the first sample of its group). ``src[s, c]`` is the
     packed token at column ``c`` of sample ``s``'s row (padding slots repeat a real token: the causal
     mask keeps real queries off them); ``dst[n]`` is the flat ``s * L + c`` slot token ``n`` reads its
-    output from. Tokens past the real ones (``width`` > N: a compiled model's filler) get one extra row
-    of their own, their columns clamped to ``L - 1``; nothing reads their outputs."""
-    real = int(out_row.numel())
-    filler = width - real
-    rows = len(sequences) + (1 if filler > 0 else 0)
-    src = torch.zeros(rows, longest, dtype=torch.long)  # [S, L]
-    column = torch.zeros(width, dtype=torch.long)  # [width]: each token's column in its output row
-    out = torch.zeros(width, dtype=torch.long)  # [width]: each token's output row
-    out[:real] = out_row
+    output from."""
+    longest = max(max(int(seq.numel()) for seq in sequences), 1)
+    src = torch.zeros(len(sequences), longest, dtype=torch.long)  # [S, L]
+    column = torch.zeros(out_row.numel(), dtype=torch.long)  # [N]: each token's column in its output row
     for s, seq in enumerate(sequences):
         n = int(seq.numel())
         if n:
@@ -256,10 +225,4 @@ def shared_prompt_layout(
             src[s, n:] = seq[-1]
         mine = out_row[seq] == s  # the tokens of this sequence that read their output from it
         column[seq[mine]] = torch.arange(n)[mine]
-    if filler > 0:
-        f_cols = torch.arange(filler).clamp(max=longest - 1)
-        src[-1] = real + torch.arange(longest).clamp(max=filler - 1)
-        column[real:] = f_cols
-        out[real:] = rows - 1
-    dst = out * longest + column  # [width]
-    return src, dst
+    return src, out_row * longest + column  # [S, L], [N]

@@ -3,7 +3,8 @@
 The compiled actor, reference and critic must compute what the eager ones compute: the same log-probs (up to
 Inductor's reordering of float sums) and the same update (one large Adam step from the same weights lands
 on the same parameters, within float noise). They must really be compiled (dynamo counts graphs), and
-batches of different lengths must reuse a few bucketed shapes instead of compiling one graph per length.
+batches of different lengths must reuse one dynamic graph after the first shape instead of compiling one
+graph per length; token-budget micro-batches (dynamic batch size) run compiled too.
 Real gloo process group, real Inductor (the C++ compiler the machine has).
 """
 
@@ -17,41 +18,8 @@ import torch
 import torch.multiprocessing as mp
 from support import free_port, local_params, padded_batch, single_rank_group
 
-from fusedrl.workers.layer_compile import MIN_STEP, bucket_width, bucketed_window
-
 TP, TR = 24, 20
 LR = 1e-2
-
-
-@pytest.mark.parametrize(
-    "width, expected",
-    [(5, 8), (40, 40), (63, 64), (99, 104), (127, 128), (129, 144), (300, 320), (916, 960), (1024, 1024)],
-)
-def test_bucket_width(width, expected):
-    assert bucket_width(width) == expected
-    assert bucket_width(expected) == expected  # a bucket is its own bucket
-    assert width <= expected <= max(width + MIN_STEP - 1, width * 9 // 8)  # at most 1/8 more columns
-
-
-@pytest.mark.parametrize(
-    "first, last, prompt_len, resp_len, expected",
-    [
-        (30, 50, 64, 64, (24, 56)),  # last 50 -> 56; width 64-30+56 = 90 -> 96: first 64+56-96 = 24
-        (40, 64, 64, 64, (40, 64)),  # width 88, a bucket already: unchanged
-        (2, 60, 64, 64, (0, 64)),  # last 64; width 126 -> 128: first 64+64-128 = 0
-        (10, 3, 24, 20, (8, 8)),  # last 3 -> 8; width 22 -> 24: first 24+8-24 = 8
-        (5, 3, 6, 5, (3, 5)),  # last capped at the response's 5 columns; width 6 -> 8: first 3
-        (2, 3, 6, 5, (0, 5)),  # width 9 -> 16 > the 11 columns there are: all of them
-        (100, 500, 512, 512, (56, 504)),  # width 916 -> 960 (multiples of 64 at this length)
-    ],
-)
-def test_bucketed_window(first, last, prompt_len, resp_len, expected):
-    got = bucketed_window(first, last, prompt_len, resp_len)
-    assert got == expected
-    new_first, new_last = got
-    assert new_first <= first and last <= new_last <= resp_len  # only ever widens
-    width = prompt_len - new_first + new_last
-    assert width == bucket_width(width) or new_first == 0
 
 
 def _configs(model_dir: str, compiled: bool, checkpointing: bool, packed: bool = False):
@@ -89,19 +57,11 @@ def _batch(seed: int, response_lens: list[int]):
     return batch
 
 
-def _packed_shapes(batches: list) -> tuple[set, set]:
-    """(exact packed lengths, bucketed (length, layout) shapes) of the 4-row micro-batches of ``batches``."""
-    from fusedrl.workers.cpu_attention import LAYOUT_KWARG
+def _packed_widths(batches: list) -> set[int]:
+    """The packed lengths of the 4-row micro-batches of ``batches``."""
     from fusedrl.workers.packing import pack_batch
 
-    exact, bucketed = set(), set()
-    for batch in batches:
-        for start in (0, 4):
-            mb = batch[start : start + 4]
-            exact.add(pack_batch(mb).input_ids.shape[1])
-            packed = pack_batch(mb, bucketed=True)
-            bucketed.add((packed.input_ids.shape[1], tuple(packed.model_kwargs[LAYOUT_KWARG][2].shape)))
-    return exact, bucketed
+    return {pack_batch(b[start : start + 4]).input_ids.shape[1] for b in batches for start in (0, 4)}
 
 
 def _worker(rank: int, port: int, model_dir: str, out_dir: str, packed: bool) -> None:
@@ -117,9 +77,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str, packed: bool) ->
             (2, [18, 3, 8, 12, 5, 19, 7, 14]),
             (3, [17, 1, 2, 3, 20, 9, 9, 9]),
         )
-        if packed:
-            exact, bucketed = _packed_shapes([_batch(seed, lens) for seed, lens in cases])
-            result["packed_shapes"] = {"exact": len(exact), "bucketed": len(bucketed)}
+        result["packed_widths"] = len(_packed_widths([_batch(seed, lens) for seed, lens in cases]))
         for checkpointing in (False, True):
             roles = {}
             for compiled in (False, True):
@@ -134,8 +92,8 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str, packed: bool) ->
             ]
             graphs_before = counters["stats"]["unique_graphs"]
             lp_diffs, ref_diffs = [], []
-            # Three batches whose micro-batches need 17-20 response columns: four different widths, one
-            # bucket (every width rounds up to TP + 20 = 44 columns). Packed: see `_packed_shapes`.
+            # Three batches whose micro-batches need 17-20 response columns: four different widths (packed:
+            # see `_packed_widths`), and for each role one static graph and one dynamic graph.
             for seed, lens in cases:
                 batch = _batch(seed, lens)
                 lps = {}
@@ -148,6 +106,15 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str, packed: bool) ->
                 ref_diffs.append(float((lps[True][1] - lps[False][1])[mask].abs().max()))
             out["graphs"] = counters["stats"]["unique_graphs"] - graphs_before
             out["log_prob_diff"], out["ref_diff"] = max(lp_diffs), max(ref_diffs)
+            # token-budget micro-batches (dynamic batch size): 1-3 rows each, through the same graphs
+            batch = _batch(7, [20, 9, 4, 3, 17, 11, 2, 6])
+            budget = {
+                c: roles[c][0].compute_log_prob(batch, temperature=0.8, micro_batch_size=4, max_token_len=90)
+                for c in (False, True)
+            }
+            mask = batch.response_mask.bool()
+            out["budget_diff"] = float((budget[True] - budget[False])[mask].abs().max())
+            out["graphs_after_budget"] = counters["stats"]["unique_graphs"] - graphs_before
 
             batch = _batch(4, [20, 9, 4, 17, 2, 11, 20, 6])
             batch.old_log_probs = roles[False][0].compute_log_prob(batch, temperature=0.8, micro_batch_size=4)
@@ -201,13 +168,10 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str, packed: bool) ->
 def test_compiled_layers_match_eager(tiny_model_dir, tmp_path, packed):
     mp.spawn(_worker, args=(free_port(), tiny_model_dir, str(tmp_path), packed), nprocs=1, join=True)
     result = json.loads((tmp_path / "result.json").read_text())
-    # Packed (use_remove_padding): the rows' lengths differ in every micro-batch; widened to buckets they
-    # take fewer shapes, and each shape compiles one graph (two if actor and reference are guarded apart).
-    shapes = result.pop("packed_shapes", None)
-    most_graphs = 2
-    if packed:
-        assert shapes["bucketed"] < shapes["exact"], shapes
-        most_graphs = 2 * shapes["bucketed"]
+    # Four widths or more (padded: four trimmed windows; packed: see `_packed_widths`): static shapes would
+    # compile a graph for each, per role. Automatic dynamic shapes compile the first shape and then one
+    # dynamic graph per role (the actor's and the reference's layers may be guarded apart).
+    assert result.pop("packed_widths") >= 4
     hf = result.pop("hf_rollout")
     # Its scoring pass (eval mode, a new width) may compile 1-2 graphs; compiling each decoding step made
     # 26 here (measured without the eager stance).
@@ -221,9 +185,11 @@ def test_compiled_layers_match_eager(tiny_model_dir, tmp_path, packed):
         # float32, which this test runs: the eager/compiled agreement below covers the swap too)
         eager_swapped, compiled_swapped = r["row_major_linears"]
         assert eager_swapped == 0 and compiled_swapped >= 4 * 2, (checkpointing, r)
-        # Really compiled, and one bucket means one shape: one no-grad graph (two if the actor's and the
-        # reference's layers are guarded apart), where the exact widths would have compiled 4 per role.
-        assert 1 <= r["graphs"] <= most_graphs, (checkpointing, r)
+        assert 1 <= r["graphs"] <= 4, (checkpointing, r)
+        # token-budget micro-batches: new row counts and widths; at most two more graphs (the row count
+        # becomes symbolic; PyTorch specialises a size of 1), the eager numbers
+        assert r["graphs_after_budget"] - r["graphs"] <= 2, (checkpointing, r)
+        assert r["budget_diff"] < 1e-4, (checkpointing, r)
         assert r["log_prob_diff"] < 1e-4, (checkpointing, r)
         assert r["ref_diff"] < 1e-4, (checkpointing, r)
         assert r["max_param_change"] > 0.5 * LR, (checkpointing, r)  # a real Adam step
@@ -234,7 +200,7 @@ def test_compiled_layers_match_eager(tiny_model_dir, tmp_path, packed):
         assert abs(l_eager - l_comp) <= 1e-5 + 1e-4 * abs(l_eager), (checkpointing, r)
 
 
-def test_compile_layers_refuses_shape_changing_settings(tiny_model_dir, arithmetic_data):
+def test_compile_layers_refuses_lora_and_takes_token_budgets(tiny_model_dir, arithmetic_data):
     from fusedrl.config import ConfigError, load_config
 
     train, _ = arithmetic_data
@@ -244,27 +210,27 @@ def test_compile_layers_refuses_shape_changing_settings(tiny_model_dir, arithmet
                 f"data.train_files={train}",
                 f"actor_rollout_ref.model.path={tiny_model_dir}",
                 "actor_rollout_ref.model.compile_layers=true",
-                "actor_rollout_ref.model.use_remove_padding=true",  # accepted: packed rows are bucketed
+                "actor_rollout_ref.model.use_remove_padding=true",
                 "actor_rollout_ref.actor.use_dynamic_bsz=true",
                 "actor_rollout_ref.model.lora_rank=4",
             ]
         )
     text = str(err.value)
-    assert "use_remove_padding" not in text, text
-    for key in (
-        "actor_rollout_ref.actor.use_dynamic_bsz",
-        "actor_rollout_ref.model.lora_rank",
-    ):
-        assert f"`actor_rollout_ref.model.compile_layers`=true with `{key}`" in text, text
-    # the default (compile_layers=false) accepts the same settings
-    load_config(
+    assert "`actor_rollout_ref.model.compile_layers`=true with `actor_rollout_ref.model.lora_rank`" in text, (
+        text
+    )
+    assert "use_dynamic_bsz" not in text and "use_remove_padding" not in text, text
+    # without LoRA the same settings load
+    cfg = load_config(
         [
             f"data.train_files={train}",
             f"actor_rollout_ref.model.path={tiny_model_dir}",
+            "actor_rollout_ref.model.compile_layers=true",
             "actor_rollout_ref.model.use_remove_padding=true",
             "actor_rollout_ref.actor.use_dynamic_bsz=true",
         ]
     )
+    assert cfg.actor_rollout_ref.model.compile_layers and cfg.actor_rollout_ref.actor.use_dynamic_bsz
 
 
 def test_no_compiler_leaves_layers_eager(monkeypatch, caplog):

@@ -101,19 +101,18 @@ def test_fewer_tokens_and_the_padded_numbers():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bucketed_row_with_filler(dtype):
-    """A compiled model's row (widened with filler tokens, the layout widened to a bucket) gives the same
-    log-probs; in bf16 the attention runs as matmuls and agrees to bf16 precision."""
+def test_shared_row_in_each_dtype(dtype):
+    """The shared row's layout has one attention row per sample and one output slot per packed token; its
+    log-probs equal the whole rows' (in bf16 the attention runs as matmuls: to bf16 precision)."""
     model, batch = _model().to(dtype), _grouped_batch()
-    bucketed = pack_batch(batch, share_prompts=True, bucketed=True)
-    src, dst = bucketed.model_kwargs[cpu_attention.SHARED_LAYOUT_KWARG]
-    real = 24 + int(batch.response_mask.sum())
-    assert bucketed.input_ids.shape[1] > real  # filler tokens at the end
-    assert src.shape[0] == batch.num_samples + 1  # one row for the filler
-    assert dst.shape[0] == bucketed.input_ids.shape[1]
+    shared = pack_batch(batch, share_prompts=True)
+    src, dst = shared.model_kwargs[cpu_attention.SHARED_LAYOUT_KWARG]
+    assert shared.input_ids.shape[1] == 24 + int(batch.response_mask.sum())
+    assert src.shape[0] == batch.num_samples
+    assert dst.shape[0] == shared.input_ids.shape[1]
     with torch.no_grad():
-        logits = bucketed.response_logits(model).float() / TEMPERATURE
-        got = bucketed.unpack(torch.log_softmax(logits, -1).gather(-1, bucketed.targets[:, None])[:, 0])
+        logits = shared.response_logits(model).float() / TEMPERATURE
+        got = shared.unpack(torch.log_softmax(logits, -1).gather(-1, shared.targets[:, None])[:, 0])
         want, _ = response_log_probs(model, batch, temperature=TEMPERATURE, remove_padding=True)
     tol = 1e-5 if dtype == torch.float32 else 0.05
     torch.testing.assert_close(got, want.float() * batch.response_mask, rtol=tol, atol=tol)
@@ -182,11 +181,15 @@ def test_actor_update_with_shared_prompts_equals_unshared(tiny_model_dir, tmp_pa
     results = spawned_result(_two_updates, tiny_model_dir, tmp_path, timeout=300)
     shared, whole = results[True], results[False]
     torch.testing.assert_close(shared["old"], whole["old"], rtol=1e-5, atol=1e-5)
-    # AdamW's first step moves each parameter by ~lr * g / |g|: float noise in a near-zero gradient element
-    # moves it by a little of lr (seen: 1.3e-3 lr); a packing bug moves most elements by ~lr.
+    # AdamW's first step moves each parameter by ~lr * g / (|g| + eps): float noise in a gradient element
+    # near eps moves it by a part of lr (seen: 1.3e-3 lr on an AMX Xeon, 1.6e-2 lr on an AVX-512 EPYC), so
+    # the update is compared as a whole; a packing bug moves most elements by ~lr.
     lr = 1e-3
-    for name, param in shared["params"].items():
-        torch.testing.assert_close(param, whole["params"][name], rtol=0, atol=1e-2 * lr)
+    names = list(shared["params"])
+    step = torch.cat([(whole["params"][n] - shared["before"][n]).flatten() for n in names])
+    gap = torch.cat([(shared["params"][n] - whole["params"][n]).flatten() for n in names])
+    assert float(gap.norm() / step.norm()) < 1e-3
+    assert int((gap.abs() > 1e-2 * lr).sum()) <= max(1, gap.numel() // 10_000)
     assert any(not torch.equal(p, shared["before"][n]) for n, p in shared["params"].items())  # it trained
     norm = shared["metrics"]["actor/grad_norm"]
     assert norm > 0 and abs(norm - whole["metrics"]["actor/grad_norm"]) <= 1e-4 * norm
