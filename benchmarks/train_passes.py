@@ -19,7 +19,8 @@ under FSDP2 bf16 mixed precision, with ``model.attn_implementation=auto``: on CP
 two matmuls, `fusedrl.workers.cpu_attention`), ``bf16_sdpa`` (the same with plain SDPA attention),
 ``packed`` and ``bf16_packed`` (``model.use_remove_padding=true``: no compute on padding), ``compiled`` and
 ``bf16_compiled`` (``model.compile_layers=true``: torch.compile of each decoder layer, compiled during the
-warm-up, which is not timed), ``packed_compiled`` and ``bf16_packed_compiled`` (both). A suffix
+warm-up, which is not timed: the passes on a batch of other lengths, then on the timed one, so the timed
+passes run the dynamic-shape graph every step of a run after its first runs), ``packed_compiled`` and ``bf16_packed_compiled`` (both). A suffix
 ``_unshared`` turns ``model.share_prompt_prefix`` off; ``_plaingrad`` keeps PyTorch's own linear weight
 gradients in the compiled layers (`fusedrl.workers.layer_compile.RowMajorGradLinear` off).
 
@@ -256,16 +257,21 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     counted = _count_flops(hf, shard, args["micro"])
     temperature = 1.0
 
-    def old():
-        return actor.compute_log_prob(shard, temperature=temperature, micro_batch_size=args["log_prob_micro"])
+    # A batch of other lengths, passed through every variant's roles before the timed passes: a compiled
+    # layer then runs its dynamic graph in the timed passes, as in every step of a run after the first.
+    other = synthetic_batch(args["response_length"], seed=1, samples_per_prompt=args["samples_per_prompt"])
+    other = other[rank * rows : (rank + 1) * rows]
 
-    def run_ref():
-        return ref.compute_log_prob(shard, temperature=temperature)
+    def old(batch=shard):
+        return actor.compute_log_prob(batch, temperature=temperature, micro_batch_size=args["log_prob_micro"])
 
-    def update():
-        b = shard.clone()
-        b.old_log_probs = old_lp
-        b.ref_log_probs = ref_lp
+    def run_ref(batch=shard):
+        return ref.compute_log_prob(batch, temperature=temperature)
+
+    def update(batch=shard):
+        b = batch.clone()
+        b.old_log_probs = old_lp if batch is shard else old(batch)
+        b.ref_log_probs = ref_lp if batch is shard else b.old_log_probs
         actor.update(b, temperature=temperature)
 
     current = {"variant": "base"}
@@ -291,11 +297,12 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     phases = {"old_log_prob": old, "ref": run_ref, "update": update, "hf_fwd_bwd": hf_pass}
     times: dict[str, dict[str, list[float]]] = {v: {p: [] for p in phases} for v in variants}
     ceilings: dict[str, list[float]] = {"float32": [], "bfloat16": []}
-    warmup: dict[str, float] = {}  # the first old/ref/update of each variant: compiles, if any, happen here
+    warmup: dict[str, float] = {}  # the first passes of each variant: compiles, if any, happen here
     for variant in variants:
         apply(variant)
         dist.barrier()
         t0 = time.perf_counter()
+        old(other), run_ref(other), update(other)
         old(), run_ref(), update()
         dist.barrier()
         warmup[variant] = time.perf_counter() - t0
@@ -440,7 +447,7 @@ def main() -> None:
     header = (
         "| WxT | variant | "
         + " | ".join(f"{p} s (GFLOP/s/thread)" for p in PHASES)
-        + " | training passes GFLOP/s/thread vs ceiling | first old+ref+update s |"
+        + " | training passes GFLOP/s/thread vs ceiling | warm-up s |"
     )
     table = "\n".join(
         [
