@@ -355,6 +355,9 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
 def run_layout(world: int, threads: int, args: dict) -> dict:
     import torch.multiprocessing as mp
 
+    from benchmarks.common import model_dir
+
+    model_dir(args["preset"])  # built once here: ranks building it at once read a half-written folder
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_rank_main, args=(world, threads, _free_port(), args, out), nprocs=world, join=True)
         with open(os.path.join(out, "result.json")) as f:
