@@ -44,9 +44,10 @@ from fusedrl.workers.fsdp import decoder_layers
 
 logger = logging.getLogger(__name__)
 
-# Compiled graphs kept per code object before dynamo falls back to eager: (grad / no-grad) x (the first,
-# static shape + the dynamic one), with room to spare.
-RECOMPILE_LIMIT = 32
+# Compiled graphs kept per code object before dynamo falls back to eager: the roles sharing the layer class
+# (actor, reference, critic) x (grad / no-grad) x (the first, static shape + the dynamic one, + a
+# specialised one-row batch), with room to spare.
+RECOMPILE_LIMIT = 64
 _MARK = "_fusedrl_compiled_layers"
 
 
