@@ -268,10 +268,9 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
     def run_ref(batch=shard):
         return ref.compute_log_prob(batch, temperature=temperature)
 
-    def update(batch=shard):
+    def update(batch=shard, log_probs=None):  # log_probs: (old, ref) of ``batch``; default the shard's
         b = batch.clone()
-        b.old_log_probs = old_lp if batch is shard else old(batch)
-        b.ref_log_probs = ref_lp if batch is shard else b.old_log_probs
+        b.old_log_probs, b.ref_log_probs = log_probs or (old_lp, ref_lp)
         actor.update(b, temperature=temperature)
 
     current = {"variant": "base"}
@@ -302,7 +301,7 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
         apply(variant)
         dist.barrier()
         t0 = time.perf_counter()
-        old(other), run_ref(other), update(other)
+        update(other, (old(other), run_ref(other)))
         old(), run_ref(), update()
         dist.barrier()
         warmup[variant] = time.perf_counter() - t0

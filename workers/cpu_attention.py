@@ -208,8 +208,8 @@ def segments_attention(
     scaling: float,
 ) -> torch.Tensor:
     """`packed_attention` through a `segment_layout`: scatter the row's tokens into a right-padded
-    ``[S, heads, L, d]`` batch, attend causally, gather the tokens back (all differentiable; shapes depend
-    only on the layout's, so a compiled layer sees one shape per layout size).
+    ``[S, heads, L, d]`` batch, attend causally, gather the tokens back (all differentiable; the shapes are the
+    layout's tensors' sizes, so a compiled layer reads no sequence boundary as a Python number).
 
     The causal mask alone is exact here: a sequence's padding sits after its last token, so every key a
     real query may see (at or before its own position) is real. Only the padding queries see padding keys,
