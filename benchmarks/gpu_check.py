@@ -44,8 +44,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / "scripts" / "gpu_wheels"
 MISSING_ON_GPU_MACHINE = ("ray", "vllm", "hydra", "omegaconf")
-GPU_PRESETS = ("small", "mid", "half_b")
-DRY_PRESETS = ("tiny",)
+GPU_PRESETS = ("small", "mid", "half_b", "half_b+packed", "half_b+packed+compiled")
+DRY_PRESETS = ("tiny", "tiny+packed+compiled")
+# A model name may carry variants after ``+``: the config keys they set on top of the check's overrides.
+VARIANTS = {
+    "packed": ["actor_rollout_ref.model.use_remove_padding=true"],
+    "compiled": ["actor_rollout_ref.model.compile_layers=true"],
+}
+STEPS = 2  # the first step pays the CUDA/cuBLAS warm-up (and the compiles); the second is the one timed
 
 
 # ---------------------------------------------------------------------- imports on a bare machine
@@ -140,6 +146,15 @@ def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
     if leaf not in node:
         raise KeyError(f"gpu_check override `{dotted}`: no such key in ppo_trainer.yaml")
     node[leaf] = value
+
+
+def split_variants(name: str) -> tuple[str, list[str]]:
+    """``"half_b+packed+compiled"`` -> ``("half_b", [overrides of each variant])``."""
+    preset, *variants = name.split("+")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"gpu_check: unknown variant(s) {unknown} in {name!r}; known: {sorted(VARIANTS)}")
+    return preset, [o for v in variants for o in VARIANTS[v]]
 
 
 def check_overrides(model_dir: str, *, cuda: bool, response_length: int, n: int) -> list[str]:
@@ -254,8 +269,8 @@ def _state_copy(model, optimizer) -> tuple[dict[str, Any], list[Any]]:
     return params, optim
 
 
-def run_model(preset: str, *, dry_run: bool, workdir: str) -> dict[str, Any]:
-    """Build one model, start a fused worker on it, run one GRPO step and an offload round trip."""
+def run_model(name: str, *, dry_run: bool, workdir: str) -> dict[str, Any]:
+    """Build one model, start a fused worker on it, run two GRPO steps and an offload round trip."""
     import torch
     import torch.distributed as dist
 
@@ -267,14 +282,16 @@ def run_model(preset: str, *, dry_run: bool, workdir: str) -> dict[str, Any]:
     cuda = torch.cuda.is_available() and not dry_run
     no_cuda = "needs CUDA (dry run on CPU)" if not cuda else None
     n_prompts, n, response_length = (16, 4, 128) if cuda else (2, 2, 8)
-    out: dict[str, Any] = {"preset": preset}
+    preset, variant_overrides = split_variants(name)
+    out: dict[str, Any] = {"preset": preset, "variant_overrides": variant_overrides}
     t0 = time.perf_counter()
     model_dir = build_tiny_model(os.path.join(workdir, preset), preset=preset, seed=0)
     out["parameters"] = count_parameters(model_dir)
     out["build_s"] = time.perf_counter() - t0
 
-    cfg = resolved_config(check_overrides(model_dir, cuda=cuda, response_length=response_length, n=n))
-    tok, batch = _prompts(model_dir, n_prompts, n)
+    overrides = check_overrides(model_dir, cuda=cuda, response_length=response_length, n=n)
+    cfg = resolved_config(overrides + variant_overrides)
+    tok, _ = _prompts(model_dir, n_prompts, n)
     cfg = build_role_configs(cfg, tokens=TokenIds(eos=int(tok.eos_token_id), pad=int(tok.pad_token_id)))
     alloc_before = allocator_settings()
     worker = WorkerDict(cfg, rank=0, world_size=1, roles=("actor", "rollout", "ref"))
@@ -283,7 +300,19 @@ def run_model(preset: str, *, dry_run: bool, workdir: str) -> dict[str, Any]:
     out["init_s"] = time.perf_counter() - t0
     out["backend"] = dist.get_backend()
     try:
-        out.update(_grpo_step(worker, batch, response_length, cuda=cuda))
+        steps = []
+        for _ in range(STEPS):
+            steps.append(_grpo_step(worker, _prompts(model_dir, n_prompts, n)[1], response_length, cuda=cuda))
+        out.update(steps[-1])  # the warm step's figures; every step must pass
+        out["steps"] = [{k: v for k, v in st.items() if k != "checks"} for st in steps]
+        step_checks = [st["checks"]["grpo_step"] for st in steps]
+        out["checks"]["grpo_step"] = {
+            **step_checks[-1],
+            "ok": all(c["ok"] for c in step_checks),
+            "per_step_ok": [c["ok"] for c in step_checks],
+        }
+        if cuda:
+            out["model_flop_rates"] = _flop_rates(out["parameters"], steps[-1])
         out["checks"]["nccl"] = (
             _check(out["backend"] == "nccl", backend=out["backend"])
             if cuda
@@ -370,6 +399,45 @@ def _caching_host_reserved() -> int:
     return int(stats().get("reserved_bytes.current", stats().get("allocated_bytes.current", 0)))
 
 
+def _now(cuda: bool) -> float:
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def matmul_ceiling(n: int = 8192, reps: int = 10) -> float:
+    """Dense bf16 matmul rate of this GPU in TFLOP/s (``[n, n] @ [n, n]``, mean of ``reps`` after 3 warm-ups)."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    t0 = _now(True)
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (_now(True) - t0) / 1e12
+
+
+def _flop_rates(parameters: int, step: dict[str, Any]) -> dict[str, Any]:
+    """Model FLOP rates of the warm step's training passes (2 FLOPs per parameter and token forward, 6
+    forward + backward; attention's own products not counted) against the bf16 matmul ceiling."""
+    ceiling = matmul_ceiling()
+    fwd = 2.0 * parameters * step["tokens"]  # real prompt + response tokens (padding is not useful work)
+    rates = {
+        "old_log_prob": fwd / step["old_log_prob_s"] / 1e12,
+        "ref": fwd / step["ref_s"] / 1e12,
+        "update": 3 * fwd / step["update_s"] / 1e12,
+    }
+    return {
+        "ceiling_bf16_tflop_s": ceiling,
+        **{f"{k}_tflop_s": v for k, v in rates.items()},
+        **{f"{k}_of_ceiling": v / ceiling for k, v in rates.items()},
+    }
+
+
 def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, Any]:
     import torch
 
@@ -378,8 +446,12 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
 
     temperature = 1.0
     seen_dtypes: set[str] = set()
-    layer = worker.actor.model.model.layers[0].self_attn.q_proj
-    hook = layer.register_forward_pre_hook(lambda mod, args: seen_dtypes.add(str(mod.weight.dtype)))
+    # On the decoder layer (its FSDP2 gather has run when this hook fires), not inside it: a compiled
+    # layer's insides run as one graph.
+    layer = worker.actor.model.model.layers[0]
+    hook = layer.register_forward_pre_hook(
+        lambda mod, args: seen_dtypes.add(str(mod.self_attn.q_proj.weight.dtype))
+    )
     before = worker.actor_state()
     if cuda:
         torch.cuda.synchronize()
@@ -395,9 +467,14 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
     t_gen = time.perf_counter() - t0
     batch.update_from(out, "responses", "response_mask", "rollout_log_probs")
     inputs = batch.select_fields("prompts", "prompt_mask", "responses", "response_mask")
+    phases: dict[str, float] = {}
+    t1 = _now(cuda)
     batch.old_log_probs = worker.actor_compute_log_prob(inputs, temperature)
+    phases["old_log_prob_s"] = _now(cuda) - t1
     worker.load_ref()
+    t1 = _now(cuda)
     batch.ref_log_probs = worker.ref_compute_log_prob(inputs, temperature)
+    phases["ref_s"] = _now(cuda) - t1
     worker.offload_ref()
     # A reward that varies within each group: the share of even token ids, on the last response token.
     mask = batch.response_mask.float()  # [B, Tr]
@@ -413,7 +490,9 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
         "prompts", "prompt_mask", "responses", "response_mask", "old_log_probs", "advantages", "ref_log_probs"
     )
     worker.load_actor(optimizer=True)
+    t1 = _now(cuda)
     metrics = worker.actor_update(update_in, temperature)
+    phases["update_s"] = _now(cuda) - t1
     worker.offload_actor(params=False, optimizer=True)
     if cuda:
         torch.cuda.synchronize()
@@ -440,6 +519,7 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
         },
         "step_s": step_s,
         "generate_s": t_gen,
+        **phases,
         "tokens": tokens,
         "tokens_per_s": tokens / step_s,
         "response_tokens_per_s": float(batch.response_mask.sum()) / t_gen,
@@ -504,7 +584,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd += ["--dry-run"] if dry else []
         print(f"gpu_check: {preset} ...", flush=True)
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+            # Compiling the layers (Inductor / Triton) costs minutes more than an eager model's run.
+            timeout = args.timeout * (3 if "compiled" in preset else 1)
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
             if proc.returncode == 0:
                 summary["models"][preset] = json.loads(Path(part).read_text())
             else:
@@ -514,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
         except subprocess.TimeoutExpired as err:
             summary["models"][preset] = {
-                "error": f"timed out after {args.timeout:.0f} s",
+                "error": f"timed out after {timeout:.0f} s",
                 "stderr_tail": str(err.stderr or "")[-4000:],
             }
         finally:
@@ -547,9 +629,17 @@ def main(argv: list[str] | None = None) -> int:
             for k, c in m["checks"].items()
         )
         print(
-            f"  {name} ({m['parameters'] / 1e6:.1f}M): {line}; step {m['step_s']:.2f} s, "
+            f"  {name} ({m['parameters'] / 1e6:.1f}M): {line}; warm step {m['step_s']:.2f} s "
+            f"(first {m['steps'][0]['step_s']:.2f} s; generate {m['generate_s']:.2f}, old log-prob "
+            f"{m['old_log_prob_s']:.3f}, ref {m['ref_s']:.3f}, update {m['update_s']:.3f} s), "
             f"{m['tokens_per_s']:.0f} tok/s"
         )
+        if "model_flop_rates" in m:
+            r = m["model_flop_rates"]
+            print(
+                f"    model TFLOP/s (bf16 matmul ceiling {r['ceiling_bf16_tflop_s']:.0f}): old log-prob "
+                f"{r['old_log_prob_tflop_s']:.1f}, ref {r['ref_tflop_s']:.1f}, update {r['update_tflop_s']:.1f}"
+            )
     for s in summary["skipped"]:
         print(f"  skipped {s}")
     print(

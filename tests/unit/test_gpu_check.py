@@ -49,3 +49,12 @@ def test_dry_run_passes_and_says_what_it_skipped(tmp_path):
     assert 1.0 <= checks["pinned_host_ratio"]["ratio"] <= 1.01
     assert summary["models"]["tiny"]["tokens_per_s"] > 0
     assert "skipped nccl: NCCL needs CUDA" in proc.stdout
+    # Two steps per model, each training; the packed + compiled-layers variant too.
+    for name in ("tiny", "tiny+packed+compiled"):
+        model = summary["models"][name]
+        assert model["checks"]["grpo_step"]["per_step_ok"] == [True, True], name
+        assert all(s["update_s"] > 0 and s["old_log_prob_s"] > 0 for s in model["steps"]), name
+    assert summary["models"]["tiny+packed+compiled"]["variant_overrides"] == [
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "actor_rollout_ref.model.compile_layers=true",
+    ]
