@@ -541,6 +541,28 @@ def _device() -> dict[str, Any]:
     return info
 
 
+def _print_model(name: str, m: dict[str, Any]) -> None:
+    if "error" in m:
+        print(f"  {name}: ERROR {m['error']}\n{m['stderr_tail']}", flush=True)
+        return
+    line = ", ".join(
+        f"{k}={'skip' if c['ok'] is None else ('ok' if c['ok'] else 'FAIL')}" for k, c in m["checks"].items()
+    )
+    print(
+        f"  {name} ({m['parameters'] / 1e6:.1f}M): {line}; warm step {m['step_s']:.2f} s "
+        f"(first {m['steps'][0]['step_s']:.2f} s; generate {m['generate_s']:.2f}, old log-prob "
+        f"{m['old_log_prob_s']:.3f}, ref {m['ref_s']:.3f}, update {m['update_s']:.3f} s), "
+        f"{m['tokens_per_s']:.0f} tok/s; child {m['wall_s']:.0f} s",
+        flush=True,
+    )
+    if "model_flop_rates" in m:
+        r = m["model_flop_rates"]
+        print(
+            f"    model TFLOP/s (bf16 matmul ceiling {r['ceiling_bf16_tflop_s']:.0f}): old log-prob "
+            f"{r['old_log_prob_tflop_s']:.1f}, ref {r['ref_tflop_s']:.1f}, update {r['update_tflop_s']:.1f}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU run: skip (and say so) what needs CUDA")
@@ -583,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--child", preset, "--out", part]
         cmd += ["--dry-run"] if dry else []
         print(f"gpu_check: {preset} ...", flush=True)
+        t_model = time.perf_counter()
         try:
             # Compiling the layers (Inductor / Triton) costs minutes more than an eager model's run.
             timeout = args.timeout * (3 if "compiled" in preset else 1)
@@ -601,6 +624,9 @@ def main(argv: list[str] | None = None) -> int:
             }
         finally:
             os.unlink(part)
+        summary["models"][preset]["wall_s"] = time.perf_counter() - t_model
+        _print_model(preset, summary["models"][preset])
+        Path(args.out).write_text(json.dumps(summary, indent=1))  # so far (a run cut short keeps it)
     summary["total_s"] = time.perf_counter() - t0
     results = [c for m in summary["models"].values() for c in m.get("checks", {}).values()]
     failed_models = [k for k, m in summary["models"].items() if "error" in m]
@@ -620,26 +646,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     summary["passed"] = not summary["failed"] and any(c["ok"] for c in results)
     Path(args.out).write_text(json.dumps(summary, indent=1))
-    for name, m in summary["models"].items():
-        if "error" in m:
-            print(f"  {name}: ERROR {m['error']}\n{m['stderr_tail']}")
-            continue
-        line = ", ".join(
-            f"{k}={'skip' if c['ok'] is None else ('ok' if c['ok'] else 'FAIL')}"
-            for k, c in m["checks"].items()
-        )
-        print(
-            f"  {name} ({m['parameters'] / 1e6:.1f}M): {line}; warm step {m['step_s']:.2f} s "
-            f"(first {m['steps'][0]['step_s']:.2f} s; generate {m['generate_s']:.2f}, old log-prob "
-            f"{m['old_log_prob_s']:.3f}, ref {m['ref_s']:.3f}, update {m['update_s']:.3f} s), "
-            f"{m['tokens_per_s']:.0f} tok/s"
-        )
-        if "model_flop_rates" in m:
-            r = m["model_flop_rates"]
-            print(
-                f"    model TFLOP/s (bf16 matmul ceiling {r['ceiling_bf16_tflop_s']:.0f}): old log-prob "
-                f"{r['old_log_prob_tflop_s']:.1f}, ref {r['ref_tflop_s']:.1f}, update {r['update_tflop_s']:.1f}"
-            )
     for s in summary["skipped"]:
         print(f"  skipped {s}")
     print(

@@ -33,7 +33,11 @@ class HostBuffer:
     """One host allocation with a slot per tensor, keyed by the tensor object's identity.
 
     ``tensors``: the tensors that will be copied in (parameters, buffers, optimizer moments; DTensors
-    count by their local shard). ``pin``: page-lock the allocation (CUDA only).
+    count by their local shard). ``pin``: page-lock the allocation (CUDA only). Once the move that fills
+    it is done, `seal` drops the buffer's references to those tensors: a device tensor replaced by its host
+    copy must be freed then, not when the buffer is (holding them kept every offloaded AdamW moment on the
+    GPU: seen on an H200, 2026-12-04). Weak references would not do: FSDP2 moves parameters with
+    ``torch.utils.swap_tensors``, which refuses a tensor that has one.
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor], *, pin: bool) -> None:
@@ -57,6 +61,10 @@ class HostBuffer:
                 raise RuntimeError(f"cudaHostRegister of {offset} bytes failed with CUDA error {int(err)}")
             self.pinned = True
 
+    def seal(self) -> None:
+        """Every slot is filled: forget the tensors they were filled from (`copy_in` refuses from now on)."""
+        self._slots.clear()
+
     def __contains__(self, t: object) -> bool:
         return id(t) in self._slots and self._slots[id(t)][1] is t
 
@@ -67,6 +75,8 @@ class HostBuffer:
         """
         if self.storage is None:
             raise RuntimeError("HostBuffer.copy_in after release()")
+        if id(t) not in self._slots:
+            raise RuntimeError("HostBuffer.copy_in of a tensor it has no slot for (or after seal())")
         offset, _ = self._slots[id(t)]
         local = _local(t)
         nbytes = local.numel() * local.element_size()

@@ -58,6 +58,18 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[tuple[dict[str,
                 yield state, key
 
 
+def _host_step_states(optimizer: torch.optim.Optimizer) -> set[int]:
+    """ids of the states whose ``step`` counter lives on the host: those of param groups that are neither
+    fused nor capturable (torch's fused AdamW keeps ``step`` on the parameter's device and refuses a host
+    one; seen on an H200, 2026-12-04, when the reload kept the offloaded counter on the CPU)."""
+    out: set[int] = set()
+    for group in optimizer.param_groups:
+        if group.get("fused") or group.get("capturable"):
+            continue
+        out.update(id(optimizer.state[p]) for p in group["params"] if p in optimizer.state)
+    return out
+
+
 def move_params(model: nn.Module, device: str, host: HostBuffer | None = None) -> None:
     """Move every parameter and buffer (FSDP2 shards included) to ``device``; with ``host``, into its
     slots (an offload to exactly-sized host memory)."""
@@ -70,22 +82,24 @@ def move_optimizer_state(
 ) -> None:
     """Move every tensor of the optimizer's state (AdamW moments; its ``step`` counters stay on the CPU
     unless the optimizer keeps them on the device) to ``device`` (with ``host``: into its slots)."""
+    host_steps = _host_step_states(optimizer)
     for state, key in _state_tensors(optimizer):
-        value = state[key]
-        if _is_host_step(key, value):
+        if _is_host_step(state, key, host_steps):
             continue
-        state[key] = _move(value, device, host)
+        state[key] = _move(state[key], device, host)
     _wait(device, host)
 
 
-def _is_host_step(key: str, value: torch.Tensor) -> bool:
-    return key == "step" and value.device.type == "cpu" and value.dim() == 0  # AdamW's default
+def _is_host_step(state: dict[str, Any], key: str, host_steps: set[int]) -> bool:
+    return key == "step" and id(state) in host_steps and state[key].dim() == 0  # AdamW's default
 
 
 def _wait(device: str, host: HostBuffer | None) -> None:
     # Host-to-device copies out of a HostBuffer may still be in flight: wait before the buffer is freed.
     if device == "cuda":
         torch.cuda.current_stream().synchronize()
+    if host is not None:
+        host.seal()  # the moved-out device tensors are freed now
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -161,8 +175,11 @@ class Offloader:
         if not self.optimizer_offload or not self.optimizer_on_device:
             return
         assert self.optimizer is not None
+        host_steps = _host_step_states(self.optimizer)
         tensors = [
-            state[key] for state, key in _state_tensors(self.optimizer) if not _is_host_step(key, state[key])
+            state[key]
+            for state, key in _state_tensors(self.optimizer)
+            if not _is_host_step(state, key, host_steps)
         ]
         self._optim_host = self._host_buffer(tensors)
         move_optimizer_state(self.optimizer, "cpu", self._optim_host)

@@ -113,6 +113,49 @@ def test_host_buffer_slots_are_exact_and_aligned():
     assert torch.randn(1) not in buf
 
 
+def test_host_buffer_does_not_keep_the_offloaded_tensors_alive():
+    """The device tensor an offload replaces must be freed at once (a strong reference in the buffer kept
+    every AdamW moment on an H200's memory through the rollout)."""
+    import gc
+    import weakref
+
+    from fusedrl.workers.host_buffer import HostBuffer
+    from fusedrl.workers.memory import move_optimizer_state
+
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    opt = torch.optim.AdamW([w], lr=1e-3)
+    w.grad = torch.randn(4, 3)
+    opt.step()
+    moment = opt.state[w]["exp_avg"]
+    expected, ref = moment.clone(), weakref.ref(moment)
+    buf = HostBuffer([moment], pin=False)
+    del moment
+    move_optimizer_state(opt, "cpu", buf)  # the offload's move: the moment is replaced by its host copy
+    gc.collect()
+    assert ref() is None, "the buffer (or the move) still holds the replaced tensor"
+    assert torch.equal(opt.state[w]["exp_avg"], expected)
+    assert opt.state[w]["exp_avg"].untyped_storage().data_ptr() == buf.storage.untyped_storage().data_ptr()
+    with pytest.raises(RuntimeError, match="no slot"):
+        buf.copy_in(opt.state[w]["exp_avg"])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_optimizer_step_counter_moves_with_the_state_when_fused(fused):
+    """torch's fused (and capturable) AdamW keeps ``step`` on the parameters' device and refuses a host one:
+    an offload + reload must take it along. The plain AdamW keeps it on the host: it stays. (Moved to
+    ``meta`` here, a device a CPU test can reach.)"""
+    from fusedrl.workers.memory import move_optimizer_state
+
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    opt = torch.optim.AdamW([w], lr=1e-3, fused=fused or None)
+    w.grad = torch.randn(4, 3)
+    opt.step()
+    move_optimizer_state(opt, "meta")
+    state = opt.state[w]
+    assert state["exp_avg"].device.type == state["exp_avg_sq"].device.type == "meta"
+    assert state["step"].device.type == ("meta" if fused else "cpu")
+
+
 def _offload_into_host_buffers(port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
