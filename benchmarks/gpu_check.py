@@ -6,11 +6,13 @@ CUDA, transformers; no Ray, no vLLM, no hydra / omegaconf, no network. So it dri
 and imports tensordict (and its two small pure-Python dependencies) from the wheels vendored in
 ``scripts/gpu_wheels/``. Each model runs in its own child process (a fresh CUDA context and process group).
 
-Per model (presets ``small``, ``mid`` and ``half_b``, a Qwen2.5-0.5B-shaped decoder) it shows:
+Per model (presets ``small``, ``mid`` and ``half_b``, a Qwen2.5-0.5B-shaped decoder; ``half_b+packed`` and
+``half_b+packed+compiled`` set `VARIANTS`' keys on top) it shows:
 
-* ``grpo_step``: one GRPO step (HF rollout, old and reference log-probs, actor update) trains with FSDP2
-  on NCCL in bfloat16 (mixed precision over float32 master weights): every parameter changes, the loss and
-  grad norm are finite; step time and tokens/s are recorded;
+* ``grpo_step``: two GRPO steps (HF rollout, old and reference log-probs, actor update) train with FSDP2
+  on NCCL in bfloat16 (mixed precision over float32 master weights): every parameter changes in each step,
+  the loss and grad norm are finite; per-phase times, tokens/s and (on CUDA) model FLOP rates against the
+  GPU's bf16 matmul rate are recorded;
 * ``offload_bit_identical``: the actor's parameters and AdamW state offloaded and reloaded are bit-identical;
 * ``device_memory_regained``: after the offload the device's free memory (``mem_get_info``) grew by at least
   90% of the offloaded training state;
