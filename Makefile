@@ -23,7 +23,8 @@ test-slow: $(STAMP)
 test-reliability-slow: $(STAMP)
 	$(PY) -m pytest -m "slow and not gpu" -q tests/reliability
 
-## CUDA checks (offload round trip, FSDP2 on NCCL, HF rollout on CUDA): on a GPU machine only.
+## CUDA checks (offload round trip, FSDP2 on NCCL, HF rollout on CUDA): on a GPU machine only (on one without
+## network or install: scripts/gpu_tests.sh, docs/gpu.md).
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m "gpu" -q tests/gpu
 
