@@ -39,7 +39,7 @@ import logging
 import torch
 from torch import nn
 
-from fusedrl.utils.hardware import missing_cxx
+from fusedrl.utils.hardware import isolate_inductor_cache, missing_cxx
 from fusedrl.workers.fsdp import decoder_layers
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ def compile_layers(model: nn.Module) -> bool:
                 cxx,
             )
             return False
+        isolate_inductor_cache()
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(int(dynamo.recompile_limit), RECOMPILE_LIMIT)
     dynamo.accumulated_recompile_limit = max(int(dynamo.accumulated_recompile_limit), 4 * RECOMPILE_LIMIT)

@@ -1,6 +1,6 @@
 """What the machine offers the fused workers: CPUs per worker, and whether the CPU computes bf16 natively.
 
-Two traps this module exists for:
+Three traps this module exists for:
 
 * **Threads.** Ray gives an actor ``OMP_NUM_THREADS`` equal to its ``num_cpus`` (1 when unset). A CPU slot
   reserved with one CPU therefore trains on one thread even when the machine has more cores than slots,
@@ -10,12 +10,19 @@ Two traps this module exists for:
   AVX-512 BF16 / AMX: measured 20x slower than float32 for a forward+backward on an AVX2-only CPU, with
   nothing telling the user. `native_bf16` detects the instructions; `fusedrl.config` switches bf16
   settings to float32 where they are missing (see docs/concepts.md, "CPU threads and dtypes").
+* **Compiled code cached for another instruction set.** Inductor keys its cache by the source and the
+  compiler flags, not by the oneDNN / MKL instruction set the process runs with, and vLLM's CPU linears
+  bake that choice into the graph they compile: a compiled engine whose graph was cached by a run under
+  ``ONEDNN_MAX_CPU_ISA=AVX2`` (or on another CPU sharing the cache folder) crashed the next native start
+  with a segfault in oneDNN (seen 2026-12-04). `isolate_inductor_cache` gives each instruction set its
+  own cache folder.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 from collections.abc import Iterable, Sequence
 
@@ -110,3 +117,50 @@ def missing_cxx() -> str | None:
 
     cxx = os.environ.get("CXX", "g++")
     return None if shutil.which(cxx) else cxx
+
+
+# What decides the machine code a compiled graph may run: the CPU's vector / matrix extensions, and the
+# environment variables that cap the instruction set of PyTorch's, oneDNN's and MKL's kernels.
+ISA_CPU_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def cpu_isa_signature() -> str:
+    """A short name for the instruction set this process computes with: torch's CPU dispatch level, the
+    CPU's extensions (`ISA_CPU_FLAGS`) and any `ISA_ENV` cap, e.g. ``avx512-1f0c2d9e7a``."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    parts = [capability, *sorted(cpu_flags() & set(ISA_CPU_FLAGS))]
+    parts += [f"{k}={os.environ[k]}" for k in ISA_ENV if os.environ.get(k)]
+    return f"{capability.lower()}-{hashlib.sha1('|'.join(parts).encode()).hexdigest()[:10]}"
+
+
+def isolate_inductor_cache() -> str | None:
+    """Point Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``) at a folder of this instruction set's own,
+    ``<Inductor's default>/cpu-<cpu_isa_signature()>``, and return it. A folder the user chose is kept
+    (None); so is the CUDA path's (Triton keys its cache by the GPU). Call before anything compiles."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = os.path.abspath(default_cache_dir())
+    chosen = os.environ.get(INDUCTOR_CACHE_ENV)
+    # Inductor writes its default into the environment the first time it looks: that is no user's choice.
+    if chosen and os.path.abspath(chosen) != default:
+        return None
+    path = os.path.join(default, f"cpu-{cpu_isa_signature()}")
+    os.environ[INDUCTOR_CACHE_ENV] = path
+    return path

@@ -14,6 +14,8 @@ The test suite runs eager engines (``FUSEDRL_ROLLOUT_EAGER=1`` from tests/confte
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -97,3 +99,47 @@ def test_eager_mode_switch_and_missing_compiler(monkeypatch):
     assert eager
     assert "'no-such-c++-compiler' is not on PATH" in why and "rollout.enforce_eager" in why
     assert eager_mode(False, cuda=True) == (False, None)  # CUDA graphs need no host compiler
+
+
+_START_ENGINE = """
+import os, sys
+import torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo", rank=0, world_size=1)
+from fusedrl.third_party.vllm import EngineConfig, SampleParams, VLLMEngine
+engine = VLLMEngine(EngineConfig(model_path=sys.argv[1], dtype="float32", kv_cache_memory_bytes=64 << 20,
+                                 max_model_len=256))
+(tokens, _), = engine.generate([[5, 17, 42, 9]], SampleParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+print("ENGINE", engine.eager, len(tokens), os.environ["TORCHINDUCTOR_CACHE_DIR"], flush=True)
+os._exit(0)
+"""
+
+
+def test_compiled_engine_starts_after_a_run_under_another_instruction_set(tiny_model_dir, tmp_path):
+    """A compiled engine whose graph Inductor cached in a run capped at AVX2 (oneDNN / MKL / ATen) crashed
+    the next native start with a segfault in oneDNN (seen 2026-12-04): Inductor's cache is not keyed by
+    that cap. Each instruction set now compiles into a cache folder of its own. Both starts share one
+    temporary folder (``TMPDIR``), as two runs on one machine share ``/tmp``."""
+    from support import free_port
+
+    script = tmp_path / "start_engine.py"
+    script.write_text(_START_ENGINE)
+    env = {k: v for k, v in os.environ.items() if k not in (EAGER_ENV, "TORCHINDUCTOR_CACHE_DIR")}
+    env["TMPDIR"] = str(tmp_path)
+    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    folders = []
+    for extra in (avx2, {}, {}):  # capped, native, native again (from the native folder's cache)
+        proc = subprocess.run(
+            [sys.executable, str(script), tiny_model_dir, str(free_port())],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ENGINE ")]
+        assert proc.returncode == 0 and lines, (extra, proc.returncode, proc.stderr[-3000:])
+        eager, n_tokens, folder = lines[0].split()[1:]
+        assert eager == "False" and n_tokens == "4"
+        folders.append(folder)
+    assert folders[0] != folders[1] == folders[2]
+    assert all(f.startswith(str(tmp_path)) and os.path.basename(f).startswith("cpu-") for f in folders)

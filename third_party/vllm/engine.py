@@ -262,6 +262,11 @@ class VLLMEngine:
             # 'finalize_loading'") and compiles again at every start; Inductor's own cache works: a warm
             # start took 7 s instead of 16 s (small preset). A value the user set is kept.
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+            # That cache is not keyed by the oneDNN instruction set the linears were packed for: a graph cached
+            # under another one crashed the engine at start (`fusedrl.utils.hardware.isolate_inductor_cache`).
+            from fusedrl.utils.hardware import isolate_inductor_cache
+
+            isolate_inductor_cache()
         kwargs: dict = dict(
             model=cfg.model_path,
             dtype=cfg.dtype,
