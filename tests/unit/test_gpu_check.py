@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_config_without_omegaconf_equals_the_loaders(tmp_path):
-    from benchmarks.gpu_check import check_overrides, resolved_config
+    from benchmarks.gpu_check_config import check_overrides, resolved_config
     from fusedrl.config import load_config, to_plain_dict
 
     for cuda in (False, True):
