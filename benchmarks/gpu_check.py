@@ -42,7 +42,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_check_config import check_overrides, resolved_config, split_variants
+from benchmarks.gpu_check_config import check_overrides, compiles_layers, resolved_config, split_variants
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / "scripts" / "gpu_wheels"
@@ -119,12 +119,9 @@ def _check(ok: bool | None, *, skipped: str | None = None, **values: Any) -> dic
     return {"ok": None if skipped else bool(ok), **({"skipped": skipped} if skipped else {}), **values}
 
 
-def _prompts(model_dir: str, n_prompts: int, n: int):
-    from transformers import AutoTokenizer
-
+def _prompts(tok, n_prompts: int, n: int):
     from fusedrl.batch import RolloutBatch
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
     texts = [f"What is {3 * i + 1} + {7 * i + 2}? Think step by step." for i in range(n_prompts)]
     encoded = [tok.encode(t) for t in texts]
     width = max(len(e) for e in encoded)
@@ -143,7 +140,7 @@ def _prompts(model_dir: str, n_prompts: int, n: int):
         ground_truth=["0"] * n_prompts,
     ).repeat_samples(n)
     batch.sample_seeds = torch.arange(batch.num_samples, dtype=torch.long) * 7919 + 1
-    return tok, batch
+    return batch
 
 
 def _state_copy(model, optimizer) -> tuple[dict[str, Any], list[Any]]:
@@ -179,7 +176,9 @@ def run_model(name: str, *, dry_run: bool, workdir: str) -> dict[str, Any]:
 
     overrides = check_overrides(model_dir, cuda=cuda, response_length=response_length, n=n)
     cfg = resolved_config(overrides + variant_overrides)
-    tok, _ = _prompts(model_dir, n_prompts, n)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = build_role_configs(cfg, tokens=TokenIds(eos=int(tok.eos_token_id), pad=int(tok.pad_token_id)))
     alloc_before = allocator_settings()
     worker = WorkerDict(cfg, rank=0, world_size=1, roles=("actor", "rollout", "ref"))
@@ -189,8 +188,8 @@ def run_model(name: str, *, dry_run: bool, workdir: str) -> dict[str, Any]:
     out["backend"] = dist.get_backend()
     try:
         steps = []
-        for _ in range(STEPS_COMPILED if "compiled" in name.split("+")[1:] else STEPS):
-            steps.append(_grpo_step(worker, _prompts(model_dir, n_prompts, n)[1], response_length, cuda=cuda))
+        for _ in range(STEPS_COMPILED if compiles_layers(name) else STEPS):
+            steps.append(_grpo_step(worker, _prompts(tok, n_prompts, n), response_length, cuda=cuda))
         out.update(steps[-1])  # the warm step's figures; every step must pass
         out["steps"] = [{k: v for k, v in st.items() if k != "checks"} for st in steps]
         step_checks = [st["checks"]["grpo_step"] for st in steps]
@@ -341,9 +340,7 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
         lambda mod, args: seen_dtypes.add(str(mod.self_attn.q_proj.weight.dtype))
     )
     before = worker.actor_state()
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0 = _now(cuda)
     # The driver's moves of one step (PPOTrainer.generate / compute_*_log_probs / update_actor), in order.
     worker.rollout_wake_up(["weights", "kv_cache"])
     out = worker.rollout_generate(
@@ -382,9 +379,7 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
     metrics = worker.actor_update(update_in, temperature)
     phases["update_s"] = _now(cuda) - t1
     worker.offload_actor(params=False, optimizer=True)
-    if cuda:
-        torch.cuda.synchronize()
-    step_s = time.perf_counter() - t0
+    step_s = _now(cuda) - t0
     hook.remove()
     after = worker.actor_state()
     changed = [n for n in before if not torch.equal(before[n], after[n])]
@@ -496,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         t_model = time.perf_counter()
         try:
             # Compiling the layers (Inductor / Triton) costs minutes more than an eager model's run.
-            timeout = args.timeout * (3 if "compiled" in preset else 1)
+            timeout = args.timeout * (3 if compiles_layers(preset) else 1)
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
             if proc.returncode == 0:
                 summary["models"][preset] = json.loads(Path(part).read_text())

@@ -58,6 +58,11 @@ def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+def compiles_layers(name: str) -> bool:
+    """Whether the model name's variants compile the training layers (more steps, a longer timeout)."""
+    return "compiled" in name.split("+")[1:]
+
+
 def split_variants(name: str) -> tuple[str, list[str]]:
     """``"half_b+packed+compiled"`` -> ``("half_b", [overrides of each variant])``."""
     preset, *variants = name.split("+")
