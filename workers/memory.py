@@ -58,16 +58,20 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[tuple[dict[str,
                 yield state, key
 
 
-def _host_step_states(optimizer: torch.optim.Optimizer) -> set[int]:
-    """ids of the states whose ``step`` counter lives on the host: those of param groups that are neither
-    fused nor capturable (torch's fused AdamW keeps ``step`` on the parameter's device and refuses a host
-    one; seen on an H200, 2026-12-04, when the reload kept the offloaded counter on the CPU)."""
-    out: set[int] = set()
+def _moving_state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[dict[str, Any], str]]:
+    """The ``(state, key)`` of every optimizer state tensor that moves with an offload: all but the 0-d
+    ``step`` counters of param groups that are neither fused nor capturable, which live on the host. (torch's
+    fused AdamW keeps ``step`` on the parameter's device and refuses a host one; seen on an H200, 2026-12-04,
+    when a reload left the offloaded counter on the CPU.)"""
+    host_steps: set[int] = set()
     for group in optimizer.param_groups:
-        if group.get("fused") or group.get("capturable"):
-            continue
-        out.update(id(optimizer.state[p]) for p in group["params"] if p in optimizer.state)
-    return out
+        if not (group.get("fused") or group.get("capturable")):
+            host_steps.update(id(optimizer.state[p]) for p in group["params"] if p in optimizer.state)
+    return [
+        (state, key)
+        for state, key in _state_tensors(optimizer)
+        if not (key == "step" and id(state) in host_steps and state[key].dim() == 0)
+    ]
 
 
 def move_params(model: nn.Module, device: str, host: HostBuffer | None = None) -> None:
@@ -82,16 +86,9 @@ def move_optimizer_state(
 ) -> None:
     """Move every tensor of the optimizer's state (AdamW moments; its ``step`` counters stay on the CPU
     unless the optimizer keeps them on the device) to ``device`` (with ``host``: into its slots)."""
-    host_steps = _host_step_states(optimizer)
-    for state, key in _state_tensors(optimizer):
-        if _is_host_step(state, key, host_steps):
-            continue
+    for state, key in _moving_state_tensors(optimizer):
         state[key] = _move(state[key], device, host)
     _wait(device, host)
-
-
-def _is_host_step(state: dict[str, Any], key: str, host_steps: set[int]) -> bool:
-    return key == "step" and id(state) in host_steps and state[key].dim() == 0  # AdamW's default
 
 
 def _wait(device: str, host: HostBuffer | None) -> None:
@@ -175,12 +172,7 @@ class Offloader:
         if not self.optimizer_offload or not self.optimizer_on_device:
             return
         assert self.optimizer is not None
-        host_steps = _host_step_states(self.optimizer)
-        tensors = [
-            state[key]
-            for state, key in _state_tensors(self.optimizer)
-            if not _is_host_step(state, key, host_steps)
-        ]
+        tensors = [state[key] for state, key in _moving_state_tensors(self.optimizer)]
         self._optim_host = self._host_buffer(tensors)
         move_optimizer_state(self.optimizer, "cpu", self._optim_host)
         self._record_offload("optimizer", tensors)

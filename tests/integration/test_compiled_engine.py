@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from support import spawned_result
+from support import free_port, spawned_result
 
 from fusedrl.third_party.vllm.engine import EAGER_ENV, eager_mode
 
@@ -120,8 +120,6 @@ def test_compiled_engine_starts_after_a_run_under_another_instruction_set(tiny_m
     the next native start with a segfault in oneDNN (seen 2026-12-04): Inductor's cache is not keyed by
     that cap. Each instruction set now compiles into a cache folder of its own. Both starts share one
     temporary folder (``TMPDIR``), as two runs on one machine share ``/tmp``."""
-    from support import free_port
-
     script = tmp_path / "start_engine.py"
     script.write_text(_START_ENGINE)
     env = {k: v for k, v in os.environ.items() if k not in (EAGER_ENV, "TORCHINDUCTOR_CACHE_DIR")}
