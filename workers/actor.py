@@ -73,7 +73,7 @@ def _sharded_model(
     model = load_causal_lm(
         model_cfg.path,
         fsdp_cfg.model_dtype,
-        resolve_attn_implementation(model_cfg.attn_implementation),
+        resolve_attn_implementation(model_cfg.attn_implementation, packed=bool(model_cfg.use_remove_padding)),
     )
     if lora:  # PEFT adapters (only they train), then the same FSDP2 wrap as every other model
         from fusedrl.workers.lora import add_lora

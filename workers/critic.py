@@ -94,7 +94,9 @@ class CriticRole:
         model = load_value_model(
             model_cfg.path,
             fsdp_cfg.model_dtype,
-            resolve_attn_implementation(model_cfg.attn_implementation),
+            resolve_attn_implementation(
+                model_cfg.attn_implementation, packed=bool(model_cfg.use_remove_padding)
+            ),
         )
         model.to(device_type())
         _broadcast_head(model)  # every rank starts from rank 0's randomly initialised head

@@ -7,6 +7,7 @@ module takes the embeddings, the final norm and the LM head.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import weakref
@@ -49,10 +50,11 @@ def build_mesh() -> DeviceMesh:
     return init_device_mesh(device_type(), (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 
-def resolve_attn_implementation(name: str | None) -> str:
+def resolve_attn_implementation(name: str | None, *, packed: bool = False) -> str:
     """``auto``: FlashAttention-2 on CUDA when ``flash-attn`` is installed, PyTorch SDPA otherwise; on a
     CPU-only machine fusedrl's CPU variant of SDPA (`fusedrl.workers.cpu_attention`: short half-precision
-    attention as two matmuls, packed rows one sequence at a time)."""
+    attention as two matmuls, packed rows one sequence at a time). ``packed``: the role packs rows
+    (``model.use_remove_padding``); on CUDA with SDPA that costs time, and one warning says so."""
     import importlib.util
 
     has_flash = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
@@ -63,13 +65,36 @@ def resolve_attn_implementation(name: str | None) -> str:
             from fusedrl.workers.cpu_attention import register
 
             return register()
+        if packed:
+            _warn_packed_sdpa_on_cuda()
         return "sdpa"
     if name == "flash_attention_2" and not has_flash:
         raise RuntimeError(
             "model.attn_implementation=flash_attention_2 needs a CUDA device and the flash-attn package "
             "(pip install flash-attn); use `auto` or `sdpa` here."
         )
+    if packed and name == "sdpa" and torch.cuda.is_available():
+        _warn_packed_sdpa_on_cuda()
     return name
+
+
+_PACKED_SDPA_WARNED = False
+
+
+def _warn_packed_sdpa_on_cuda() -> None:
+    """Once per process: packed rows under SDPA on CUDA attend through a dense block-diagonal mask over
+    the whole packed row (Transformers builds it from the restarting positions), so they cost more than
+    padded rows. Measured on an H200 (benchmarks/RESULTS.md, 2026-12-04 16:20): update 2.55 s packed
+    vs 1.48 s padded, old log-prob 0.69 vs 0.19 s."""
+    global _PACKED_SDPA_WARNED
+    if _PACKED_SDPA_WARNED:
+        return
+    _PACKED_SDPA_WARNED = True
+    logging.getLogger("fusedrl").warning(
+        "model.use_remove_padding=true on CUDA without flash-attn: packed rows run PyTorch SDPA with a "
+        "dense mask over each packed row, slower than padded rows (on an H200 the actor update took 1.7x "
+        "as long). Install flash-attn (pip install flash-attn) or set model.use_remove_padding=false."
+    )
 
 
 def load_causal_lm(path: str, dtype: str, attn_implementation: str = "sdpa") -> nn.Module:

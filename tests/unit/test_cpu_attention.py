@@ -81,6 +81,29 @@ def test_auto_selects_it_on_cpu_and_sdpa_stays_sdpa():
     assert resolve_attn_implementation("sdpa") == "sdpa"
 
 
+def test_packed_rows_under_sdpa_on_cuda_warn_once(monkeypatch, caplog):
+    """CUDA without flash-attn (faked: no GPU here): packed rows get SDPA and one warning that names
+    the key and the fix; padded rows get no warning."""
+    import importlib.util
+
+    from fusedrl.workers import fsdp
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real_find_spec(n, *a)
+    )
+    monkeypatch.setattr(fsdp, "_PACKED_SDPA_WARNED", False)
+    with caplog.at_level("WARNING", logger="fusedrl"):
+        assert resolve_attn_implementation("auto") == "sdpa"
+        assert not caplog.records
+        assert resolve_attn_implementation("auto", packed=True) == "sdpa"
+        assert resolve_attn_implementation("sdpa", packed=True) == "sdpa"
+    assert len(caplog.records) == 1
+    msg = caplog.records[0].getMessage()
+    assert "model.use_remove_padding" in msg and "flash-attn" in msg
+
+
 def _left_padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (4, 40), generator=g)
