@@ -84,15 +84,15 @@ _PACKED_SDPA_WARNED = False
 def _warn_packed_sdpa_on_cuda() -> None:
     """Once per process: packed rows under SDPA on CUDA attend through a dense block-diagonal mask over
     the whole packed row (Transformers builds it from the restarting positions), so they cost more than
-    padded rows. Measured on an H200 (benchmarks/RESULTS.md, 2026-12-04 16:20): update 2.55 s packed
-    vs 1.48 s padded, old log-prob 0.69 vs 0.19 s."""
+    padded rows. Measured on an H200, 0.36B model, one run (benchmarks/RESULTS.md, 2026-12-04 16:35): update
+    2.87 s packed vs 1.79 s padded, old log-prob 0.67 vs 0.23 s."""
     global _PACKED_SDPA_WARNED
     if _PACKED_SDPA_WARNED:
         return
     _PACKED_SDPA_WARNED = True
     logging.getLogger("fusedrl").warning(
         "model.use_remove_padding=true on CUDA without flash-attn: packed rows run PyTorch SDPA with a "
-        "dense mask over each packed row, slower than padded rows (on an H200 the actor update took 1.7x "
+        "dense mask over each packed row, slower than padded rows (on an H200 the actor update took 1.6x "
         "as long). Install flash-attn (pip install flash-attn) or set model.use_remove_padding=false."
     )
 
