@@ -45,8 +45,9 @@ import sys
 import tempfile
 import time
 
+from fusedrl.utils.hardware import AVX2_CAP_ENV
+
 PROMPTS, SAMPLES, RESPONSE = 16, 4, 64
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def split_variant(variant: str, default_dtype: str) -> tuple[str, str, str]:
@@ -228,7 +229,7 @@ def main() -> None:
     trl_variants = [v for v in variants if is_trl(split_variant(v, args.dtype)[0])]
     if trl_variants and not args.trl_path:
         sys.exit("--trl-path: the folder TRL was installed into (see the module docstring)")
-    isa_env = AVX2_ENV if args.isa == "avx2" else {}
+    isa_env = AVX2_CAP_ENV if args.isa == "avx2" else {}
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(args.rounds):
         for v in variants:

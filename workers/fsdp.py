@@ -7,6 +7,7 @@ module takes the embeddings, the final norm and the LM head.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -55,6 +56,13 @@ def resolve_attn_implementation(name: str | None, *, packed: bool = False) -> st
     CPU-only machine fusedrl's CPU variant of SDPA (`fusedrl.workers.cpu_attention`: short half-precision
     attention as two matmuls, packed rows one sequence at a time). ``packed``: the role packs rows
     (``model.use_remove_padding``); on CUDA with SDPA that costs time, and one warning says so."""
+    resolved = _attn_implementation(name)
+    if packed and resolved == "sdpa" and torch.cuda.is_available():
+        _warn_packed_sdpa_on_cuda()
+    return resolved
+
+
+def _attn_implementation(name: str | None) -> str:
     import importlib.util
 
     has_flash = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
@@ -65,31 +73,21 @@ def resolve_attn_implementation(name: str | None, *, packed: bool = False) -> st
             from fusedrl.workers.cpu_attention import register
 
             return register()
-        if packed:
-            _warn_packed_sdpa_on_cuda()
         return "sdpa"
     if name == "flash_attention_2" and not has_flash:
         raise RuntimeError(
             "model.attn_implementation=flash_attention_2 needs a CUDA device and the flash-attn package "
             "(pip install flash-attn); use `auto` or `sdpa` here."
         )
-    if packed and name == "sdpa" and torch.cuda.is_available():
-        _warn_packed_sdpa_on_cuda()
     return name
 
 
-_PACKED_SDPA_WARNED = False
-
-
+@functools.cache
 def _warn_packed_sdpa_on_cuda() -> None:
     """Once per process: packed rows under SDPA on CUDA attend through a dense block-diagonal mask over
     the whole packed row (Transformers builds it from the restarting positions), so they cost more than
     padded rows. Measured on an H200, 0.36B model, one run (benchmarks/RESULTS.md, 2026-12-04 16:35): update
     2.87 s packed vs 1.79 s padded, old log-prob 0.67 vs 0.23 s."""
-    global _PACKED_SDPA_WARNED
-    if _PACKED_SDPA_WARNED:
-        return
-    _PACKED_SDPA_WARNED = True
     logging.getLogger("fusedrl").warning(
         "model.use_remove_padding=true on CUDA without flash-attn: packed rows run PyTorch SDPA with a "
         "dense mask over each packed row, slower than padded rows (on an H200 the actor update took 1.6x "

@@ -132,6 +132,12 @@ ISA_CPU_FLAGS = (
     "amx_int8",
 )
 ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# Those caps set to compute as an AVX2-only CPU does (benchmarks' ``--isa avx2``; `make test-avx2` spells it out).
+AVX2_CAP_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 

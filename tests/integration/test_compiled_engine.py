@@ -22,7 +22,7 @@ import torch
 from support import free_port, spawned_result
 
 from fusedrl.third_party.vllm.engine import EAGER_ENV, eager_mode
-from fusedrl.utils.hardware import ISA_ENV
+from fusedrl.utils.hardware import AVX2_CAP_ENV, ISA_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -126,9 +126,8 @@ def test_compiled_engine_starts_after_a_run_under_another_instruction_set(tiny_m
     # "native" is the machine's own instruction set even where this test run is itself capped.
     env = {k: v for k, v in os.environ.items() if k not in (EAGER_ENV, "TORCHINDUCTOR_CACHE_DIR", *ISA_ENV)}
     env["TMPDIR"] = str(tmp_path)
-    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     folders = []
-    for extra in (avx2, {}, {}):  # capped, native, native again (from the native folder's cache)
+    for extra in (AVX2_CAP_ENV, {}, {}):  # capped, native, native again (from the native folder's cache)
         proc = subprocess.run(
             [sys.executable, str(script), tiny_model_dir, str(free_port())],
             env={**env, **extra},

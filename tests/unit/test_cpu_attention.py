@@ -93,7 +93,7 @@ def test_packed_rows_under_sdpa_on_cuda_warn_once(monkeypatch, caplog):
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real_find_spec(n, *a)
     )
-    monkeypatch.setattr(fsdp, "_PACKED_SDPA_WARNED", False)
+    fsdp._warn_packed_sdpa_on_cuda.cache_clear()
     with caplog.at_level("WARNING", logger="fusedrl"):
         assert resolve_attn_implementation("auto") == "sdpa"
         assert not caplog.records

