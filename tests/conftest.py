@@ -50,6 +50,23 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The real SmolLM2-135M-Instruct folder (float32), imported once per machine from the package
+    scripts/install.sh installs (fusedrl.models.smollm2; ~50 s the first time)."""
+    from fusedrl.models.smollm2 import model_dir
+
+    return model_dir("float32", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_2layer_dir(tmp_path_factory, smollm2_dir: str) -> str:
+    """SmolLM2 cut to its first 2 decoder layers: the real architecture, tokenizer and vocabulary."""
+    from fusedrl.models.smollm2 import truncated_dir
+
+    return truncated_dir(tmp_path_factory.mktemp("smollm2_2layer"), layers=2)
+
+
+@pytest.fixture(scope="session")
 def arithmetic_data(tmp_path_factory) -> tuple[str, str]:
     from fusedrl.data.arithmetic import write_arithmetic_parquet
 
