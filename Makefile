@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.fusedrl-installed
 
-.PHONY: install test test-avx2 test-slow test-reliability-slow test-gpu test-all lint format quickstart bench clean
+.PHONY: install test test-avx2 test-slow test-reliability-slow test-gpu test-all lint format quickstart smoke bench clean
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -46,9 +46,14 @@ format: $(STAMP)
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-## SFT warm-start, then GRPO with 2 fused workers vs an SFT-only baseline, on a synthetic task (CPU, < 15 min).
+## GRPO on a real pretrained model (SmolLM2-135M-Instruct, imported once from its PyPI package) with 2 fused
+## workers, against a rejection-sampling fine-tuning baseline of the same wall time (CPU; docs/quickstart.md).
 quickstart: $(STAMP)
 	bash examples/quickstart/run_quickstart.sh
+
+## The fast smoke run (the first quickstart): a built 0.9M model, SFT warm-start then GRPO on an echo task (~10 min).
+smoke: $(STAMP)
+	bash examples/quickstart/run_echo_smoke.sh
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all

@@ -177,9 +177,8 @@ def role_settings(
         f"actor_rollout_ref.model.compile_layers={str(compiled).lower()}",
         f"actor_rollout_ref.model.share_prompt_prefix={str(share).lower()}",
     ]
-    if param_dtype:
-        for role in ("actor", "ref"):
-            overrides.append(f"actor_rollout_ref.{role}.fsdp_config.param_dtype={param_dtype}")
+    for role in ("actor", "ref"):  # always named: the default (auto) would be bf16 on a native-bf16 CPU
+        overrides.append(f"actor_rollout_ref.{role}.fsdp_config.param_dtype={param_dtype or 'null'}")
     cfg = role_configs_from_overrides(overrides)
     return cfg.model, cfg.actor, cfg.ref
 

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fusedrl.config_sections import (
     FILTER_METRICS,
+    auto_key_problems,
     check_number,
     checkpoint_contents_problems,
     compile_layers_problems,
@@ -493,7 +494,11 @@ def validate(cfg: DictConfig) -> None:
     if cpath:
         need(os.path.isfile(str(cpath)), f"`custom_reward_function.path`: file `{cpath}` does not exist.")
     problems.extend(token_budget_problems(cfg))
+    problems.extend(auto_key_problems(cfg))
     problems.extend(compile_layers_problems(cfg, with_critic=bool(needed_roles(cfg)["critic"])))
+    from fusedrl.architecture_config import architecture_problems
+
+    problems.extend(architecture_problems(cfg, needed_roles(cfg)))
     from fusedrl.lora import lora_problems
 
     problems.extend(lora_problems(cfg))

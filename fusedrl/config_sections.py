@@ -1,5 +1,5 @@
 """Checks of single config sections (rollout correction, checkpoint contents, LR schedules, token
-budgets, compiled layers), called by `fusedrl.config.validate`; each appends problems that name the key and the fix."""
+budgets, compiled layers, the keys that may be ``auto``), called by `fusedrl.config.validate`; each appends problems that name the key and the fix."""
 
 from __future__ import annotations
 
@@ -165,7 +165,8 @@ def compile_layers_problems(cfg: DictConfig, *, with_critic: bool) -> list[str]:
     if with_critic:
         checks["critic.model"] = [("critic.ulysses_sequence_parallel_size", 1)]
     for section, keys in checks.items():
-        if not OmegaConf.select(cfg, f"{section}.compile_layers", default=False):
+        # auto never compiles with LoRA or Ulysses (`fusedrl.auto_defaults.compiles_for`): only true is refused
+        if OmegaConf.select(cfg, f"{section}.compile_layers", default=False) is not True:
             continue
         for key, allowed in keys:  # the one value of each key that compiled layers support
             value = OmegaConf.select(cfg, key)
@@ -174,4 +175,37 @@ def compile_layers_problems(cfg: DictConfig, *, with_critic: bool) -> list[str]:
                     f"`{section}.compile_layers`=true with `{key}`={value}: compiled layers run without LoRA "
                     f"or Ulysses. Set `{key}`={allowed}, or `{section}.compile_layers=false`."
                 )
+    return found
+
+
+# The keys whose default is ``auto`` (resolved per device on the worker: `fusedrl.auto_defaults`).
+AUTO_DTYPE_KEYS = (
+    "actor_rollout_ref.actor.fsdp_config.param_dtype",
+    "actor_rollout_ref.ref.fsdp_config.param_dtype",
+    "critic.model.fsdp_config.param_dtype",
+)
+AUTO_SWITCH_KEYS = (
+    "actor_rollout_ref.model.use_remove_padding",
+    "actor_rollout_ref.model.compile_layers",
+    "critic.model.use_remove_padding",
+    "critic.model.compile_layers",
+)
+
+
+def auto_key_problems(cfg: DictConfig) -> list[str]:
+    """The keys that take ``auto`` hold ``auto`` or a value the workers can use: a dtype name or null for
+    the dtypes, true / false for the switches (``bool("ture")`` would otherwise read as true)."""
+    from fusedrl.workers.fsdp import DTYPES
+
+    found: list[str] = []
+    for key in AUTO_DTYPE_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and value != "auto" and value not in DTYPES:
+            found.append(
+                f"`{key}`={value!r}: use auto, null (model_dtype) or one of {', '.join(sorted(DTYPES))}."
+            )
+    for key in AUTO_SWITCH_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value not in (True, False, "auto"):
+            found.append(f"`{key}`={value!r}: use auto, true or false.")
     return found

@@ -11,7 +11,9 @@ config once, before Ray starts, and acts by ``trainer.emulated_bf16``:
 * ``error``: a `ConfigError` naming the keys and the two ways out;
 * ``allow``: keep bf16 (emulated; e.g. to reproduce bf16 numerics on a CPU).
 
-Where the device computes bf16 natively (CUDA, or a CPU with those instructions) nothing changes.
+Where the device computes bf16 natively (CUDA, or a CPU with those instructions) nothing changes. A dtype key
+left at ``auto`` is no bf16 setting here: each worker resolves it for its own device (`fusedrl.auto_defaults`),
+to float32 (null) where bf16 is not native.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class FsdpConfig:
     """A trained model's ``fsdp_config`` (actor, critic): dtypes and the offload switches."""
 
     model_dtype: str
-    param_dtype: str | None
+    param_dtype: str | None  # or "auto" (fusedrl.auto_defaults), resolved on the worker
     param_offload: bool
     optimizer_offload: bool
 
@@ -55,7 +55,7 @@ class RefFsdpConfig:
     """``actor_rollout_ref.ref.fsdp_config``: a frozen model has no optimizer to offload."""
 
     model_dtype: str
-    param_dtype: str | None
+    param_dtype: str | None  # or "auto"
     param_offload: bool
 
 
@@ -74,10 +74,10 @@ class ModelConfig:
 
     path: str
     enable_gradient_checkpointing: bool
-    use_remove_padding: bool
+    use_remove_padding: bool | str  # "auto" until the worker resolves it (fusedrl.auto_defaults)
     share_prompt_prefix: bool
     attn_implementation: str
-    compile_layers: bool
+    compile_layers: bool | str  # the same
     lora_rank: int
     lora_alpha: float
     target_modules: str | tuple[str, ...]
@@ -218,9 +218,9 @@ class CriticModelConfig:
 
     path: str
     enable_gradient_checkpointing: bool
-    use_remove_padding: bool
+    use_remove_padding: bool | str  # "auto" until the worker resolves it (fusedrl.auto_defaults)
     attn_implementation: str
-    compile_layers: bool
+    compile_layers: bool | str
     fsdp_config: FsdpConfig
 
 
@@ -430,6 +430,7 @@ class RoleConfigs:
     trainer: TrainerConfig
     tokens: TokenIds
     agent_tools: tuple[Any, ...]  # tools passed in Python to the trainer (agentic rollouts)
+    total_steps: int | None  # the run's planned steps (`model.compile_layers=auto` reads it); None: unknown
 
     def with_slots(self, *, nnodes: int, n_gpus_per_node: int) -> RoleConfigs:
         """The same configs for a pool of another size (its workers' rendezvous and device index)."""
@@ -477,16 +478,22 @@ def build_section(cls: type, node: Section, where: str) -> Any:
     return cls(**kwargs)
 
 
-def build_role_configs(config: Section, *, tokens: TokenIds, agent_tools: Any = ()) -> RoleConfigs:
+def build_role_configs(
+    config: Section, *, tokens: TokenIds, agent_tools: Any = (), total_steps: int | None = None
+) -> RoleConfigs:
     """The workers' `RoleConfigs` from the resolved PPO config as a plain dict
-    (``fusedrl.config.to_plain_dict``), the tokenizer's ids and any Python agent tools."""
+    (``fusedrl.config.to_plain_dict``), the tokenizer's ids, any Python agent tools and the planned steps
+    (the trainer counts them from the data). ``auto`` keys stay ``auto``: each worker resolves them for its
+    own device (`fusedrl.auto_defaults`)."""
     arr = config["actor_rollout_ref"]
     sections = {
         name: build_section(cls, arr[name], f"actor_rollout_ref.{name}")
         for name, cls in _ARR_SECTIONS.items()
     }
     sections.update({name: build_section(cls, config[name], name) for name, cls in _PPO_SECTIONS.items()})
-    return RoleConfigs(**sections, tokens=tokens, agent_tools=tuple(agent_tools or ()))
+    return RoleConfigs(
+        **sections, tokens=tokens, agent_tools=tuple(agent_tools or ()), total_steps=total_steps
+    )
 
 
 def role_configs_from_overrides(
@@ -494,12 +501,16 @@ def role_configs_from_overrides(
 ) -> Any:
     """The YAML + ``key=value`` overrides (not validated) as the typed configs a worker receives: for tests
     and benchmarks that build roles or workers without the trainer. ``config_name`` ``sft_trainer`` gives
-    `SFTRoleConfigs` (``total_steps`` 1)."""
+    `SFTRoleConfigs` (``total_steps`` 1). The ``auto`` keys are resolved for this process's device, where
+    such callers build their roles (`fusedrl.auto_defaults`; a worker resolving them again changes nothing)."""
+    from fusedrl.auto_defaults import local_facts, resolve_configs
     from fusedrl.config import load_config, to_plain_dict  # omegaconf/hydra: only here
 
     plain = to_plain_dict(load_config(list(overrides), config_name=config_name, validate_config=False))
     if config_name == "sft_trainer":
         from fusedrl.sft_role_config import build_sft_role_configs
 
-        return build_sft_role_configs(plain, total_steps=1)
-    return build_role_configs(plain, tokens=tokens or TokenIds(eos=0, pad=0))
+        built: Any = build_sft_role_configs(plain, total_steps=1)
+    else:
+        built = build_role_configs(plain, tokens=tokens or TokenIds(eos=0, pad=0))
+    return resolve_configs(built, local_facts())[0]

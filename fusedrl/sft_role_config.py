@@ -30,7 +30,7 @@ class SFTFsdpConfig:
     """``model.fsdp_config`` (SFT)."""
 
     model_dtype: str
-    param_dtype: str | None
+    param_dtype: str | None  # or "auto" until the worker resolves it (fusedrl.auto_defaults)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -72,7 +72,11 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("*.fsdp_config.forward_only", "derived from the role (the reference never trains)"),
     ("*.fsdp_config.use_torch_compile", _ENTROPY_COMPILE),
     ("*.fsdp_config.entropy_*", "entropy is computed in one pass per micro-batch"),
-    ("*.fsdp_config.dtype", "the compute dtype is fsdp_config.param_dtype (null: model_dtype)"),
+    (
+        "*.fsdp_config.dtype",
+        "the compute dtype is fsdp_config.param_dtype (auto: bfloat16 where the device has native bf16, "
+        "else model_dtype)",
+    ),
     ("actor_rollout_ref.ref.fsdp_config.optimizer_offload", "the reference has no optimizer"),
     ("reward_model.model.fsdp_config.param_offload", "the reward model stays on the device"),
     ("*.strategy", "always FSDP2 (fsdp and fsdp2 both mean it; megatron is rejected)"),

@@ -52,7 +52,8 @@ DIFFERENT_DEFAULTS = {
     "data.val_files": "verl ~/data/rlhf/gsm8k/test.parquet",
     "actor_rollout_ref.model.path": "verl a deepseek path; fusedrl requires it",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "verl true; off for the tiny CPU models",
-    "actor_rollout_ref.model.use_remove_padding": "verl true; fusedrl packs only when asked",
+    "actor_rollout_ref.model.use_remove_padding": "verl true; fusedrl auto: packed where the attention "
+    "runs each packed sequence on its own, padded under CUDA SDPA without flash-attn",
     "actor_rollout_ref.actor.strategy": "verl fsdp; fusedrl's FSDP is FSDP2 (fsdp is accepted)",
     "actor_rollout_ref.actor.ppo_mini_batch_size": "verl 256; sized for the CPU quickstart",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "verl null; fusedrl needs a size",

@@ -11,6 +11,14 @@ from typing import Any
 
 import torch
 
+# Float32 training, for tests that compare the trainer's numbers with a float32 engine or model at float32
+# tolerances: `fsdp_config.param_dtype` defaults to auto, which is bf16 on a CPU with native bf16.
+FLOAT32_TRAINING = (
+    "actor_rollout_ref.actor.fsdp_config.param_dtype=null",
+    "actor_rollout_ref.ref.fsdp_config.param_dtype=null",
+    "critic.model.fsdp_config.param_dtype=null",
+)
+
 
 def varied_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
     """A reward that differs between samples of a random model, so advantages are not all 0."""

@@ -3,9 +3,13 @@ rollout engine whose log-probs drift from the actor's (stale or corrupt weights)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from omegaconf import DictConfig
 
+from fusedrl.auto_defaults import AUTO, driver_value
 from fusedrl.checkpoint import find_latest_checkpoint
 from fusedrl.metrics import Metrics
 from fusedrl.workers.rollout.base import rollout_dtype
@@ -33,25 +37,27 @@ def check_step(config: DictConfig, step: int, metrics: Metrics, tol: float | Non
         )
 
 
-def rollout_check_bound(config: DictConfig) -> float | None:
-    """``trainer.rollout_check_tol`` as a number; ``auto`` resolves by `auto_rollout_check_tol`."""
+def rollout_check_bound(config: DictConfig, settings: Mapping[str, Any] | None = None) -> float | None:
+    """``trainer.rollout_check_tol`` as a number; ``auto`` resolves by `auto_rollout_check_tol`
+    (``settings``: the ``auto`` keys as the workers resolved them, `fusedrl.auto_defaults`)."""
     tol = config.trainer.rollout_check_tol
     if tol == "auto":
-        return auto_rollout_check_tol(config)
+        return auto_rollout_check_tol(config, settings or {})
     return None if tol is None else float(tol)
 
 
-def auto_rollout_check_tol(config: DictConfig) -> float | None:
+def auto_rollout_check_tol(config: DictConfig, settings: Mapping[str, Any] | None = None) -> float | None:
     """``trainer.rollout_check_tol=auto``: the bound on mean |rollout - actor| log-prob that float error
     alone stays far below. float32 on both sides agrees to ~1e-5 (bound 1e-3); bf16 on either side
     (engine dtype, or the actor's FSDP2 compute dtype) rounds logits to 8 mantissa bits, measured ~1e-3 to
     2e-2 on the tiny/small presets (bound 0.1). A sync that did not land gives NaN or gaps of order 1. Off
-    for other dtypes (fp16)."""
+    for other dtypes (fp16). An actor ``param_dtype=auto`` no worker resolved may be bf16: the bf16 bound."""
     arr = config.actor_rollout_ref
     fsdp = arr.actor.fsdp_config
     engine = rollout_dtype(str(arr.rollout.dtype), cuda=torch.cuda.is_available())
-    names = {engine, str(fsdp.param_dtype or fsdp.model_dtype)}
-    names = {{"fp32": "float32", "bf16": "bfloat16"}.get(n) or n for n in names}
+    param = driver_value(config, settings or {}, "actor_rollout_ref.actor.fsdp_config.param_dtype")
+    names = {engine, str(param or fsdp.model_dtype)}
+    names = {{"fp32": "float32", "bf16": "bfloat16", AUTO: "bfloat16"}.get(n) or n for n in names}
     if names == {"float32"}:
         return 1e-3
     if names <= {"float32", "bfloat16"}:

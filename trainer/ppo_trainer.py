@@ -110,14 +110,12 @@ class PPOTrainer(RewardModelScoring):
         (`group_for`). A rollout on a pool of its own gets the weights by broadcast, not in place.
         """
         tokens = TokenIds(eos=int(self.tokenizer.eos_token_id), pad=tokenizer_pad_id(self.tokenizer))
-        worker_config = build_role_configs(
-            to_plain_dict(self.config), tokens=tokens, agent_tools=self.agent_tools
-        )
+        plain, tools, steps = to_plain_dict(self.config), self.agent_tools, self.total_steps
+        worker_config = build_role_configs(plain, tokens=tokens, agent_tools=tools, total_steps=steps)
         self.groups = RoleGroups.start_placed(
             WorkerDict, self.config, worker_config, self.run_roles(), role_groups
         )
-        # The engines went to sleep right after they were built; at level 2 their weights are gone.
-        self.rollout_stale = self.rollout_discards_weights
+        self.rollout_stale = self.rollout_discards_weights  # the engines slept once built
 
     def group_for(self, role: str) -> WorkerGroup:
         """The worker group holding ``role``."""
@@ -223,8 +221,9 @@ class PPOTrainer(RewardModelScoring):
 
     def check_health(self, metrics: Metrics) -> None:
         """Stop the run, with a report, on non-finite updates or a rollout that diverges from the actor
-        (`fusedrl.trainer.health_checks.check_step`)."""
-        check_step(self.config, self.global_step, metrics, rollout_check_bound(self.config))
+        (`fusedrl.trainer.health_checks.check_step`; dtypes as the workers resolved them)."""
+        bound = rollout_check_bound(self.config, self.groups.auto_settings)
+        check_step(self.config, self.global_step, metrics, bound)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> str:
@@ -305,14 +304,14 @@ class PPOTrainer(RewardModelScoring):
         """Reorder rows so each DP rank's contiguous shard carries about the same real tokens
         (``trainer.balance_batch``). Content is unchanged; advantages are computed here on the whole
         batch by ``uid``, so a GRPO group split across ranks is fine; each epoch still uses every row once.
-        With shared prompts in packed rows (``model.share_prompt_prefix``) a ``uid``'s rows go to one rank
+        With shared prompts in packed rows (`step_plan.prompt_groups_whole`) a ``uid``'s rows go to one rank
         together."""
         lengths = sequence_lengths(batch)
         world = self.workers.world_size
         if self.config.trainer.balance_batch and world > 1:
-            model = self.config.actor_rollout_ref.model
             groups = None
-            if model.use_remove_padding and model.share_prompt_prefix and batch.uid is not None:
+            whole = step_plan.prompt_groups_whole(self.config, self.groups.auto_settings)
+            if whole and batch.uid is not None:
                 # A prompt's samples stay on one rank, where its packed rows hold the prompt once.
                 by_uid: dict[str, list[int]] = {}
                 for row, uid in enumerate(batch.uid):

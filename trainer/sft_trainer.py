@@ -23,6 +23,7 @@ import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from fusedrl.auto_defaults import announce_resolved
 from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint
 from fusedrl.config import ConfigError, load_config, logger_names, to_plain_dict
 from fusedrl.config_sections import check_number
@@ -149,9 +150,10 @@ def validate_sft(cfg: DictConfig) -> None:
     # --- model / trainer
     for key in ("model.fsdp_config.model_dtype", "model.fsdp_config.param_dtype"):
         value = get(key)
+        compute = key.endswith("param_dtype")  # also null (model_dtype) or auto (fusedrl.auto_defaults)
         need(
-            (value is None and key.endswith("param_dtype")) or value in DTYPES,
-            f"`{key}`={value!r}: use one of {', '.join(sorted(DTYPES))}.",
+            (compute and value in (None, "auto")) or value in DTYPES,
+            f"`{key}`={value!r}: use {'auto, null or ' if compute else ''}one of {', '.join(sorted(DTYPES))}.",
         )
     mode = get("trainer.resume_mode")
     need(
@@ -280,6 +282,7 @@ class SFTTrainer:
         self.group = WorkerGroup.start(
             SFTWorker, pool, worker_config, init=lambda w, addr, port: w.init.remote(addr, port)
         )
+        announce_resolved([self.group])  # what `model.fsdp_config.param_dtype=auto` became, printed once
 
     @property
     def workers(self) -> WorkerGroup:

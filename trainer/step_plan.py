@@ -3,6 +3,7 @@ trainer's loop reads as the sequence of phases and these decisions can be tested
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from omegaconf import DictConfig
 
 from fusedrl.algorithms import get_adv_traits
 from fusedrl.algorithms.rollout_correction import is_weights
+from fusedrl.auto_defaults import AUTO, driver_value
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.rollout.base import SamplingConfig
 
@@ -24,6 +26,15 @@ def actor_trains(config: DictConfig, step: int) -> bool:
     """False during ``trainer.critic_warmup``: the first N steps (1-based ``step``) train only the critic."""
     warmup = int(config.trainer.critic_warmup)
     return warmup == 0 or step > warmup
+
+
+def prompt_groups_whole(config: DictConfig, settings: Mapping[str, Any]) -> bool:
+    """Whether batch balancing keeps a prompt's rows (one ``uid``) on one rank: packed rows that hold the
+    prompt once (``model.share_prompt_prefix``). ``use_remove_padding`` as the workers resolved it
+    (``settings``: `fusedrl.auto_defaults.announce_resolved`); an ``auto`` no worker resolved counts as packed,
+    which is right either way (the groups only balance a little less evenly)."""
+    packed = driver_value(config, settings, "actor_rollout_ref.model.use_remove_padding")
+    return packed in (True, AUTO) and bool(config.actor_rollout_ref.model.share_prompt_prefix)
 
 
 def old_log_probs_reusable(config: DictConfig, *, world: int, num_samples: int, actor_trains: bool) -> bool:

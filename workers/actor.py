@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fusedrl.algorithms import agg_loss, get_policy_loss, kl_penalty
+from fusedrl.auto_defaults import require_resolved
 from fusedrl.batch import RolloutBatch
 from fusedrl.lora import lora_enabled
 from fusedrl.role_config import ActorConfig, FsdpConfig, ModelConfig, RefConfig, RefFsdpConfig
@@ -29,7 +30,7 @@ from fusedrl.workers.logprob import (
     token_budget,
 )
 from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates, set_lr
-from fusedrl.workers.packing import packed_mask_argument
+from fusedrl.workers.packing import can_share_prompts
 from fusedrl.workers.ulysses import check_heads, sp_group
 
 
@@ -70,6 +71,12 @@ def _sharded_model(
     ever read through that cast, so the forwards are the same bit for bit, while every pass skips casting
     the gathered shards and gathers half the bytes (bf16 from float32), and the shards take half the memory.
     """
+    require_resolved(
+        "actor_rollout_ref",
+        use_remove_padding=model_cfg.use_remove_padding,
+        compile_layers=model_cfg.compile_layers,
+        param_dtype=fsdp_cfg.param_dtype,
+    )
     model = load_causal_lm(
         model_cfg.path,
         fsdp_cfg.model_dtype,
@@ -127,10 +134,7 @@ class RefRole:
 def shares_prompts(model_cfg: ModelConfig, model: torch.nn.Module) -> bool:
     """Whether this role's packed rows hold a prompt once for the rows that share it: packing and
     ``model.share_prompt_prefix`` on, and fusedrl's CPU attention running every layer."""
-    return (
-        bool(model_cfg.use_remove_padding and model_cfg.share_prompt_prefix)
-        and packed_mask_argument(model) is not None
-    )
+    return bool(model_cfg.use_remove_padding and model_cfg.share_prompt_prefix) and can_share_prompts(model)
 
 
 class ActorRole:

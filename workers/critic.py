@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fusedrl.algorithms.value import value_loss
+from fusedrl.auto_defaults import require_resolved
 from fusedrl.batch import RolloutBatch
 from fusedrl.role_config import CriticConfig
 from fusedrl.workers.fsdp import (
@@ -89,8 +90,14 @@ class CriticRole:
         self.world_size = dist.get_world_size() // self.sp
         self.rollout_n = rollout_n
         model_cfg = critic_cfg.model
-        self.use_remove_padding = bool(model_cfg.use_remove_padding)
         fsdp_cfg = model_cfg.fsdp_config
+        require_resolved(
+            "critic.model",
+            use_remove_padding=model_cfg.use_remove_padding,
+            compile_layers=model_cfg.compile_layers,
+            param_dtype=fsdp_cfg.param_dtype,
+        )
+        self.use_remove_padding = bool(model_cfg.use_remove_padding)
         model = load_value_model(
             model_cfg.path,
             fsdp_cfg.model_dtype,

@@ -6,6 +6,7 @@ driver asks rank 0 for `rendezvous_address`, then every rank calls `join_process
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from datetime import timedelta
@@ -71,6 +72,24 @@ class DistributedWorker:
         self.config = config
         self.rank = rank
         self.world_size = world_size
+        self.auto_report: dict[str, Any] = {"settings": {}, "line": ""}
+
+    def _resolve_auto_defaults(self, roles: Any = None) -> None:
+        """Resolve the config's ``auto`` keys for this group's device, after `_join` (collective: the ranks
+        agree on one set of device facts, `fusedrl.auto_defaults.group_facts`), before any role is built.
+        ``roles``: the roles this worker holds, whose keys its report names."""
+        from fusedrl.auto_defaults import group_facts, report, resolve_configs
+
+        facts = group_facts()
+        self.config, chosen = resolve_configs(self.config, facts, roles)
+        self.auto_report = report(chosen, facts)
+        if self.auto_report["line"] and self.rank == 0:
+            logging.getLogger("fusedrl").info("%s", self.auto_report["line"])
+
+    def resolved_defaults(self) -> dict[str, Any]:
+        """What this worker's ``auto`` keys became: ``{"settings": {dotted key: value}, "line": str}`` (the
+        trainer prints the line once and keeps the settings, `fusedrl.auto_defaults.announce_resolved`)."""
+        return self.auto_report
 
     def master_address(self) -> tuple[str, int]:
         """Rank 0 is asked for the rendezvous address of torch.distributed."""

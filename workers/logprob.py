@@ -9,11 +9,14 @@ Two ways to cut a batch into forwards: ``rows`` per micro-batch, or, with dynami
 of at most ``max_token_len`` real tokens (`split_micro_batches`). Two ways to run a forward: padded
 (``[b, Tp+Tr]`` with an attention mask) or packed (``remove_padding``: see `fusedrl.workers.packing`).
 All four combinations give the same numbers up to floating-point summation order.
+
+The LM head and the softmax statistics run in chunks of positions when a micro-batch's logits would be
+large (`fusedrl.workers.chunked_head`): the model returns per-token results instead of ``[M, V]`` logits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -23,9 +26,10 @@ from torch import nn
 from fusedrl.algorithms import entropy_from_logits
 from fusedrl.balance import sequence_lengths, token_budget_bins
 from fusedrl.batch import RolloutBatch
+from fusedrl.workers.chunked_head import head_token_stats
 from fusedrl.workers.fsdp import gathered_for_pass
 from fusedrl.workers.layer_compile import has_compiled_layers
-from fusedrl.workers.packing import pack_batch, packed_mask_argument, prompt_groups
+from fusedrl.workers.packing import can_share_prompts, pack_batch, prompt_groups
 
 B = TypeVar("B", RolloutBatch, dict)
 
@@ -139,6 +143,36 @@ def _token_log_probs(
     return token_logits - log_z, extra
 
 
+def _head_log_probs(
+    model: nn.Module,
+    forward: Callable[[], torch.Tensor],
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    with_sum_pi_squared: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_token_log_probs` of the logits ``forward()`` returns (``model``'s ``.logits`` at the positions
+    predicting ``targets [...]``, ``[..., V]``), computed chunk by chunk inside that forward where the whole
+    logits would be large (`fusedrl.workers.chunked_head.head_token_stats`)."""
+    if with_entropy and with_sum_pi_squared:
+        raise ValueError("_token_log_probs: ask for the entropy or for sum_pi_squared, not both")
+    return head_token_stats(
+        model,
+        forward,
+        targets,
+        temperature=temperature,
+        extra="entropy" if with_entropy else "sum_pi_squared" if with_sum_pi_squared else None,
+        whole=lambda logits: _token_log_probs(
+            logits,
+            targets,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            with_sum_pi_squared=with_sum_pi_squared,
+        ),
+    )
+
+
 def response_log_probs(
     model: nn.Module,
     batch: RolloutBatch,
@@ -174,10 +208,11 @@ def response_log_probs(
             grad_scale=float(dist.get_world_size(sp_group)),  # FSDP averages over the group: see ulysses
         )
     if remove_padding:
-        share = share_prompts and packed_mask_argument(model) is not None
+        share = share_prompts and can_share_prompts(model)
         packed = pack_batch(batch, layout=has_compiled_layers(model), share_prompts=share)
-        log_probs, entropy = _token_log_probs(
-            packed.response_logits(model),  # [M, V]
+        log_probs, entropy = _head_log_probs(
+            model,
+            lambda: packed.response_logits(model),  # [M, V]
             packed.targets,
             temperature=temperature,
             with_entropy=with_entropy,
@@ -196,14 +231,21 @@ def response_log_probs(
         input_ids, attention_mask, position_ids = (
             t[:, first : prompt_len + last] for t in (input_ids, attention_mask, position_ids)
         )  # [B, Tp' + Tr'] each
-    # The token at position t is predicted by the logits at t-1: the response tokens by the last Tr'+1
-    # positions but the very last. The LM head runs on those positions only (``logits_to_keep``): on the
-    # prompt's it would be wasted, a large share of the forward for a model with a large vocabulary.
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=last + 1
-    ).logits  # [B, Tr'+1, V]
-    log_probs, entropy = _token_log_probs(
-        logits[:, :-1, :],
+    # The token at position t is predicted by the logits at t-1: the response tokens by the Tr' positions
+    # before the last. The LM head runs on those positions only (``logits_to_keep``): on the prompt's it
+    # would be wasted, a large share of the forward for a model with a large vocabulary.
+    width = input_ids.shape[1]
+    keep = torch.arange(width - 1 - last, width - 1, device=input_ids.device)  # [Tr']
+    log_probs, entropy = _head_log_probs(
+        model,
+        lambda: (
+            model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=keep,
+            ).logits
+        ),  # [B, Tr', V]
         batch.responses[:, :last],
         temperature=temperature,
         with_entropy=with_entropy,

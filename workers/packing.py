@@ -6,7 +6,9 @@ row ``[1, N]`` (``N`` = real tokens of the micro-batch) with ``position_ids`` re
 sequence and no attention mask. Transformers reads the restarts of ``position_ids`` as sequence
 boundaries: for SDPA / eager it builds a block-diagonal causal mask (``find_packed_sequence_indices`` in
 ``transformers.masking_utils``), and flash-attention 2 runs its variable-length kernels on the same
-boundaries. Each token therefore sees exactly the tokens it sees in the padded forward, at the same
+boundaries; fusedrl's CPU attention (`fusedrl.workers.cpu_attention`) attends each sequence on its own
+and has Transformers build no mask (`fusedrl.workers.cpu_attention.one_row_mask`), for every decoder
+architecture alike. Each token therefore sees exactly the tokens it sees in the padded forward, at the same
 positions, so the outputs agree with the padded path up to floating-point summation order.
 
 The model's per-token outputs (logits, values) come back as ``[1, N, ...]``; `PackedBatch.response_rows`
@@ -49,10 +51,7 @@ class PackedBatch:
     def forward(self, model: torch.nn.Module) -> Any:
         """The model's forward on the packed row (no attention mask: the position restarts are the mask)."""
         return model(
-            input_ids=self.input_ids,
-            position_ids=self.position_ids,
-            attention_mask=packed_mask_argument(model),
-            **self.model_kwargs,
+            input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=None, **self.model_kwargs
         )
 
     def response_logits(self, model: torch.nn.Module) -> torch.Tensor:
@@ -61,7 +60,7 @@ class PackedBatch:
         out = model(
             input_ids=self.input_ids,
             position_ids=self.position_ids,
-            attention_mask=packed_mask_argument(model),
+            attention_mask=None,
             logits_to_keep=self.pred_index,
             **self.model_kwargs,
         )
@@ -77,22 +76,19 @@ class PackedBatch:
         return out.masked_scatter(self.response_mask, values)  # [b, Tr]
 
 
-def packed_mask_argument(model: torch.nn.Module) -> dict[str, None] | None:
-    """The ``attention_mask`` a packed forward passes: None, from which Transformers builds the row's
-    block-diagonal causal mask from the position restarts, or, when fusedrl's CPU attention runs every
-    layer (`fusedrl.workers.cpu_attention`: it finds the sequences from the positions or the carried
-    layout and never reads a mask), a ready mapping of no mask per layer type, which skips building one
-    (a ``[N, N]`` boolean mask: 10-25 ms a forward on a 4k-token row, ~1.5% of a GRPO step). A model with
-    sliding-window layers keeps the mask: those layers take SDPA with it."""
+def can_share_prompts(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s packed rows may hold a prompt once for the rows that share it
+    (`pack_shared_prompts`): only fusedrl's CPU attention reads the shared layout, and it runs such a row
+    with any sliding window or logit cap, but not with attention dropout (a model with some gets whole
+    rows)."""
     from fusedrl.workers.cpu_attention import NAME
 
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != NAME:
-        return None
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    if set(layer_types) != {"full_attention"} or getattr(config, "use_sliding_window", False):
-        return None
-    return {"full_attention": None}
+    return (
+        config is not None
+        and getattr(config, "_attn_implementation", None) == NAME
+        and not float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    )
 
 
 def pack_batch(batch: RolloutBatch, *, layout: bool = False, share_prompts: bool = False) -> PackedBatch:
@@ -106,7 +102,7 @@ def pack_batch(batch: RolloutBatch, *, layout: bool = False, share_prompts: bool
     instead of sequence boundaries read from the positions as Python numbers.
 
     ``share_prompts``: rows with the same prompt (a GRPO group's samples) share one copy of it in the row
-    (`pack_shared_prompts`); the model must run fusedrl's CPU attention (`packed_mask_argument` not None).
+    (`pack_shared_prompts`); the model must run fusedrl's CPU attention (`can_share_prompts`).
     """
     if share_prompts:
         return pack_shared_prompts(batch)

@@ -108,6 +108,7 @@ class SFTWorker(DistributedWorker):
         """Join the process group and build the FSDP2 model and AdamW. Collective."""
         t0 = time.perf_counter()
         self._join(master_addr, master_port)
+        self._resolve_auto_defaults()  # model.fsdp_config.param_dtype=auto for this device
         if device_type() == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.manual_seed(int(self.config.trainer.seed))

@@ -20,8 +20,10 @@ all ranks *averages* gradients, so the gather's backward scales by ``sp`` (``gra
 average over the ``sp`` ranks of a group is then their sum.
 
 Attention runs through transformers' attention-function registry (the name `ATTN_NAME`), so any model
-whose attention calls that registry (Llama, Qwen2, Mistral, ...) is covered; `ulysses_forward` switches
-the model to it for one forward. Requirements: ``num_attention_heads % sp == 0``; key/value heads are
+whose attention calls that registry (Llama, Qwen2/3, Mistral, Gemma 1-3, ...) is covered; `ulysses_forward`
+switches the model to it for one forward. The layer's sliding window and logit soft-cap (the
+``sliding_window`` / ``softcap`` keywords Transformers passes every attention function) apply per
+sequence as in fusedrl's CPU attention. Requirements: ``num_attention_heads % sp == 0``; key/value heads are
 repeated first when ``num_key_value_heads % sp != 0``. torch.distributed's ``all_to_all`` runs on gloo
 (CPU) and NCCL alike.
 """
@@ -38,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fusedrl.batch import RolloutBatch
-from fusedrl.workers.logprob import _token_log_probs
+from fusedrl.workers.logprob import _head_log_probs
 from fusedrl.workers.packing import pack_batch
 
 ATTN_NAME = "fusedrl_ulysses"
@@ -140,6 +142,8 @@ def ulysses_attention(
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [b, h/sp, n, d]
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # [b, h/sp, n, d]
     seg = active.segment.to(q.device)  # [n]
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    scale = float(q.shape[-1] ** -0.5 if scaling is None else scaling)
     if q.device.type == "cpu" and dropout == 0.0 and q.shape[0] == 1:
         # PyTorch's CPU kernels would compute every block of the block-diagonal mask below (n^2 work):
         # attend within each sequence instead (see fusedrl.workers.cpu_attention.packed_attention).
@@ -147,19 +151,42 @@ def ulysses_attention(
 
         starts = (torch.nonzero(seg[1:] != seg[:-1]).flatten() + 1).tolist()
         bounds = [0, *starts, int(seg.numel())]
-        out = packed_attention(
-            q, k, v, bounds, scaling=float(q.shape[-1] ** -0.5 if scaling is None else scaling)
-        )
+        out = packed_attention(q, k, v, bounds, scaling=scale, window=window, softcap=softcap)
     else:
-        idx = torch.arange(seg.numel(), device=q.device)  # [n]
-        mask = (seg[:, None] == seg[None, :]) & (
-            idx[None, :] <= idx[:, None]
-        )  # [n, n]: same sequence, causal
-        out = nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[None, None], dropout_p=dropout, scale=scaling
-        )  # [b, h/sp, n, d]
+        out = masked_attention(q, k, v, seg, scaling=scale, window=window, softcap=softcap, dropout=dropout)
     out = all_to_all(out, active.group, scatter_dim=2, gather_dim=1)  # [b, h, n/sp, d]
     return out.transpose(1, 2).contiguous(), None  # [b, n/sp, h, d]
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment: torch.Tensor,
+    *,
+    scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Attention of ``[b, h, n, d]`` heads over a packed row through its ``[n, n]`` mask (same sequence,
+    causal, within the ``window`` when the layer has one): the path off CPU (or with dropout), where
+    PyTorch's kernels take the mask. ``softcap`` (no SDPA kernel has it): `matmul_attention`'s capped
+    scores. ``segment [n]``: the sequence of each token."""
+    idx = torch.arange(segment.numel(), device=q.device)  # [n]
+    behind = idx[:, None] - idx[None, :]  # [n, n]: how far each key lies before each query
+    mask = (segment[:, None] == segment[None, :]) & (behind >= 0)  # [n, n]: same sequence, causal
+    if window is not None:
+        mask &= behind < window  # Transformers' sliding_window_overlay
+    if softcap is not None:
+        from fusedrl.workers.cpu_attention import matmul_attention
+
+        return matmul_attention(
+            q, k, v, mask[None, None], scaling=scaling, causal=True, softcap=softcap, dropout=dropout
+        )
+    return nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[None, None], dropout_p=dropout, scale=scaling
+    )  # [b, h, n, d]
 
 
 def _register() -> None:
@@ -211,7 +238,8 @@ def slice_packed(input_ids: torch.Tensor, position_ids: torch.Tensor, sp: int, r
 
 
 def ulysses_forward(model: nn.Module, piece: SequenceSlice, group: Any) -> torch.Tensor:
-    """The model's logits ``[1, n/sp, V]`` for this rank's slice, attention spanning the whole packed row."""
+    """The model's logits ``[1, n/sp, V]`` for this rank's slice, attention spanning the whole packed row
+    (under `fusedrl.workers.chunked_head`'s head: its per-token results ``[1, n/sp, k]``)."""
     global _ACTIVE
     if _ACTIVE is not None:
         raise RuntimeError("ulysses_forward does not nest")
@@ -241,9 +269,10 @@ def ulysses_response_log_probs(
     """`fusedrl.workers.logprob.response_log_probs` (packed) with the tokens split over ``group``: every rank
     passes the same ``batch`` and gets the same ``(log_probs [B, Tr], entropy [B, Tr] | None)``, 0 on
     padding. ``grad_scale``: see the module docstring (``sp`` under FSDP, 1 for a plain sum of gradients)."""
-    packed, piece, logits = _sliced_forward(model, batch, group)  # logits [1, n/sp, V]
-    log_probs, entropy = _token_log_probs(
-        logits[0],
+    packed, piece = _sliced(batch, group)
+    log_probs, entropy = _head_log_probs(
+        model,
+        lambda: ulysses_forward(model, piece, group)[0],  # [n/sp, V]
         piece.next_ids[0],
         temperature=temperature,
         with_entropy=with_entropy,
@@ -259,18 +288,18 @@ def ulysses_response_values(
     """A one-label token classifier's output (the critic's values) at the position predicting each
     response token, with the tokens split over ``group``: ``[B, Tr]`` float32, 0 on padding (as the packed
     path of `fusedrl.workers.critic.CriticRole`)."""
-    packed, _, logits = _sliced_forward(model, batch, group)  # [1, n/sp, 1]
+    packed, piece = _sliced(batch, group)
+    logits = ulysses_forward(model, piece, group)  # [1, n/sp, 1]
     return _to_responses(logits[0, :, 0].float(), packed, group, grad_scale)  # [B, Tr]
 
 
-def _sliced_forward(
-    model: nn.Module, batch: RolloutBatch, group: Any
-) -> tuple[Any, SequenceSlice, torch.Tensor]:
+def _sliced(batch: RolloutBatch, group: Any) -> tuple[Any, SequenceSlice]:
+    """``batch`` packed, and this rank's slice of the packed row."""
     packed = pack_batch(batch)
     piece = slice_packed(
         packed.input_ids, packed.position_ids, dist.get_world_size(group), dist.get_rank(group)
     )
-    return packed, piece, ulysses_forward(model, piece, group)
+    return packed, piece
 
 
 def _to_responses(local: torch.Tensor, packed: Any, group: Any, grad_scale: float) -> torch.Tensor:

@@ -115,6 +115,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         """Join the process group, then build the roles this worker holds. Collective."""
         t0 = time.perf_counter()
         self._join(master_addr, master_port, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        self._resolve_auto_defaults(self.roles)  # `auto` keys for this device, before any role reads them
         cfg = self.config
         seed = int(cfg.rollout.seed)
         # Identical init on every rank (FSDP2 shards the same weights), and Python's and numpy's generators

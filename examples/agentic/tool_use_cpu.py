@@ -18,7 +18,7 @@ The SFT demonstrations (a few hundred) come from two "annotators": one uses the 
 answers at once with a made-up code (``I think it is 512.``), which the verifier rejects. Which one wrote a
 demonstration depends on the phrasing: two phrasings use the tool 80% of the time, the other two 20%. The
 SFT model imitates that mix, so greedy decoding calls the tool on about half the phrasings and guesses on
-the rest (the quickstart's device, examples/quickstart/quickstart.py). GRPO samples 8 trajectories per
+the rest (the quickstart's device, examples/quickstart/echo_smoke.py). GRPO samples 8 trajectories per
 prompt through the fused workers' engines and the ``tool`` loop; the ones that look the code up win, and the
 policy learns to call the tool on every phrasing. The no-tool baseline is the same model trained by SFT, for
 the same number of steps, on the same rooms answered directly with their true codes: it can learn the
@@ -49,7 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "examples", "quickstart"))
 sys.path.insert(0, HERE)
-import quickstart as qs  # noqa: E402 - the quickstart's SFT / GRPO stage runners, reused
+import echo_smoke as qs  # noqa: E402 - the echo smoke run's SFT / GRPO stage runners, reused
 from lookup import room_code  # noqa: E402 - the hidden table, to write ground truths
 
 TOOLS_YAML = os.path.join(HERE, "lookup_tools.yaml")  # lists lookup.py:lookup

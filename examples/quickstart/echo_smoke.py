@@ -1,4 +1,7 @@
-"""fusedrl quickstart: SFT warm-start, then GRPO with fused workers, against an SFT-only baseline (CPU).
+"""fusedrl echo smoke run: SFT warm-start, then GRPO with fused workers, against an SFT-only baseline (CPU).
+
+The first quickstart, kept as a fast smoke run of the whole pipeline on a model the project builds (`make
+smoke`); the quickstart proper trains a real pretrained model (examples/quickstart/quickstart.py).
 
 The task ("echo"): the prompt asks the model to repeat a 3-digit number, e.g. ``Repeat the number 482.``;
 the verifier gives reward 1 when the LAST integer in the response equals that number (the built-in
@@ -17,9 +20,9 @@ copying skill.
 Stages (all local, nothing downloaded): 1. data, 2. model + tokenizer, 3. SFT warm-start (2 FSDP2 workers),
 4. GRPO (2 fused workers: FSDP2 actor + in-process vLLM each), 5. SFT-only baseline: the SFT checkpoint
 trained further on the SFT data for the same wall time as the GRPO loop, 6. greedy held-out evaluation of
-all three models with the same evaluator, a plot (runs/quickstart/quickstart.png) and a summary table.
+all three models with the same evaluator, a plot (runs/echo_smoke/quickstart.png) and a summary table.
 
-    python examples/quickstart/quickstart.py [--seed 0] [--grpo-steps 30] [--out runs/quickstart]
+    python examples/quickstart/echo_smoke.py [--seed 0] [--grpo-steps 30] [--out runs/echo_smoke]
 """
 
 from __future__ import annotations
@@ -288,7 +291,7 @@ def plot(grpo_metrics: list[dict], results: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join(ROOT, "runs", "quickstart"))
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "echo_smoke"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="quick", help="fusedrl.utils.tiny_model preset")
     p.add_argument("--sft-steps", type=int, default=400)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# fusedrl quickstart (CPU, 2 fused workers): SFT warm-start, then GRPO, against an SFT-only baseline.
+# fusedrl echo smoke run (the first quickstart; CPU, 2 fused workers): SFT warm-start, then GRPO, against an SFT-only baseline.
 #
 # Hardware: any 2-core Linux box, ~3 GB RAM free. Time: ~10 minutes after `make install` (9.5-11.5 measured on a loaded box).
-# What happens (examples/quickstart/quickstart.py; docs/quickstart.md explains each stage):
+# What happens (examples/quickstart/echo_smoke.py; docs/quickstart.md explains each stage):
 #   1. a synthetic "echo" task (repeat a 3-digit number) is written as parquet: SFT demonstrations, RL
 #      prompts and 64 held-out test prompts whose numbers never appear in training,
 #   2. a small random-init Qwen2 (~0.9M parameters) and a tokenizer trained on the spot are written to disk,
@@ -15,10 +15,10 @@
 # Expected output: per-step log lines, then a table of held-out greedy accuracy for the SFT model, the
 # SFT-only baseline and the GRPO model, and runs/quickstart/quickstart.png (reward and accuracy over steps).
 #
-# Usage: bash examples/quickstart/run_quickstart.sh [--seed N] [--grpo-steps N] [--out DIR] ...
+# Usage: bash examples/quickstart/run_echo_smoke.sh [--seed N] [--grpo-steps N] [--out DIR] ...
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
-WORK="${FUSEDRL_QUICKSTART_DIR:-$ROOT/runs/quickstart}"
+WORK="${FUSEDRL_QUICKSTART_DIR:-$ROOT/runs/echo_smoke}"
 
-"$PY" "$ROOT/examples/quickstart/quickstart.py" --out "$WORK" "$@"
+"$PY" "$ROOT/examples/quickstart/echo_smoke.py" --out "$WORK" "$@"

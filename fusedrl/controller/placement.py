@@ -14,6 +14,7 @@ from typing import Any
 import ray
 import torch
 
+from fusedrl.auto_defaults import announce_resolved
 from fusedrl.controller.weight_sync import BroadcastRoute
 from fusedrl.controller.worker_group import ResourcePool, WorkerGroup, cpus_for_cpu_slots
 from fusedrl.placement_config import Placement, PoolSpec, read_placement
@@ -109,6 +110,8 @@ class RoleGroups:
         self.by_role: dict[str, WorkerGroup] = dict(by_role or {})
 
     weight_route: BroadcastRoute | None = None
+    # What the workers' `auto` keys became (`fusedrl.auto_defaults`), by dotted key; empty before they start.
+    auto_settings: dict[str, Any] = {}  # replaced by `start_placed`, never mutated
 
     @classmethod
     def start_placed(
@@ -142,6 +145,7 @@ class RoleGroups:
             started.add(pool_name)
             by_role.update(dict.fromkeys(roles, group))
         groups = cls(by_role)
+        groups.auto_settings = announce_resolved(groups.unique())  # one line printed, the values kept
         groups.bind_cpus(pools, cpus)
         if "rollout" in by_role and by_role["rollout"] is not by_role["actor"]:
             # Pools may land on different nodes: then the sync store listens on the node's address.

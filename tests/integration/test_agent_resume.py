@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from support import varied_score
+from support import FLOAT32_TRAINING, varied_score
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("vllm")
@@ -31,6 +31,7 @@ def _config(model, data, out_dir, steps: int):
             "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.rollout.temperature=1.0",
             "actor_rollout_ref.rollout.dtype=float32",
+            *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
             "actor_rollout_ref.rollout.multi_turn.enable=true",
             "actor_rollout_ref.rollout.multi_turn.default_agent_name=plugin_count_env",
             "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=12",

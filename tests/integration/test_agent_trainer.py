@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from support import varied_score
+from support import FLOAT32_TRAINING, varied_score
 
 pytestmark = pytest.mark.integration
 vllm = pytest.importorskip("vllm")
@@ -69,6 +69,7 @@ def trainer(tiny_model_dir, tmp_path_factory):
         "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
         "actor_rollout_ref.rollout.multi_turn.enable=true",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools_yaml}",
         f"actor_rollout_ref.rollout.multi_turn.tool_timeout_s={TIMEOUT}",

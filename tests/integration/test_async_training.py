@@ -16,7 +16,7 @@ import json
 import os
 
 import pytest
-from support import started_trainer
+from support import FLOAT32_TRAINING, started_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -38,6 +38,7 @@ def _overrides(model_dir: str, train: str, run_dir: str, staleness: int, steps: 
         "algorithm.rollout_correction.rollout_is=token",
         "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
         "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",

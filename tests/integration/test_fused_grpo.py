@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from support import started_trainer
+from support import FLOAT32_TRAINING, started_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -34,6 +34,7 @@ def trainer(tiny_model_dir, arithmetic_data, tmp_path_factory):
             "trainer.val_before_train=false",
             "actor_rollout_ref.rollout.temperature=0.8",
             "actor_rollout_ref.rollout.dtype=float32",
+            *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
             "actor_rollout_ref.rollout.free_cache_engine=true",
             "actor_rollout_ref.rollout.sleep_level=1",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
@@ -259,3 +260,22 @@ def test_memory_choreography_order(trainer):
         ]
         i = ev.index("rollout.update_weights")
         assert ev[i - 2 : i] == ["empty_cache", "rollout.wake_up(weights)"]
+
+
+def test_auto_defaults_resolved_on_the_workers(trainer):
+    """The `auto` keys left at their default (fusedrl/auto_defaults.py) were resolved in the workers, every
+    rank alike; rank 0's values reached the driver, which read them instead of `auto`."""
+    from fusedrl.auto_defaults import AUTO, local_facts, packs_for
+
+    packed = packs_for(AUTO, "auto", local_facts())[0]  # these workers run on this machine
+    reports = trainer.workers.run_all(lambda w: w.resolved_defaults.remote())
+    assert reports[0] == reports[1]
+    assert (
+        reports[0]["settings"]
+        == trainer.groups.auto_settings
+        == {
+            "actor_rollout_ref.model.use_remove_padding": packed,
+            "actor_rollout_ref.model.compile_layers": False,  # float32 compute, 2 planned steps
+        }
+    )  # param_dtype is pinned (FLOAT32_TRAINING): an explicit value is no `auto`
+    assert reports[0]["line"].startswith("fusedrl: auto defaults on ")

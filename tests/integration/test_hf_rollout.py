@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import FLOAT32_TRAINING
 
 pytestmark = pytest.mark.integration
 
@@ -26,6 +27,7 @@ def test_hf_rollout_grpo_step(tiny_model_dir, arithmetic_data, tmp_path):
             "algorithm.adv_estimator=grpo",
             "actor_rollout_ref.actor.use_kl_loss=true",
             "actor_rollout_ref.rollout.dtype=float32",
+            *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
             "trainer.val_before_train=false",
             "actor_rollout_ref.rollout.temperature=0.9",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",

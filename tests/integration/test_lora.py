@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import started_trainer
+from support import FLOAT32_TRAINING, started_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -40,6 +40,7 @@ def _overrides(model_dir: str, train: str, run_dir: str, *extra: str) -> list[st
         "actor_rollout_ref.actor.kl_loss_coef=0.01",
         "trainer.val_before_train=false",
         "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
         "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from support import varied_score
+from support import FLOAT32_TRAINING, varied_score
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("vllm")
@@ -35,6 +35,7 @@ def _config(model, data, out_dir, steps: int):
             "actor_rollout_ref.actor.use_kl_loss=true",
             "trainer.val_before_train=false",
             "actor_rollout_ref.rollout.dtype=float32",
+            *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
             "actor_rollout_ref.actor.ppo_mini_batch_size=1",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
             "actor_rollout_ref.actor.optim.lr=1e-2",

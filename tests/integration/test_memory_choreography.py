@@ -10,7 +10,7 @@ nothing, but the calls and their order are the same as on a GPU), and gradient c
 from __future__ import annotations
 
 import pytest
-from support import started_trainer
+from support import FLOAT32_TRAINING, started_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -34,6 +34,7 @@ def trainer(tiny_model_dir, arithmetic_data, tmp_path_factory):
             "actor_rollout_ref.actor.use_kl_loss=true",
             "trainer.val_before_train=false",
             "actor_rollout_ref.rollout.dtype=float32",
+            *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
             "actor_rollout_ref.rollout.sleep_level=2",
             "actor_rollout_ref.rollout.emulate_sleep=true",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",

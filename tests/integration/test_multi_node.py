@@ -10,7 +10,7 @@ tolerance leaves room for a different summation order, nothing more).
 from __future__ import annotations
 
 import pytest
-from support import started_trainer
+from support import FLOAT32_TRAINING, started_trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -29,6 +29,7 @@ def _overrides(model_dir: str, train: str, run_dir: str, nnodes: int, slots: int
         "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
         "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",

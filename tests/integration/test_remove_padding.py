@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from support import varied_score
+from support import FLOAT32_TRAINING, varied_score
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +46,7 @@ def test_remove_padding_dynamic_bsz_and_balance(
             "data.max_response_length=12",
             "actor_rollout_ref.rollout.n=4",
             "actor_rollout_ref.rollout.dtype=float32",
+            *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
             "actor_rollout_ref.actor.ppo_mini_batch_size=1",  # 2 optimizer steps per update
             "actor_rollout_ref.actor.optim.lr=1e-3",
             "actor_rollout_ref.actor.optim.weight_decay=0.0",

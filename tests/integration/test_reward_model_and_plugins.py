@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+from support import FLOAT32_TRAINING
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm")
@@ -64,6 +65,7 @@ def test_reward_model_role_and_plugins(tiny_model_dir, arithmetic_data, tmp_path
             "data.max_response_length=8",
             "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.rollout.dtype=float32",
+            *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
             "trainer.n_gpus_per_node=2",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import started_trainer
+from support import FLOAT32_TRAINING, started_trainer
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm")
@@ -60,6 +60,7 @@ def test_reward_model_on_its_own_pool_scores_during_log_probs(tiny_model_dir, ar
         "data.max_response_length=8",
         "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
         "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",

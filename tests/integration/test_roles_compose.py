@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import started_trainer
+from support import FLOAT32_TRAINING, started_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -29,6 +29,7 @@ def _overrides(model_dir: str, train: str, run_dir: str) -> list[str]:
         "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.actor.optim.lr=2e-3",

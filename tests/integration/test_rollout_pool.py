@@ -11,7 +11,7 @@ the policy moves by far more than the tolerance in one step (checked below).
 from __future__ import annotations
 
 import pytest
-from support import started_trainer
+from support import FLOAT32_TRAINING, started_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -32,6 +32,7 @@ def _overrides(model_dir: str, train: str, run_dir: str) -> list[str]:
         "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
         "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import started_trainer
+from support import FLOAT32_TRAINING, started_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -28,6 +28,7 @@ def test_grpo_with_a_tensor_parallel_engine_over_two_workers(tiny_model_dir, ari
         "actor_rollout_ref.actor.use_kl_loss=true",
         "trainer.val_before_train=false",
         "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",

@@ -19,6 +19,7 @@ import textwrap
 import time
 
 import pytest
+from support import FLOAT32_TRAINING
 
 # The driver script: `main_ppo`, with places where the run can be made to wait so a test can kill or signal
 # it exactly there:
@@ -92,6 +93,7 @@ def driver_args(model_dir, train_file, out_dir, reward_file, save_freq=1) -> lis
         "actor_rollout_ref.actor.use_kl_loss=true",
         "trainer.val_before_train=false",
         "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
         "actor_rollout_ref.actor.ppo_mini_batch_size=1",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.optim.lr=1e-3",

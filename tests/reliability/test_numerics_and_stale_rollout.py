@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import FLOAT32_TRAINING
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm")
@@ -22,6 +23,7 @@ def _config(model, data, out, extra):
             "algorithm.adv_estimator=grpo",
             "trainer.val_before_train=false",
             "actor_rollout_ref.rollout.dtype=float32",
+            *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.optim.lr=5e-3",
             "actor_rollout_ref.actor.use_kl_loss=false",

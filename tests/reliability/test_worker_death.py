@@ -15,7 +15,7 @@ import time
 
 import pytest
 from faults import ray_with_faults
-from support import started_trainer
+from support import FLOAT32_TRAINING, started_trainer
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm")
@@ -35,6 +35,7 @@ def test_killed_worker_stops_the_driver_with_a_clear_message(tiny_model_dir, ari
         "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
         "trainer.val_before_train=false",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "trainer.n_gpus_per_node=2",

@@ -263,7 +263,8 @@ def test_non_integer_budget(base):
 def test_defaults_follow_verl(base):
     cfg = load_config(base)
     arr = cfg.actor_rollout_ref
-    assert arr.model.use_remove_padding is False and cfg.critic.model.use_remove_padding is False
+    # Packing is `auto` (verl: true): resolved on each worker for its device (fusedrl.auto_defaults).
+    assert arr.model.use_remove_padding == "auto" and cfg.critic.model.use_remove_padding == "auto"
     assert arr.actor.use_dynamic_bsz is False and arr.actor.ppo_max_token_len_per_gpu == 16384
     assert (
         arr.rollout.log_prob_max_token_len_per_gpu == 16384
@@ -283,18 +284,32 @@ def test_defaults_follow_verl(base):
     assert on.critic.model.use_remove_padding is True
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_trainer_keeps_a_prompts_samples_on_one_rank_when_packed_rows_share_it(base, packed):
+@pytest.mark.parametrize(
+    ("setting", "resolved", "packed"),
+    [
+        ("true", {}, True),
+        ("false", {}, False),
+        ("auto", {}, True),
+        ("auto", {"use_remove_padding": False}, False),
+    ],
+)
+def test_trainer_keeps_a_prompts_samples_on_one_rank_when_packed_rows_share_it(
+    base, setting, resolved, packed
+):
     """`PPOTrainer.balance_batch` with shared prompts in packed rows keeps each uid's rows on one rank;
-    padded, it balances row by row (groups may split)."""
+    padded, it balances row by row (groups may split). ``auto`` reads what the workers resolved; unresolved it
+    counts as packed (keeping a prompt's rows together is right either way)."""
     from types import SimpleNamespace
 
     from fusedrl.trainer.ppo_trainer import PPOTrainer
 
-    cfg = load_config([*base, f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}"])
+    cfg = load_config([*base, f"actor_rollout_ref.model.use_remove_padding={setting}"])
     assert cfg.actor_rollout_ref.model.share_prompt_prefix is True  # the default
     batch = _batch([5, 5, 1, 1, 4, 4, 2, 2], [4, 4, 1, 1, 4, 4, 1, 1])  # uids u0 u0 u1 u1 u2 u2 u3 u3
-    trainer = SimpleNamespace(config=cfg, workers=SimpleNamespace(world_size=2))
+    settings = {f"actor_rollout_ref.model.{k}": v for k, v in resolved.items()}  # what the workers reported
+    trainer = SimpleNamespace(
+        config=cfg, workers=SimpleNamespace(world_size=2), groups=SimpleNamespace(auto_settings=settings)
+    )
     metrics: dict = {}
     out = PPOTrainer.balance_batch(trainer, batch, metrics)
     uids = out.field_list("uid")

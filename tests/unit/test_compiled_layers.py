@@ -43,6 +43,10 @@ def _configs(model_dir: str, compiled: bool, checkpointing: bool, packed: bool =
             f"{actor}.optim.lr={LR}",
             f"{actor}.optim.weight_decay=0.0",
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+            # float32 training, as the compiled-vs-eager tolerances assume (auto: bf16 on native-bf16 CPUs)
+            f"{actor}.fsdp_config.param_dtype=null",
+            "actor_rollout_ref.ref.fsdp_config.param_dtype=null",
+            "critic.model.fsdp_config.param_dtype=null",
         ],
     )
     return cfg.model, cfg.actor, cfg.ref, cfg.critic

@@ -228,21 +228,49 @@ def test_packed_row_equals_block_diagonal_sdpa(dtype, lengths):
         torch.testing.assert_close(got.float(), want.float(), rtol=tol * 3, atol=tol * 3)
 
 
-def test_packed_row_with_a_sliding_window_keeps_the_mask(monkeypatch):
-    """The window is only in Transformers' mask: such a row is not split, SDPA gets the mask."""
-    monkeypatch.setattr(
-        cpu_attention, "packed_attention", lambda *a, **kw: pytest.fail("split a windowed row")
-    )
-    q, k, v = _qkv(1, 4, 2, 8, 8, torch.float32)
-    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
-    mask = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]
-    layer = torch.nn.Module()
-    layer.num_key_value_groups = 2  # what SDPA's Transformers wrapper reads to repeat the key/value heads
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize(
+    ("dtype", "lengths"),
+    [
+        (torch.float32, [7, 3, 12]),  # short: one padded batch of the sequences
+        (torch.bfloat16, [7, 3, 12]),
+        (torch.float32, [260, 5]),  # one sequence >= MATMUL_BELOW: one sequence at a time
+    ],
+)
+def test_packed_row_with_a_sliding_window_and_a_softcap(dtype, lengths, softcap):
+    """A windowed layer's packed row (Mistral, Gemma 2/3's local layers) is split too, each sequence
+    attending within its window (query i sees keys i - 4 < j <= i), with Gemma 2's logit cap when the
+    layer has one: the block-diagonal windowed mask Transformers would build, on capped scores (eager
+    arithmetic in float64), values and gradients."""
+    window, n = 4, sum(lengths)
+    q, k, v = _qkv(1, 4, 2, n, 8, dtype)
+    position_ids = torch.cat([torch.arange(n_) for n_ in lengths])[None]  # [1, N]
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    idx = torch.arange(n)
+    behind = idx[:, None] - idx[None]
+    mask = (seg[:, None] == seg[None]) & (behind >= 0) & (behind < window)  # [N, N]
     out, _ = cpu_attention.attention(
-        layer, q, k, v, mask, scaling=8**-0.5, position_ids=position_ids, sliding_window=2
-    )
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=8**-0.5, enable_gqa=True)
-    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+        torch.nn.Module(),
+        q,
+        k,
+        v,
+        None,  # `one_row_mask` builds none for a packed row
+        scaling=8**-0.5,
+        position_ids=position_ids,
+        sliding_window=window,
+        softcap=softcap,
+    )  # [1, N, h, d]
+    q64, k64, v64 = (x.double().repeat_interleave(4 // x.shape[1], dim=1) for x in (q, k, v))
+    scores = q64 @ k64.transpose(-1, -2) * 8**-0.5  # [1, h, N, N]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    ref = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v64).transpose(1, 2)  # [1, N, h, d]
+    tol = 1e-5 if dtype == torch.float32 else 0.02
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.double(), want.double(), rtol=tol * 3, atol=tol * 3)
 
 
 def test_unpacked_rows_are_not_split():
@@ -276,22 +304,18 @@ def test_packed_model_forward_equals_padded(tiny_model_dir, monkeypatch):
     assert calls == [[0, 33, 73, 94, 134]] * 2  # one call per decoder layer, split at each sequence
     assert lengths == [33, 40, 21, 40]
 
-    # The packed forwards skip Transformers' [N, N] mask with this attention (it reads the positions), and
-    # get the same logits; any other attention keeps the mask.
-    from fusedrl.workers.packing import packed_mask_argument
+    # The packed forward built no [N, N] mask (`one_row_mask`): the attention read the positions. Only
+    # this attention runs packed rows with shared prompts.
+    import transformers.masking_utils as masking
 
-    no_mask = packed_mask_argument(model)
-    assert no_mask == {"full_attention": None}
+    from fusedrl.workers.packing import can_share_prompts
+
+    monkeypatch.setattr(masking, "sdpa_mask", lambda **kw: pytest.fail("built a mask for a packed row"))
     with torch.no_grad():
-        unmasked = model(
-            input_ids=ids[real][None], position_ids=position_ids[real][None], attention_mask=no_mask
-        ).logits[0]
-    assert torch.equal(unmasked, packed)
+        again = model(input_ids=ids[real][None], position_ids=position_ids[real][None]).logits[0]
+    assert torch.equal(again, packed)
     sdpa = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
-    assert packed_mask_argument(sdpa) is None
-    sdpa.config.layer_types = ["sliding_attention"] * len(sdpa.config.layer_types)
-    model.config.layer_types = sdpa.config.layer_types
-    assert packed_mask_argument(model) is None
+    assert can_share_prompts(model) and not can_share_prompts(sdpa)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -34,6 +34,7 @@ def _config(model_dir: str):
             f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
             "algorithm.adv_estimator=grpo",
             "actor_rollout_ref.rollout.dtype=float32",
+            "actor_rollout_ref.actor.fsdp_config.param_dtype=null",  # float32, as the tolerances assume
             "trainer.val_before_train=false",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # 2 prompts x n=2 over 2 ranks: 2 rows per rank
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",  # 2 micro-batches per mini-batch

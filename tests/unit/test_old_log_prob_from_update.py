@@ -47,6 +47,9 @@ def _configs(model_dir: str, dynamic: bool):
             f"{actor}.optim.weight_decay=0.0",
             f"{actor}.fsdp_config.model_dtype=float32",
             f"{actor}.fsdp_config.param_dtype=null",
+            # Padded rows, as before `auto`: packed micro-batches of other compositions differ by float32
+            # rounding (~5e-7 in log-probs), which Adam's first step lifts above the 1e-6 parameter bound.
+            "actor_rollout_ref.model.use_remove_padding=false",
         ],
     )
     return cfg.model, cfg.actor

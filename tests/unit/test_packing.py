@@ -58,6 +58,10 @@ def _config(model_dir: str, loss_agg_mode: str, packed: bool):
             f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
             "algorithm.adv_estimator=grpo",
             "actor_rollout_ref.rollout.dtype=float32",
+            # float32 training, as the comparisons' tolerances assume (param_dtype=auto: bf16 on native-bf16 CPUs)
+            "actor_rollout_ref.actor.fsdp_config.param_dtype=null",
+            "actor_rollout_ref.ref.fsdp_config.param_dtype=null",
+            "critic.model.fsdp_config.param_dtype=null",
             "trainer.val_before_train=false",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # 2 prompts x n=2: 4 rows, 2 optimizer steps
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",  # padded micro-batches of 3 + 1 rows

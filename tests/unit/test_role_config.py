@@ -91,13 +91,16 @@ def test_ppo_builder_gives_the_yaml_defaults_and_pickles():
 
     overrides = ["data.train_files=train.parquet", "actor_rollout_ref.model.path=/m"]
     plain = to_plain_dict(load_config(overrides, validate_config=False))
-    cfg = build_role_configs(plain, tokens=TokenIds(eos=2, pad=0), agent_tools=["tool"])
+    cfg = build_role_configs(plain, tokens=TokenIds(eos=2, pad=0), agent_tools=["tool"], total_steps=7)
     built = _as_plain(cfg)
     assert built.pop("tokens") == {"eos": 2, "pad": 0} and built.pop("agent_tools") == ["tool"]
+    assert built.pop("total_steps") == 7
     assert built == _ppo_sections(plain)  # every value, nested, is the resolved YAML's
     # A few values read straight from the YAML text, interpolations included:
     assert cfg.actor.optim.weight_decay == 0.01 and cfg.actor.optim.betas == (0.9, 0.999)
     assert cfg.rollout.dtype == "bfloat16" and cfg.actor.use_kl_loss is False
+    # `auto` keys reach the workers unresolved: each resolves them for its device (fusedrl.auto_defaults).
+    assert cfg.actor.fsdp_config.param_dtype == "auto" and cfg.critic.model.use_remove_padding == "auto"
     assert cfg.ref.log_prob_use_dynamic_bsz is False  # ${...rollout.log_prob_use_dynamic_bsz} -> actor's
     assert cfg.critic.model.path == "/m" and cfg.actor.checkpoint.load_contents == (
         "model",

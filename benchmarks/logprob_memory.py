@@ -1,0 +1,179 @@
+"""Peak memory and time of the log-prob passes with whole-vocabulary logits vs the chunked LM head
+(`fusedrl.workers.chunked_head`), on a SmolLM2-shaped model.
+
+The model: a random-init ``LlamaForCausalLM`` with SmolLM2-135M's widths (hidden 576, 9 / 3 heads, MLP 1536,
+vocabulary 49,152, tied embeddings) and ``--layers`` decoder layers (the head's cost does not depend on
+the depth), under FSDP2 on a 1-rank gloo group as in a fused worker. The batch: 64 rows, prompts of 15-35
+tokens left-padded to 64, responses of up to 32 tokens (three quarters at full length). Two passes, each
+in a process of its own per variant and micro-batch size (so that ``ru_maxrss``, the peak resident set,
+is this pass's alone):
+
+* ``log_prob``: the no-grad pass of old / reference log-probs (`batched_log_probs`);
+* ``update``: the actor update's passes without the optimizer: per micro-batch a forward with entropy,
+  a PPO-like loss (advantage-weighted log-probs and an entropy bonus) and its backward, inside one
+  `gathered_for_pass`.
+
+Reported: the peak RSS over the RSS after the model was built (MiB), and the pass's seconds (median of
+``--reps`` after the measured first run). Variants: ``whole`` (``chunked_head.ENABLED = False``: the
+logits of a micro-batch's response positions at once) and ``chunked``; rounds alternate the variants so a
+shared machine's load falls on both alike.
+
+    .venv/bin/python -m benchmarks.logprob_memory [--micro 16,64] [--layers 4] [--threads 2] [--reps 3]
+        [--rounds 1] [--packed] [--dtype float32|bfloat16] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+
+import torch
+
+VARIANTS = ("whole", "chunked")
+PASSES = ("log_prob", "update")
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def _model(layers: int, dtype: str):
+    import transformers
+
+    from fusedrl.workers.fsdp import shard_for_training
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    param_dtype = None if dtype == "float32" else dtype
+    return shard_for_training(model, gradient_checkpointing=False, param_dtype=param_dtype)
+
+
+def _pass(model, batch, which: str, micro: int, packed: bool) -> None:
+    from fusedrl.workers.fsdp import gathered_for_pass
+    from fusedrl.workers.logprob import batched_log_probs, micro_batches, response_log_probs
+
+    if which == "log_prob":
+        model.eval()
+        batched_log_probs(model, batch, temperature=0.7, micro_batch_size=micro, remove_padding=packed)
+        return
+    model.train()
+    tokens = batch.response_mask.sum()
+    with gathered_for_pass(model):
+        for mb in micro_batches(batch, micro):
+            lp, ent = response_log_probs(model, mb, temperature=0.7, with_entropy=True, remove_padding=packed)
+            mask = mb.response_mask  # [b, Tr]
+            loss = -((lp * mb.advantages + 1e-3 * ent) * mask).sum() / tokens  # []
+            loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One variant x micro-batch x pass in this process, on a 1-rank gloo group."""
+    import torch.distributed as dist
+
+    import fusedrl.workers.chunked_head as chunked_head
+    from benchmarks.train_passes import synthetic_batch
+
+    torch.set_num_threads(args.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        chunked_head.ENABLED = args.variant == "chunked"
+        model = _model(args.layers, args.dtype)
+        batch = synthetic_batch(32, seed=0)
+        base = _rss_mib()
+        t0 = time.perf_counter()
+        _pass(model, batch, args.which, args.micro, args.packed)
+        first = time.perf_counter() - t0
+        peak = _rss_mib()
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            _pass(model, batch, args.which, args.micro, args.packed)
+            times.append(time.perf_counter() - t0)
+        return {
+            "base_mib": base,
+            "peak_mib": peak,
+            "peak_over_base_mib": peak - base,
+            "first_s": first,
+            "seconds": statistics.median(times) if times else first,
+            "response_tokens": int(batch.response_mask.sum()),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--micro", default="16,64", help="micro-batch sizes (rows)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--packed", action="store_true", help="use_remove_padding: packed rows")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--passes", default=",".join(PASSES))
+    p.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="chunked", help=argparse.SUPPRESS)
+    p.add_argument("--which", default="update", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        args.micro = int(args.micro)
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return 0
+    from benchmarks.common import record, run_in_subprocess
+    from benchmarks.train_passes import _free_port
+
+    results: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):
+        for which in args.passes.split(","):
+            for micro in args.micro.split(","):
+                for variant in VARIANTS:
+                    flags = ["--child", f"--variant={variant}", f"--which={which}", f"--micro={micro}"]
+                    flags += [f"--layers={args.layers}", f"--threads={args.threads}", f"--reps={args.reps}"]
+                    flags += [f"--dtype={args.dtype}", f"--port={_free_port()}"] + (
+                        ["--packed"] * args.packed
+                    )
+                    out = run_in_subprocess("benchmarks.logprob_memory", flags, timeout=1800)
+                    results.setdefault(f"{which}/{micro}/{variant}", []).append(out)
+                    print(which, micro, variant, json.dumps(out), flush=True)
+    lines = [
+        "| pass | micro-batch | variant | peak RSS over base (MiB) | seconds | vs whole |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, runs in results.items():
+        which, micro, variant = key.split("/")
+        peak = statistics.median(r["peak_over_base_mib"] for r in runs)
+        secs = statistics.median(r["seconds"] for r in runs)
+        ref = statistics.median(r["seconds"] for r in results[f"{which}/{micro}/whole"])
+        lines.append(f"| {which} | {micro} | {variant} | {peak:.0f} | {secs:.3f} | {secs / ref:.3f} |")
+    layout = "packed" if args.packed else "padded"
+    table = "\n".join(lines)
+    title = f"Chunked LM head: log-prob passes, SmolLM2 widths x {args.layers} layers, {layout}, {args.dtype}"
+    if args.record:
+        command = "python -m benchmarks.logprob_memory " + " ".join(argv or [])
+        record(title, command, table, {"results": results})
+    else:
+        print(title)
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
