@@ -13,7 +13,8 @@ so the same tokens. Also measured: the engine's step time with the whole batch i
 request (how much a step's cost depends on the batch: the regime that decides how much overlapping tool
 waits with generation can save), and the load average before and after. The engine runs on ``--threads``
 torch threads (default 1: on a small shared CPU, an engine on every core starves the tool threads and the
-event loop that continuous scheduling runs beside it, as a GPU engine does not; RESULTS.md, 2026-12-02)::
+event loop that continuous scheduling runs beside it, as a GPU engine does not; results_archive/2026-12.md,
+2026-12-02)::
 
     python -m benchmarks.agent_rollout                      # tiny model, N=32, K=4, t=200 ms; RESULTS.md
     python -m benchmarks.agent_rollout --sleep-ms 50,200 --latency fixed,uniform --jitter 0.5
@@ -400,7 +401,10 @@ def main() -> None:
     ap.add_argument("--sigma", default="1.0", help="lognormal log-sd(s)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument(
-        "--threads", type=int, default=1, help="torch threads of the engine (0: every core); see RESULTS.md"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the engine (0: every core); see results_archive/2026-12.md",
     )
     ap.add_argument("--turn-tokens", default="8,48", help="min,max sampled tokens of one turn")
     ap.add_argument("--seed", type=int, default=1000, help="base seed of the tool latency draws")

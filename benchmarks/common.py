@@ -13,7 +13,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("FUSEDRL_BENCH_CACHE", "/tmp/fusedrl_bench"))
+# The current figures; every run's whole section goes to benchmarks/results_archive/ (`benchmarks.results_page`)
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+# Instruction-set flags that decide CPU figures: AVX2 only, AVX-512, native bf16 (AVX-512 BF16), AMX
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
 def machine() -> str:
@@ -30,10 +33,16 @@ def machine() -> str:
     from fusedrl.utils.hardware import BF16_CPU_FLAGS, cpu_flags, native_bf16
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    flags = "/".join(sorted(cpu_flags() & set(BF16_CPU_FLAGS)))  # AMX multiplies bf16 ~3x AVX-512 BF16
+    have = cpu_flags()
+    flags = "/".join(sorted(have & set(BF16_CPU_FLAGS)))  # AMX multiplies bf16 ~3x AVX-512 BF16
     bf16 = f"native bf16: {flags}" if native_bf16()[0] else "no native bf16 (emulated)"
+    isa = " ".join(f for f in ISA_FLAGS if f in have) or "none of " + "/".join(ISA_FLAGS)
+    # A capped run (make test-avx2, trl_side_by_side --isa avx2) computes as a smaller CPU does
+    cap = os.environ.get("ATEN_CPU_CAPABILITY")
+    capped = f", capped at {cap}" if cap else ""
     return (
-        f"{os.cpu_count()} CPU cores ({cpu}; {bf16}), {mem_gb:.0f} GiB RAM, {gpu}; torch {torch.__version__}"
+        f"{os.cpu_count()} CPU cores ({cpu}; flags {isa}{capped}; {bf16}), {mem_gb:.0f} GiB RAM, {gpu}; "
+        f"torch {torch.__version__}"
     )
 
 
@@ -86,8 +95,27 @@ def run_in_subprocess(
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def git_commit() -> str:
+    """The short commit measured, "+changes" when tracked code differs from it: a figure belongs to the
+    defaults of the code that ran (the results files themselves do not count)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=10
+        )
+        if head.returncode != 0:
+            return ""
+        results = [":!benchmarks/RESULTS.md", ":!benchmarks/results_archive"]
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", *results], cwd=ROOT, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return head.stdout.strip() + ("+changes" if dirty.returncode else "")
+
+
 def record(title: str, command: str, table: str, payload: dict) -> None:
-    """Print the table and a JSON line, and append both to RESULTS.md with the machine and date."""
+    """Print the table and a JSON line; append the run to this month's archive and rewrite its block on the
+    results page (`benchmarks.results_page`), with the machine, date and commit."""
+    from benchmarks.results_page import Run, record_run
+
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     # A shared machine's load decides absolute figures; only ratios from one run's alternating rounds travel
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
@@ -95,6 +123,6 @@ def record(title: str, command: str, table: str, payload: dict) -> None:
     table = f"Load average at the end (1/5/15 min): {load}\n\n{table}"
     print(table)
     print("JSON " + json.dumps(payload))
-    with open(RESULTS, "a") as f:
-        f.write(f"\n### {title} — {stamp}\n\nMachine: {machine()}  \nCommand: `{command}`\n\n{table}\n\n")
-        f.write(f"<details><summary>raw</summary>\n\n```json\n{json.dumps(payload)}\n```\n</details>\n")
+    run = Run(title, stamp, machine(), command, table, json.dumps(payload), commit=git_commit())
+    archive, name = record_run(run, page_path=RESULTS)
+    print(f"recorded: {archive.relative_to(ROOT)} (full run), {RESULTS.relative_to(ROOT)} (block {name})")

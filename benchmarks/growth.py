@@ -8,7 +8,8 @@ process (a fresh Ray runtime and vLLM engine), GRPO with the KL loss, float32, t
 (``trainer.n_gpus_per_node``), ``--steps`` steps of which the first (warm-up) is dropped. A random-init
 model rarely samples EOS, so responses run to about the full length.
 
-Results: a table in RESULTS.md (via `benchmarks.common.record`) and a PNG plot (``--plot``).
+Results: a table in RESULTS.md and the whole run in benchmarks/results_archive/ (via
+`benchmarks.common.record`), and a PNG plot (``--plot``).
 
     python -m benchmarks.growth [--presets tiny,small,mid] [--lengths 64,256,1024] [--batches 16,64,256]
         [--full] [--steps 2] [--plot benchmarks/growth.png]
@@ -104,14 +105,15 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def recorded_cells(results_md: str, since: str) -> list[dict]:
-    """Every cell the growth runs recorded in RESULTS.md at or after ``since`` (``YYYY-MM-DD HH:MM``), the
-    latest run of each (preset, samples, length) winning."""
+def recorded_cells(archive_dir: str, since: str) -> list[dict]:
+    """Every cell the growth runs recorded in the results archive (``YYYY-MM.md`` files; the page keeps only
+    the last run) at or after ``since`` (``YYYY-MM-DD HH:MM``), the latest run of each (preset, samples,
+    length) winning."""
     import re
+    from pathlib import Path
 
     latest: dict[tuple[str, int, int], dict] = {}
-    with open(results_md) as f:
-        text = f.read()
+    text = "".join(p.read_text() for p in sorted(Path(archive_dir).glob("????-??.md")))
     sections = re.split(r"\n### ", text)
     for section in sections:
         head = re.match(r"GRPO step growth — (\d{4}-\d\d-\d\d \d\d:\d\d) UTC", section)
@@ -137,13 +139,13 @@ def main() -> None:
     ap.add_argument(
         "--replot",
         metavar="SINCE",
-        help="no run: plot the cells recorded in RESULTS.md since 'YYYY-MM-DD HH:MM' (UTC) to --plot",
+        help="no run: plot the cells recorded in benchmarks/results_archive/ since 'YYYY-MM-DD HH:MM' (UTC)",
     )
     args = ap.parse_args()
     if args.replot:
-        from benchmarks.common import RESULTS
+        from benchmarks.results_page import ARCHIVE_DIR
 
-        plot(recorded_cells(RESULTS, args.replot), os.path.join(os.getcwd(), args.plot))
+        plot(recorded_cells(str(ARCHIVE_DIR), args.replot), os.path.join(os.getcwd(), args.plot))
         return
     if args.one:
         preset, samples, length = args.one[0], int(args.one[1]), int(args.one[2])

@@ -1,4 +1,10 @@
-"""``make bench``: every benchmark in turn; each appends its table to benchmarks/RESULTS.md."""
+"""``make bench``: every benchmark below in turn.
+
+Each run (`benchmarks.common.record`) appends its full section to this month's
+``benchmarks/results_archive/YYYY-MM.md`` and rewrites its own block of ``benchmarks/RESULTS.md`` (between
+``<!-- bench:NAME -->`` markers), so the page shows the figures of the last run of each benchmark and the
+blocks of benchmarks not run here (the TRL side-by-side, training passes, ...) stay as they were.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +28,11 @@ def main() -> int:
         if rc != 0:
             print(f"benchmark {cmd[0]} failed with exit code {rc}", file=sys.stderr)
             return rc
-    print(f"all benchmarks done in {time.time() - t0:.0f}s; results appended to benchmarks/RESULTS.md")
+    names = ", ".join(cmd[0].removeprefix("benchmarks.") for cmd in BENCHES)
+    print(
+        f"all benchmarks done in {time.time() - t0:.0f}s; blocks {names} rewritten in benchmarks/RESULTS.md, "
+        "full runs appended to benchmarks/results_archive/"
+    )
     return 0
 
 

@@ -38,11 +38,11 @@ AUTO = "auto"
 ARR = "actor_rollout_ref"
 # Half-precision dtype names (`fusedrl.workers.fsdp.DTYPES`): the compute dtypes compiled layers pay off in.
 HALF_DTYPES = ("bfloat16", "bf16", "float16", "fp16")
-# Compiled decoder layers: measured on a 2-core AVX-512 BF16 EPYC (benchmarks/RESULTS.md, 2026-12-04), the
-# first GRPO step took 32.8 s compiled against 1.95 s warm and the dynamic-shape recompile ~2 s more, while a
-# warm packed bf16 step gained ~0.25 s (update 0.88 vs 1.05 s, reference 0.27 vs 0.35 s): even at about 130
-# steps. Padded bf16 rows gained nothing on a 135M model and float32 under an AVX2 cap gained nothing, hence
-# packed half precision only, and twice the break-even (a slower machine gains less a step).
+# Compiled decoder layers: measured on a 2-core AVX-512 BF16 EPYC (benchmarks/results_archive/2026-12.md,
+# 2026-12-04), the first GRPO step took 32.8 s compiled against 1.95 s warm and the dynamic-shape recompile
+# ~2 s more, while a warm packed bf16 step gained ~0.25 s (update 0.88 vs 1.05 s, reference 0.27 vs 0.35 s):
+# even at about 130 steps. Padded bf16 rows gained nothing on a 135M model and float32 under an AVX2 cap gained
+# nothing, hence packed half precision only, and twice the break-even (a slower machine gains less a step).
 COMPILE_MIN_STEPS = 300
 COMPILE_RULE = (
     f"compile_layers=auto compiles with packed rows, bf16/fp16 compute and >= {COMPILE_MIN_STEPS} planned "

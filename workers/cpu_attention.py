@@ -29,11 +29,11 @@ the mask added (``baddbmm``: the heads sharing a key/value head are one matrix, 
 in the input dtype), PyTorch's softmax, which reads bf16/fp16 and accumulates in float32, and a second
 batched GEMM. Written as ``softmax(scores.float())`` with a separate mask pass, the same arithmetic took
 2x as long forward+backward under torch.compile (float32 score copies in and out of memory;
-benchmarks/RESULTS.md, 2026-12-03). The forward output is the same as a float32 softmax rounded to the input
-dtype; the backward starts from the rounded probabilities. Fully masked query rows (left padding) get a
-finite uniform softmax instead of NaN. It saves the ``[b, heads, q, k]`` probabilities for backward (flash
-saves none), bounded by the length limit. The choice depends only on shapes and dtypes, so a recomputation under gradient checkpointing
-takes the same path as the forward it replays.
+benchmarks/results_archive/2026-12.md, 2026-12-03). The forward output is the same as a float32 softmax
+rounded to the input dtype; the backward starts from the rounded probabilities. Fully masked query rows (left
+padding) get a finite uniform softmax instead of NaN. It saves the ``[b, heads, q, k]`` probabilities for
+backward (flash saves none), bounded by the length limit. The choice depends only on shapes and dtypes, so a
+recomputation under gradient checkpointing takes the same path as the forward it replays.
 
 `register` makes the function and its mask builder (`one_row_mask`: SDPA's boolean masks, none for one
 row) known to Transformers under `NAME`; ``model.attn_implementation=auto`` selects it on CPU
@@ -101,7 +101,8 @@ class _Scores(torch.autograd.Function):
     """``bias + scaling * q3 @ k3^T`` whose key gradient comes out in the keys' own ``[k, d]`` layout
     (``dS^T @ q3``). Through autograd's ``baddbmm`` it arrives as the transpose of a ``[d, k]`` product,
     and a packed row's gather of the keys then scatters it back element by element: 18% of a shared-prompt
-    micro-batch's attention (forward + backward, bf16, one thread, compiled; benchmarks/RESULTS.md)."""
+    micro-batch's attention (forward + backward, bf16, one thread, compiled;
+    benchmarks/results_archive/2026-12.md, 2026-12-03)."""
 
     @staticmethod
     def forward(

@@ -85,9 +85,9 @@ def _attn_implementation(name: str | None) -> str:
 @functools.cache
 def _warn_packed_sdpa_on_cuda() -> None:
     """Once per process: packed rows under SDPA on CUDA attend through a dense block-diagonal mask over
-    the whole packed row (Transformers builds it from the restarting positions), so they cost more than
-    padded rows. Measured on an H200, 0.36B model, one run (benchmarks/RESULTS.md, 2026-12-04 16:35): update
-    2.87 s packed vs 1.79 s padded, old log-prob 0.67 vs 0.23 s."""
+    the whole packed row (Transformers builds it from the restarting positions), so they cost more than padded
+    rows. Measured on an H200, 0.36B model, one run (benchmarks/results_archive/2026-12.md, "GPU, second
+    lending"): update 2.87 s packed vs 1.79 s padded, old log-prob 0.67 vs 0.23 s."""
     logging.getLogger("fusedrl").warning(
         "model.use_remove_padding=true on CUDA without flash-attn: packed rows run PyTorch SDPA with a "
         "dense mask over each packed row, slower than padded rows (on an H200 the actor update took 1.6x "

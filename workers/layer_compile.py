@@ -10,11 +10,11 @@ recompiles once with dynamo's automatic dynamic shapes: the sizes that changed (
 rows and columns of a padded batch, sequences and the longest one in an attention layout) become symbolic,
 the rest (hidden, head and MLP sizes) stay constants, and that graph serves every later shape. A run thus
 compiles twice per graph (grad / no-grad) and never pads a batch to fit a compiled shape. Measured on an
-AVX-512 BF16 EPYC (benchmarks/RESULTS.md, 2026-12-04): the dynamic graph runs a layer's packed bf16
-forward + backward in the same time per token as the static one, and the GRPO step lost the 2-6 s a new
-width cost when every shape was compiled (widths bucketed, up to 1/8 padding). ``dynamic=True`` is not
-used: it makes the rotary embedding's head dimension symbolic too, and the attention's copies then run
-as scalar loops (reference pass 2.2x slower). Packed rows carry their attention layout as tensors
+AVX-512 BF16 EPYC (benchmarks/results_archive/2026-12.md, 2026-12-04): the dynamic graph runs a layer's packed
+bf16 forward + backward in the same time per token as the static one, and the GRPO step lost the 2-6 s a new
+width cost when every shape was compiled (widths bucketed, up to 1/8 padding). ``dynamic=True`` is not used:
+it makes the rotary embedding's head dimension symbolic too, and the attention's copies then run as scalar
+loops (reference pass 2.2x slower). Packed rows carry their attention layout as tensors
 (`fusedrl.workers.packing.pack_batch` with ``layout=True``) so that no sequence boundary is read as a
 Python number inside the compiled code.
 
@@ -25,10 +25,10 @@ weight gradient as ``mm(g.t(), x)``: the output gradient ``g`` read transposed. 
 runs that product at about half the speed of the same product with a row-major first operand (one thread,
 ``[1408, 2048] x [2048, 512]`` bf16: 7.3 vs 3.4 ms). Inside a compiled layer the linears compute it from
 ``g`` transposed into a row-major buffer, which Inductor writes in the kernel that produces ``g`` (the
-backward of SiLU, of the rotary embedding, ...): a decoder layer's bf16 forward + backward of 2048 tokens
-took 83 instead of 99 ms (benchmarks/RESULTS.md, 2026-12-03 evening). The product goes through a custom op
-(`row_major_mm`) because Inductor otherwise drops the transposed copy as a layout change it may choose
-freely. Float32 (MKL reads either layout at full speed), eager layers (the copy is a separate pass that
+backward of SiLU, of the rotary embedding, ...): a decoder layer's bf16 forward + backward of 2048 tokens took
+83 instead of 99 ms (benchmarks/results_archive/2026-12.md, 2026-12-03 evening). The product goes through a
+custom op (`row_major_mm`) because Inductor otherwise drops the transposed copy as a layout change it may
+choose freely. Float32 (MKL reads either layout at full speed), eager layers (the copy is a separate pass that
 costs what it saves) and GPUs keep PyTorch's own linear.
 """
 

