@@ -499,6 +499,9 @@ def validate(cfg: DictConfig) -> None:
     from fusedrl.architecture_config import architecture_problems
 
     problems.extend(architecture_problems(cfg, needed_roles(cfg)))
+    from fusedrl.chat_config import chat_template_problems
+
+    problems.extend(chat_template_problems(cfg))
     from fusedrl.lora import lora_problems
 
     problems.extend(lora_problems(cfg))

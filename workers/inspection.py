@@ -117,3 +117,29 @@ class InspectionHooks:
     def echo_rows(self, batch: RolloutBatch) -> int:
         """Receives a batch and answers its size: the controller round trip without any model work."""
         return batch.num_samples
+
+    def actor_tied_embeddings(self) -> dict[str, Any]:
+        """Whether the actor's output head is still its input embedding (one parameter object, as
+        ``tie_word_embeddings`` asks), with this rank's local shards of both."""
+        assert self.actor is not None
+        model = self.actor.model
+        head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+        with self._resident():
+            return {
+                "same": head is embed,
+                "lm_head": head.to_local().detach().cpu().clone(),
+                "embed": embed.to_local().detach().cpu().clone(),
+            }
+
+    def rollout_tied_embeddings(self) -> dict[str, Any]:
+        """The engine's input embedding (a copy) and whether its output head is that tensor or equal to it.
+        The engine's weights must be awake and hold streamed values."""
+        engine = self.rollout.engine
+        engine.model_state()  # refuses while the weights are asleep or discarded
+        model = engine._model()
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        return {
+            "same": head is embed or head.data_ptr() == embed.data_ptr(),
+            "equal": bool(torch.equal(head.detach(), embed.detach())),
+            "embed": embed.detach().cpu().clone(),
+        }
