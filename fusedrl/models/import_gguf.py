@@ -105,7 +105,9 @@ def read_gguf_header(path: Path) -> tuple[str, int]:
         raise GGUFImportError(f"{path}: unreadable GGUF file ({exc}); download or copy it again") from exc
     field = reader.fields.get("general.architecture")
     if field is None:
-        raise GGUFImportError(f"{path}: GGUF file without `general.architecture`; cannot tell which model it is")
+        raise GGUFImportError(
+            f"{path}: GGUF file without `general.architecture`; cannot tell which model it is"
+        )
     arch = bytes(field.parts[field.data[0]]).decode()
     supported = [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]
     if arch not in supported:
@@ -172,7 +174,9 @@ def _plain_model(quantized: Any, dtype: str) -> Any:
     return plain.eval()
 
 
-def import_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "float32") -> ImportReport:
+def import_gguf(
+    gguf_path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "float32"
+) -> ImportReport:
     """Write the HF folder ``out`` from ``gguf_path`` (see the module docstring); returns the report."""
     if dtype not in DTYPES:
         raise GGUFImportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")

@@ -33,7 +33,10 @@ def model_dir(dtype: str = "float32", *, quiet: bool = False) -> str:
     out = cache_root() / "models" / f"{NAME}-{dtype}"
     if not (out / "fusedrl_import.json").is_file():
         if not quiet:
-            print(f"[smollm2] importing {NAME} ({dtype}) from the `{PACKAGE}` package into {out} ...", flush=True)
+            print(
+                f"[smollm2] importing {NAME} ({dtype}) from the `{PACKAGE}` package into {out} ...",
+                flush=True,
+            )
         import_gguf(package_gguf(PACKAGE), out, dtype=dtype)
     return str(out)
 

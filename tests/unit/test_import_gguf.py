@@ -100,7 +100,9 @@ def test_the_real_model_folder_reproduces_the_gguf_log_probs(smollm2_dir: str) -
     config = json.loads((Path(smollm2_dir) / "config.json").read_text())
     assert "quantization_config" not in config and config["tie_word_embeddings"] is True
     src = Path(report["source"])
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        str(src.parent), gguf_file=src.name, dtype=torch.float32
+    )
     folder_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     text = tok.apply_chat_template(
