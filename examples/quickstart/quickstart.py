@@ -243,8 +243,10 @@ def run_rft(
     from echo_smoke import run_sft_stage  # the SFT stage runner with a wall-time budget
 
     t0 = time.monotonic()
+    os.makedirs(work, exist_ok=True)
     sft_data = os.path.join(work, "rft.parquet")
-    run_child("sample", model_dir, data["train"], sft_data, "4", "256")
+    # 128 problems x 4 samples: about what the GRPO loop samples in its wall time on 2 cores
+    run_child("sample", model_dir, data["train"], sft_data, "4", "128")
     left = max(budget_s - (time.monotonic() - t0), 10.0)
     overrides = [
         f"data.train_files={sft_data}",

