@@ -132,3 +132,22 @@ def spawned_result(
     proc.join(timeout)
     assert proc.exitcode == 0, f"{body.__name__} exited with {proc.exitcode}"
     return torch.load(out)
+
+
+def sync_gap(trainer, prompts) -> float:
+    """Max |rollout log-prob - actor log-prob| over the engine's own fresh samples."""
+    batch = trainer.compute_log_probs(trainer.generate(prompts))
+    mask = batch.response_mask.bool()
+    assert mask.any(), "the engine generated no tokens"
+    return float((batch.rollout_log_probs - batch.old_log_probs).abs()[mask].max())
+
+
+def update_without_sync(trainer, prompts) -> None:
+    """One update of the actor whose new weights are NOT streamed to the engines (a forgotten sync)."""
+    batch = trainer.generate(prompts)
+    batch = trainer.compute_rewards(batch, {})
+    batch = trainer.compute_log_probs(batch)
+    batch = trainer.compute_ref_log_probs(batch)
+    batch = trainer.compute_advantages(batch)
+    trainer.update_actor(batch)
+    trainer.rollout_stale = False  # a choreography that forgets the sync (generate would re-sync first)

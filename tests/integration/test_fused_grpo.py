@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from support import FLOAT32_TRAINING, started_trainer
+from support import FLOAT32_TRAINING, started_trainer, sync_gap, update_without_sync
 
 pytestmark = pytest.mark.integration
 
@@ -55,25 +55,6 @@ def _merged_states(trainer, method: str) -> list[dict[str, torch.Tensor]]:
     if method == "actor":
         return trainer.workers.run_all(lambda w: w.actor_state.remote())
     return trainer.workers.run_all(lambda w: w.ref_state.remote())
-
-
-def _sync_gap(trainer, prompts) -> float:
-    """Max |rollout log-prob - actor log-prob| over the engine's own fresh samples."""
-    batch = trainer.generate(prompts)
-    batch = trainer.compute_log_probs(batch)
-    mask = batch.response_mask.bool()
-    assert mask.any(), "the engine generated no tokens"
-    return float((batch.rollout_log_probs - batch.old_log_probs).abs()[mask].max())
-
-
-def _update_without_sync(trainer, prompts) -> None:
-    batch = trainer.generate(prompts)
-    batch = trainer.compute_rewards(batch, {})
-    batch = trainer.compute_log_probs(batch)
-    batch = trainer.compute_ref_log_probs(batch)
-    batch = trainer.compute_advantages(batch)
-    trainer.update_actor(batch)
-    trainer.rollout_stale = False  # a choreography that forgets the sync (generate would re-sync first)
 
 
 def test_engine_starts_in_sync_first_step_kl_zero(trainer):
@@ -138,16 +119,16 @@ def test_reference_scores_like_the_original_checkpoint(trainer, tiny_model_dir):
 def test_after_sync_rollout_log_probs_equal_actor(trainer):
     prompts = next(iter(trainer.train_loader))
     trainer.sync_weights()
-    assert _sync_gap(trainer, prompts) < SYNC_TOL
+    assert sync_gap(trainer, prompts) < SYNC_TOL
 
 
 def test_missing_sync_is_caught(trainer):
     prompts = next(iter(trainer.train_loader))
-    _update_without_sync(trainer, prompts)
-    stale_gap = _sync_gap(trainer, prompts)
+    update_without_sync(trainer, prompts)
+    stale_gap = sync_gap(trainer, prompts)
     assert stale_gap > 100 * SYNC_TOL, f"skipping the sync went unnoticed (gap {stale_gap:.2e})"
     trainer.sync_weights()
-    assert _sync_gap(trainer, prompts) < SYNC_TOL
+    assert sync_gap(trainer, prompts) < SYNC_TOL
 
 
 def _long_prompt_batch(trainer, copies: int):
@@ -181,17 +162,17 @@ def test_prefix_cache_is_reset_after_sync(trainer):
     """A repeated prompt longer than one KV block must not reuse KV computed with the old weights."""
     long_prompts = _long_prompt_batch(trainer, copies=2)
     train_prompts = next(iter(trainer.train_loader))
-    assert _sync_gap(trainer, long_prompts) < SYNC_TOL  # warms the prefix cache with the current weights
+    assert sync_gap(trainer, long_prompts) < SYNC_TOL  # warms the prefix cache with the current weights
 
-    _update_without_sync(trainer, train_prompts)
+    update_without_sync(trainer, train_prompts)
     trainer.workers.run_all(lambda w: w.rollout_wake_up.remote(["weights"]))  # never stream into a sleeper
     trainer.workers.run_all(lambda w: w.update_weights.remote(reset_prefix_cache=False))
-    stale_gap = _sync_gap(trainer, long_prompts)
+    stale_gap = sync_gap(trainer, long_prompts)
     assert stale_gap > 100 * SYNC_TOL, f"stale prefix KV went unnoticed (gap {stale_gap:.2e})"
 
-    _update_without_sync(trainer, train_prompts)
+    update_without_sync(trainer, train_prompts)
     trainer.sync_weights()  # the real sync resets the prefix cache
-    assert _sync_gap(trainer, long_prompts) < SYNC_TOL
+    assert sync_gap(trainer, long_prompts) < SYNC_TOL
 
 
 def test_sync_holds_no_second_copy(trainer, tiny_model_dir):

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from support import FLOAT32_TRAINING, started_trainer
+from support import FLOAT32_TRAINING, started_trainer, sync_gap, update_without_sync
 
 pytestmark = pytest.mark.integration
 
@@ -106,24 +106,6 @@ def trainer(model_dir, train_file, tmp_path_factory):
         yield t
 
 
-def _sync_gap(trainer, prompts) -> float:
-    """Max |rollout log-prob - actor log-prob| over the engine's own fresh samples."""
-    batch = trainer.compute_log_probs(trainer.generate(prompts))
-    mask = batch.response_mask.bool()
-    assert mask.any(), "the engine generated no tokens"
-    return float((batch.rollout_log_probs - batch.old_log_probs).abs()[mask].max())
-
-
-def _update_without_sync(trainer, prompts) -> None:
-    batch = trainer.generate(prompts)
-    batch = trainer.compute_rewards(batch, {})
-    batch = trainer.compute_log_probs(batch)
-    batch = trainer.compute_ref_log_probs(batch)
-    batch = trainer.compute_advantages(batch)
-    trainer.update_actor(batch)
-    trainer.rollout_stale = False  # a choreography that forgets the sync (generate would re-sync first)
-
-
 def _messages_by_uid(train_file: str) -> dict[str, list[dict]]:
     import pyarrow.parquet as pq
 
@@ -184,16 +166,16 @@ def test_eos_is_the_end_of_turn_token_and_the_engine_stops_there(trainer, model_
 
 
 def test_engine_starts_in_sync(trainer):
-    assert _sync_gap(trainer, trainer.next_prompts()) < SYNC_TOL
+    assert sync_gap(trainer, trainer.next_prompts()) < SYNC_TOL
 
 
 def test_weight_stream_is_exact_after_an_update(trainer):
     prompts = trainer.next_prompts()
-    _update_without_sync(trainer, prompts)
-    stale_gap = _sync_gap(trainer, prompts)
+    update_without_sync(trainer, prompts)
+    stale_gap = sync_gap(trainer, prompts)
     assert stale_gap > 100 * SYNC_TOL, f"skipping the sync went unnoticed (gap {stale_gap:.2e})"
     trainer.sync_weights()
-    assert _sync_gap(trainer, prompts) < SYNC_TOL
+    assert sync_gap(trainer, prompts) < SYNC_TOL
 
 
 def _check_tied(trainer) -> torch.Tensor:
@@ -218,7 +200,7 @@ def test_tied_embeddings_survive_update_stream_and_checkpoint(trainer, model_dir
     assert not torch.equal(trained, original), "the embedding did not train"
 
     trainer.save_checkpoint()
-    _update_without_sync(trainer, trainer.next_prompts())
+    update_without_sync(trainer, trainer.next_prompts())
     moved = trainer.workers.run_all(lambda w: w.actor_tied_embeddings.remote())
     assert not torch.equal(torch.cat([r["embed"] for r in moved]), trained)
     assert trainer.load_checkpoint() is not None  # re-syncs the engines
