@@ -13,10 +13,11 @@ is this pass's alone):
   a PPO-like loss (advantage-weighted log-probs and an entropy bonus) and its backward, inside one
   `gathered_for_pass`.
 
-Reported: the peak RSS over the RSS after the model was built (MiB), and the pass's seconds (median of
-``--reps`` after the measured first run). Variants: ``whole`` (``chunked_head.ENABLED = False``: the
-logits of a micro-batch's response positions at once) and ``chunked``; rounds alternate the variants so a
-shared machine's load falls on both alike.
+Reported: the peak RSS over the RSS after the model was built (MiB; the pass run first, alone in its
+process), and the pass's seconds, min and median of ``--reps``, from one more process per pass and
+micro-batch that runs the two variants alternately on one model (after a warm-up round), so a shared
+machine's load falls on both alike. Variants: ``whole`` (``chunked_head.ENABLED = False``: the logits of a
+micro-batch's response positions at once) and ``chunked``.
 
     .venv/bin/python -m benchmarks.logprob_memory [--micro 16,64] [--layers 4] [--threads 2] [--reps 3]
         [--rounds 1] [--packed] [--dtype float32|bfloat16] [--record]
@@ -81,38 +82,56 @@ def _pass(model, batch, which: str, micro: int, packed: bool) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def _group(port: int):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
 def child(args: argparse.Namespace) -> dict:
-    """One variant x micro-batch x pass in this process, on a 1-rank gloo group."""
+    """Peak memory of one variant x micro-batch x pass, the first in this process (1-rank gloo group)."""
     import torch.distributed as dist
 
     import fusedrl.workers.chunked_head as chunked_head
     from benchmarks.train_passes import synthetic_batch
 
     torch.set_num_threads(args.threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    _group(args.port)
     try:
         chunked_head.ENABLED = args.variant == "chunked"
         model = _model(args.layers, args.dtype)
         batch = synthetic_batch(32, seed=0)
         base = _rss_mib()
-        t0 = time.perf_counter()
         _pass(model, batch, args.which, args.micro, args.packed)
-        first = time.perf_counter() - t0
         peak = _rss_mib()
-        times = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            _pass(model, batch, args.which, args.micro, args.packed)
-            times.append(time.perf_counter() - t0)
-        return {
-            "base_mib": base,
-            "peak_mib": peak,
-            "peak_over_base_mib": peak - base,
-            "first_s": first,
-            "seconds": statistics.median(times) if times else first,
-            "response_tokens": int(batch.response_mask.sum()),
-        }
+        return {"base_mib": base, "peak_mib": peak, "peak_over_base_mib": peak - base}
+    finally:
+        dist.destroy_process_group()
+
+
+def timing_child(args: argparse.Namespace) -> dict:
+    """Seconds of one pass x micro-batch, both variants alternating on one model (after one warm-up pass
+    each): ``{variant: [seconds, ...]}``."""
+    import torch.distributed as dist
+
+    import fusedrl.workers.chunked_head as chunked_head
+    from benchmarks.train_passes import synthetic_batch
+
+    torch.set_num_threads(args.threads)
+    _group(args.port)
+    try:
+        model = _model(args.layers, args.dtype)
+        batch = synthetic_batch(32, seed=0)
+        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for rep in range(args.reps + 1):
+            for variant in VARIANTS:
+                chunked_head.ENABLED = variant == "chunked"
+                t0 = time.perf_counter()
+                _pass(model, batch, args.which, args.micro, args.packed)
+                if rep:  # the first round warms up
+                    times[variant].append(time.perf_counter() - t0)
+        return times
     finally:
         dist.destroy_process_group()
 
@@ -127,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--packed", action="store_true", help="use_remove_padding: packed rows")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--passes", default=",".join(PASSES))
-    p.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    p.add_argument(
+        "--record", action="store_true", help="record the run (benchmarks/RESULTS.md and results_archive/)"
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", default="chunked", help=argparse.SUPPRESS)
     p.add_argument("--which", default="update", help=argparse.SUPPRESS)
@@ -135,34 +156,40 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.child:
         args.micro = int(args.micro)
-        print("RESULT " + json.dumps(child(args)), flush=True)
+        result = timing_child(args) if args.variant == "timing" else child(args)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
     from benchmarks.common import record, run_in_subprocess
     from benchmarks.train_passes import _free_port
 
-    results: dict[str, list[dict]] = {}
+    results: dict[str, list] = {}
     for _ in range(args.rounds):
         for which in args.passes.split(","):
             for micro in args.micro.split(","):
-                for variant in VARIANTS:
+                for variant in (*VARIANTS, "timing"):
                     flags = ["--child", f"--variant={variant}", f"--which={which}", f"--micro={micro}"]
                     flags += [f"--layers={args.layers}", f"--threads={args.threads}", f"--reps={args.reps}"]
                     flags += [f"--dtype={args.dtype}", f"--port={_free_port()}"] + (
                         ["--packed"] * args.packed
                     )
-                    out = run_in_subprocess("benchmarks.logprob_memory", flags, timeout=1800)
+                    out = run_in_subprocess("benchmarks.logprob_memory", flags, timeout=3600)
                     results.setdefault(f"{which}/{micro}/{variant}", []).append(out)
                     print(which, micro, variant, json.dumps(out), flush=True)
     lines = [
-        "| pass | micro-batch | variant | peak RSS over base (MiB) | seconds | vs whole |",
+        "| pass | micro-batch | variant | peak RSS over base (MiB) | seconds, min (median) | min vs whole |",
         "|---|---|---|---|---|---|",
     ]
     for key, runs in results.items():
         which, micro, variant = key.split("/")
+        if variant == "timing":
+            continue
         peak = statistics.median(r["peak_over_base_mib"] for r in runs)
-        secs = statistics.median(r["seconds"] for r in runs)
-        ref = statistics.median(r["seconds"] for r in results[f"{which}/{micro}/whole"])
-        lines.append(f"| {which} | {micro} | {variant} | {peak:.0f} | {secs:.3f} | {secs / ref:.3f} |")
+        secs = [t for r in results[f"{which}/{micro}/timing"] for t in r[variant]]
+        ref = min(t for r in results[f"{which}/{micro}/timing"] for t in r["whole"])
+        lines.append(
+            f"| {which} | {micro} | {variant} | {peak:.0f} | {min(secs):.2f} ({statistics.median(secs):.2f}) "
+            f"| {min(secs) / ref:.3f} |"
+        )
     layout = "packed" if args.packed else "padded"
     table = "\n".join(lines)
     title = f"Chunked LM head: log-prob passes, SmolLM2 widths x {args.layers} layers, {layout}, {args.dtype}"

@@ -86,7 +86,7 @@ def output_head(model: nn.Module) -> nn.Linear | None:
         return None
     if getattr(getattr(base, "config", None), "model_type", None) not in MODEL_TYPES:
         return None
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None  # type: ignore[operator]
     # A PEFT-adapted head is a LoraLayer (not an nn.Linear); a subclass may compute something else.
     return head if type(head) in (nn.Linear, RowMajorGradLinear) else None
 
@@ -160,11 +160,15 @@ def _chunked_forward(
         returned.append(stats)
         return stats
 
-    head.forward = forward  # type: ignore[method-assign]
+    before = head.__dict__.get("forward")  # an instance's own forward (someone else's patch), if any
+    head.forward = forward  # type: ignore[method-assign,assignment]
     try:
         yield returned
     finally:
-        del head.forward
+        if before is None:
+            del head.forward
+        else:
+            head.forward = before  # type: ignore[method-assign]
 
 
 def chunked_token_stats(
