@@ -381,7 +381,7 @@ def attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def one_row_mask(**kwargs: Any) -> torch.Tensor | None:
+def one_row_mask(**mask_kwargs: Any) -> torch.Tensor | None:
     """The mask builder registered with `attention`: Transformers' ``sdpa_mask``, except None for a causal
     mask of one row without padding and without cache (a packed row, or one unpadded sequence), which
     `attention` attends correctly without a mask: sequences from the restarting ``position_ids`` (that
@@ -394,17 +394,17 @@ def one_row_mask(**kwargs: Any) -> torch.Tensor | None:
     hands to SDPA with the mask), and devices other than the CPU."""
     from transformers.masking_utils import sdpa_mask
 
-    config = kwargs.get("config")
-    q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
+    config = mask_kwargs.get("config")
+    q_offset, kv_offset = mask_kwargs.get("q_offset", 0), mask_kwargs.get("kv_offset", 0)
     one_row = (
-        kwargs.get("batch_size") == 1
-        and kwargs.get("attention_mask") is None
+        mask_kwargs.get("batch_size") == 1
+        and mask_kwargs.get("attention_mask") is None
         and isinstance(q_offset, int)
         and isinstance(kv_offset, int)
         and q_offset == kv_offset == 0
-        and kwargs.get("q_length") == kwargs.get("kv_length")
-        and not kwargs.get("use_vmap", False)
-        and torch.device(kwargs.get("device", "cpu")).type == "cpu"
+        and mask_kwargs.get("q_length") == mask_kwargs.get("kv_length")
+        and not mask_kwargs.get("use_vmap", False)
+        and torch.device(mask_kwargs.get("device", "cpu")).type == "cpu"
     )
     causal_model = (
         config is not None
@@ -414,7 +414,7 @@ def one_row_mask(**kwargs: Any) -> torch.Tensor | None:
     )
     if one_row and causal_model:
         return None
-    return sdpa_mask(**kwargs)
+    return sdpa_mask(**mask_kwargs)
 
 
 def register() -> str:

@@ -22,6 +22,7 @@ NOT_CONFIG = {
     "e",
     "g_now",
     "self.sinks",
+    "mask_kwargs",  # Transformers' mask-builder keywords (workers/cpu_attention.py::one_row_mask)
 }
 
 
