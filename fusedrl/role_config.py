@@ -160,6 +160,7 @@ class MultiTurnSection:
     max_parallel_calls: int
     max_tool_response_length: int
     tool_response_truncate_side: str
+    format: str
     tool_timeout_s: float
     tool_workers: int
     tokenization_check: str | bool

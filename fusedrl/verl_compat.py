@@ -162,8 +162,35 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.rollout.expert_parallel_size", "no expert parallelism"),
     ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "no pipeline parallelism"),
     ("actor_rollout_ref.rollout.over_sample_rate", "every requested sample is generated"),
-    ("actor_rollout_ref.rollout.multi_turn.*", "multi-turn / tool rollouts are not implemented yet"),
-    ("actor_rollout_ref.rollout.agent.*", "agent loops are not implemented yet"),
+    (
+        "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode",
+        "verl's agent loops do not read it (its sglang-era check only warned); fusedrl's check is "
+        "multi_turn.tokenization_check (strict raises at the first differing token)",
+    ),
+    (
+        "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
+        "fusedrl trains on exactly the sampled ids (verl's false, its default; true is refused)",
+    ),
+    (
+        "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts",
+        "verl's agent loops do not read it; samples per prompt are actor_rollout_ref.rollout.n",
+    ),
+    (
+        "actor_rollout_ref.rollout.multi_turn.interaction_config_path",
+        "null only: verl's interactions (removed from verl main) are not run; a path is refused",
+    ),
+    (
+        "actor_rollout_ref.rollout.multi_turn.function_tool_path",
+        "null only: list function tools in multi_turn.tool_config_path (class_name: file.py:func); a path is refused",
+    ),
+    (
+        "actor_rollout_ref.rollout.agent.agent_loop_config_path",
+        "register loops with fusedrl.agent.register_agent_loop in a module of algorithm.custom_modules",
+    ),
+    (
+        "actor_rollout_ref.rollout.agent.*",
+        "fusedrl's agent loops run on each worker's in-process engine (no agent-loop workers or servers)",
+    ),
     ("actor_rollout_ref.rollout.checkpoint_engine.*", "weights stream in place within each worker"),
     ("actor_rollout_ref.rollout.skip_rollout", "no rollout dump / replay"),
     ("actor_rollout_ref.rollout.skip_dump_dir", "no rollout dump / replay"),
@@ -174,7 +201,10 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("data.train_max_samples", "every row of data.train_files is used"),
     ("data.val_max_samples", "every row of data.val_files is used"),
     ("data.reward_fn_key", "the scorer is chosen by each row's data_source"),
-    ("data.tool_config_path", "tools are not implemented yet"),
+    (
+        "data.tool_config_path",
+        "tools are declared with actor_rollout_ref.rollout.multi_turn.tool_config_path",
+    ),
     ("data.return_raw_input_ids", "prompts are tokenized once, with the policy's tokenizer"),
     ("data.return_full_prompt", "prompts are rendered on the driver; rewards get the decoded text"),
     ("data.dataloader_num_workers", "prompts are tokenized once at start-up"),
@@ -230,6 +260,8 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
 # verl key -> fusedrl key it sets (same meaning, another name).
 RENAMED: dict[str, str] = {
     "ray_kwargs.ray_init.num_cpus": "trainer.ray_num_cpus",
+    # verl's loop names (single_turn_agent, tool_agent) are loop names in fusedrl too
+    "actor_rollout_ref.rollout.agent.default_agent_loop": "actor_rollout_ref.rollout.multi_turn.default_agent_name",
 }
 
 # verl's DAPO scripts pass the overlong shaping as extra reward keyword arguments.
@@ -293,6 +325,30 @@ def rejected_value(key: str, value: str) -> str | None:
         return (
             f"`{key}`={value}: fusedrl's critic has no LoRA. Drop the key (actor LoRA runs with critic-free "
             "estimators such as grpo), or set it to 0."
+        )
+    unset = v in ("", "null", "none", "~")
+    if key == "actor_rollout_ref.rollout.multi_turn.interaction_config_path" and not unset:
+        return (
+            f"`{key}`={value}: verl's interactions (removed from verl main) are not supported. For a simulated "
+            "user or environment subclass fusedrl.agent.Environment, register it with "
+            "fusedrl.agent.register_environment in a module listed in algorithm.custom_modules and name it in "
+            "the rows' agent_name (docs/agentic.md)."
+        )
+    if key == "actor_rollout_ref.rollout.multi_turn.function_tool_path" and not unset:
+        return (
+            f"`{key}`={value}: not supported yet. List each function in the tool YAML instead "
+            "(actor_rollout_ref.rollout.multi_turn.tool_config_path, `- class_name: /path/tools.py:my_function`; "
+            "the schema comes from its type hints and docstring) and drop verl's @function_tool decorator."
+        )
+    if key == "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template" and v in (
+        "true",
+        "1",
+        "yes",
+    ):
+        return (
+            f"`{key}`={value}: fusedrl trains on exactly the ids the engine sampled and the observations "
+            "rendered once (verl's false); re-rendering turns with the inference template is not supported. "
+            "Drop the key or set false."
         )
     if key == "actor_rollout_ref.rollout.name" and v in ("sglang", "trtllm"):
         return (

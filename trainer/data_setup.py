@@ -20,11 +20,12 @@ def prompt_data(
     # data.return_raw_chat: the row's chat messages ride in extra_info["raw_prompt"] to the reward function.
     extra: dict[str, Any] = {"keep_messages": bool(data.return_raw_chat)}
     if agent_tools is not None:
-        from fusedrl.agent import ToolSet
+        from fusedrl.agent import ToolSet, agent_loop_names
 
         multi_turn = to_plain_dict(config.actor_rollout_ref.rollout.multi_turn)
         schemas = ToolSet.from_config(multi_turn, extra=agent_tools).schemas()
-        extra = {"tools": schemas or None, "keep_messages": True}
+        # Loops registered by algorithm.custom_modules count: the trainer imported them before this.
+        extra = {"tools": schemas or None, "keep_messages": True, "agent_names": agent_loop_names()}
 
     def dataset(files: Any) -> RLDataset:
         return RLDataset(

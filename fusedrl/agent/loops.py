@@ -2,7 +2,8 @@
 
 A loop is a class with ``async def run(self, row, traj, ctx)``; register it with `register_agent_loop`.
 A row picks its loop by its ``agent_name`` (dataset column, or ``extra_info.agent_name``); rows without
-one use ``multi_turn.default_agent_name`` (``single_turn``, today's behaviour, unless configured).
+one use ``multi_turn.default_agent_name`` (``single_turn``, today's behaviour, unless configured). verl's
+loop names ``single_turn_agent`` and ``tool_agent`` name the same two built-in loops.
 
 ``ctx`` (an `AgentContext`, given by the runner) offers ``generate(traj)`` (one assistant turn, token
 ids in and out, through the shared engine) and ``call_tools(traj, calls, row)`` (parallel, time-limited
@@ -125,6 +126,12 @@ class ToolAgentLoop(AgentLoop):
             results = await ctx.call_tools(traj, calls, row)
             if not append_observation(traj, ctx, [{"role": "tool", "content": r} for r in results]):
                 return
+
+
+# verl's names for its two built-in loops (a row's agent_name, agent.default_agent_loop) run fusedrl's.
+VERL_LOOP_NAMES = {"single_turn_agent": "single_turn", "tool_agent": "tool"}
+for _verl_name, _name in VERL_LOOP_NAMES.items():
+    register_agent_loop(_verl_name)(_LOOPS[_name])
 
 
 class EnvironmentLoop(AgentLoop):

@@ -23,13 +23,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fusedrl.agent.loops import get_agent_loop
+from fusedrl.agent.loops import agent_loop_names, get_agent_loop
 from fusedrl.agent.parser import ToolCall
 from fusedrl.agent.render import ChatRenderer, tokenization_mismatch
 from fusedrl.agent.tools import ToolResult, ToolSet
 from fusedrl.agent.trajectory import Trajectory
 
 TRUNCATE_SIDES = ("left", "right", "middle")
+TOOL_CALL_FORMATS = ("hermes",)  # verl's multi_turn.format names; fusedrl.agent.parse_hermes parses these
 SCHEDULES = ("continuous", "turn_sync")
 
 
@@ -44,6 +45,7 @@ class MultiTurnConfig:
     max_parallel_calls: int = 1
     max_tool_response_length: int = 256
     tool_response_truncate_side: str = "middle"
+    format: str = "hermes"
     tool_timeout_s: float = 30.0
     tool_workers: int = 16
     tokenization_check: str = "off"
@@ -71,6 +73,17 @@ class MultiTurnConfig:
                 "use left, right or middle",
             ),
             ("tokenization_check", self.tokenization_check in ("strict", "off"), "use strict or off"),
+            (
+                "format",
+                self.format in TOOL_CALL_FORMATS,
+                "the tool loop parses Hermes / Qwen calls only (<tool_call>{json}</tool_call>); use hermes",
+            ),
+            (
+                "default_agent_name",
+                self.default_agent_name in agent_loop_names(),
+                f"not a registered agent loop; use one of {', '.join(agent_loop_names())} (or register yours "
+                "with fusedrl.agent.register_agent_loop in a module listed in algorithm.custom_modules)",
+            ),
             ("schedule", self.schedule in SCHEDULES, "use continuous or turn_sync"),
             ("max_parallel_calls", int(self.max_parallel_calls) >= 1, "must be >= 1"),
             ("tool_timeout_s", float(self.tool_timeout_s) > 0, "must be > 0"),
@@ -84,17 +97,18 @@ class MultiTurnConfig:
 
 
 def truncate(text: str, limit: int, side: str) -> tuple[str, bool]:
-    """``text`` cut to ``limit`` characters keeping its ``side`` (``left``: the beginning, ``right``: the end,
-    ``middle``: both ends), with a marker where text was dropped; and whether it was cut."""
+    """``text`` cut to ``limit`` characters on its ``side`` (``left``: the beginning is dropped and the end
+    kept, ``right``: the end is dropped, ``middle``: the middle is dropped and both ends kept), with a marker
+    where text was dropped; and whether it was cut."""
     if len(text) <= limit:
         return text, False
     marker = "...(truncated)..."
     keep = max(limit - len(marker), 0)
-    # verl's convention: the side named is the side kept.
+    # verl's convention since its tool-loop fix of 2026-05 (#6313): the side named is the side cut.
     if side == "left":
-        return text[:keep] + marker, True
-    if side == "right":
         return marker + text[len(text) - keep :], True
+    if side == "right":
+        return text[:keep] + marker, True
     head = keep // 2
     return text[:head] + marker + text[len(text) - (keep - head) :], True
 

@@ -12,7 +12,8 @@ when a trajectory starts, ``execute(instance_id, arguments, **execute_kwargs)`` 
 The YAML file named by ``actor_rollout_ref.rollout.multi_turn.tool_config_path`` uses verl's layout::
 
     tools:
-      - class_name: my_pkg.tools.Calculator    # a Tool subclass, or a plain function
+      - class_name: my_pkg.tools.Calculator    # a Tool subclass, a verl-style tool class
+                                               # (fusedrl.agent.verl_tools), or a plain function
         config: {precision: 3}                 # passed to the class's constructor
         tool_schema:                           # optional for functions (derived when absent)
           type: function
@@ -183,7 +184,12 @@ def check_schema(schema: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     """Validate the shape of an OpenAI function schema; returns it as a plain dict."""
     plain: dict[str, Any] = _plain(schema) if isinstance(schema, Mapping) else {}
     fn = plain.get("function")
-    if plain.get("type") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+    if plain.get("type") == "function" and isinstance(fn, dict) and not fn.get("name"):
+        raise ToolConfigError(
+            f"{where}: tool_schema.function has no name; add function.name (the name the model calls the "
+            f"tool by), got {schema!r}"
+        )
+    if plain.get("type") != "function" or not isinstance(fn, dict):
         raise ToolConfigError(
             f"{where}: tool_schema must look like {{type: function, function: {{name: ..., description: ..., "
             f"parameters: {{type: object, properties: ...}}}}}}, got {schema!r}"
@@ -230,7 +236,14 @@ def _import(path: str, where: str, base_dir: str) -> Any:
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ToolConfigError(f"{where}: cannot import {path!r} ({type(exc).__name__}: {exc})") from exc
+        hint = ""
+        if isinstance(exc, ImportError) and (exc.name or "").split(".")[0] == "verl":
+            hint = (
+                ". verl is not installed and fusedrl does not ship verl's own tools: copy the tool into your "
+                "package and import BaseTool, ToolResponse and OpenAIFunctionToolSchema from "
+                "fusedrl.agent.verl_tools instead of verl.tools.*"
+            )
+        raise ToolConfigError(f"{where}: cannot import {path!r} ({type(exc).__name__}: {exc}){hint}") from exc
 
 
 def load_tool_config(path: str | os.PathLike) -> list[Tool]:
@@ -242,6 +255,8 @@ def load_tool_config(path: str | os.PathLike) -> list[Tool]:
         raise ToolConfigError(
             f"{path}: tool config not found (actor_rollout_ref.rollout.multi_turn.tool_config_path)"
         )
+    from fusedrl.agent.verl_tools import OpenAIFunctionToolSchema, VerlToolAdapter, is_verl_tool_class
+
     raw = _plain(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
     entries = raw.get("tools") if isinstance(raw, dict) else None
     if not isinstance(entries, list) or not entries:
@@ -257,16 +272,38 @@ def load_tool_config(path: str | os.PathLike) -> list[Tool]:
             )
         target = _import(str(entry["class_name"]), where, os.path.dirname(os.path.abspath(path)))
         schema = entry.get("tool_schema")
+        if schema is not None:
+            schema = check_schema(schema, where=f"{where}.tool_schema")
+        config = entry.get("config") or {}
+        if not isinstance(config, dict):
+            raise ToolConfigError(f"{where}: config must be a mapping, got {config!r}")
+        if config.get("type", "native") != "native":
+            raise ToolConfigError(
+                f"{where}: config.type={config['type']!r}: only native tools (Python classes and functions) "
+                "are supported; set type: native or drop it"
+            )
         if isinstance(target, type) and issubclass(target, Tool):
-            tools.append(target(entry.get("config") or {}, schema))
+            tools.append(target(config, schema))
+        elif is_verl_tool_class(target):
+            try:
+                instance = target(
+                    config=config, tool_schema=OpenAIFunctionToolSchema(schema) if schema else None
+                )
+            except ToolConfigError as exc:
+                raise ToolConfigError(f"{where}: {exc}") from exc
+            tools.append(VerlToolAdapter(instance))
         elif callable(target) and not isinstance(target, type):
-            if entry.get("config"):
+            if {k: v for k, v in config.items() if k != "type"}:
                 raise ToolConfigError(
                     f"{where}: a function tool takes no config; remove it or use a Tool class"
                 )
             tools.append(FunctionTool(target, schema))
         else:
-            raise ToolConfigError(f"{where}: {entry['class_name']} is neither a Tool subclass nor a function")
+            raise ToolConfigError(
+                f"{where}: {entry['class_name']} is neither a fusedrl.agent.Tool subclass, a verl-style tool "
+                "class (async create / execute / release, e.g. a fusedrl.agent.verl_tools.BaseTool subclass) "
+                "nor a function"
+            )
     return tools
 
 

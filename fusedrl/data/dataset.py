@@ -112,6 +112,8 @@ class RLDataset:
         tools: tool schemas passed to the chat template as ``tools=`` (multi-turn tool rollouts).
         keep_messages: keep each row's prompt messages in ``extra_info["raw_prompt"]`` (multi-turn rollouts,
             ``data.return_raw_chat``).
+        agent_names: the agent loops a row may name (multi-turn rollouts); a row naming another is a
+            `DataError` naming the row and these names.
 
     An optional ``agent_name`` column picks each row's agent loop (kept as ``extra_info["agent_name"]``).
 
@@ -131,6 +133,7 @@ class RLDataset:
         filter_overlong_prompts: bool = False,
         tools: Sequence[dict] | None = None,
         keep_messages: bool = False,
+        agent_names: Sequence[str] | None = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
@@ -149,6 +152,7 @@ class RLDataset:
         self.filter_overlong_prompts = filter_overlong_prompts
         self.tools = list(tools) if tools else None
         self.keep_messages = keep_messages
+        self.agent_names = sorted(agent_names) if agent_names is not None else None
         self.num_filtered = 0
         self.num_truncated = 0
 
@@ -208,7 +212,7 @@ class RLDataset:
         texts: list[str] = []
         kept: list[int] = []
         for row in range(table.num_rows):
-            problem = self._check_row(columns, extra, row)
+            problem = self._check_row(columns, extra, row) or self._check_agent_name(agent, extra, row)
             if problem is not None:
                 problems.append(f"row {row}: {problem}")
                 continue
@@ -264,6 +268,20 @@ class RLDataset:
                 info["raw_prompt"] = _clean_messages(columns[self.prompt_key][row])
             self._extra_info.append(info)
             self._uid.append(f"{tag}-{row}")
+
+    def _check_agent_name(self, agent: list | None, extra: list | None, row: int) -> str | None:
+        """With ``agent_names`` (multi-turn runs): the row's agent_name (column or extra_info) must be one."""
+        if self.agent_names is None:
+            return None
+        info = extra[row] if extra is not None and isinstance(extra[row], Mapping) else {}
+        name = (agent[row] if agent is not None else None) or info.get("agent_name")
+        if not name or str(name) in self.agent_names:
+            return None
+        return (
+            f"agent_name {name!r} is not an agent loop; allowed: {', '.join(self.agent_names)} (register "
+            "another with fusedrl.agent.register_agent_loop / register_environment in a module listed in "
+            "algorithm.custom_modules)"
+        )
 
     def _check_row(self, columns: dict[str, list], extra: list | None, row: int) -> str | None:
         data_source = columns["data_source"][row]

@@ -195,7 +195,7 @@ def _job(model_dir: str, out_path: str) -> None:
         tool_timeout_s=TIMEOUT_S,
         max_tool_response_length=160,
         max_tokens_per_turn=TURN_TOKENS,
-        tool_response_truncate_side="left",
+        tool_response_truncate_side="right",  # the end is cut: the beginning is kept
     )
     tool_rows = [dict(r, extra_info={"script": SCRIPT}) for r in rows[:2]]
     t0 = time.perf_counter()
