@@ -57,6 +57,8 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
     Per-sample controls of the rollout:
         sample_seeds:   [B] int64, the sampling seed of each row, so a resumed run samples the same tokens.
         reward_baselines: [B] float32, the greedy response's reward for the row's prompt (ReMax).
+        reward_components: [B, K] float32 or None, the row's named reward components
+                        (``algorithm.gdpo_reward_keys`` of a dict-returning scorer; GDPO).
         policy_version: [B] int64 or None, the actor version (number of its updates) whose weights
                         generated the row (async training, ``trainer/async_trainer.py``).
     Per-sample non-tensor values:
@@ -83,6 +85,7 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
     returns: torch.Tensor | None = None
     sample_seeds: torch.Tensor | None = None
     reward_baselines: torch.Tensor | None = None
+    reward_components: torch.Tensor | None = None
     policy_version: torch.Tensor | None = None
     uid: Any = None
     data_source: Any = None

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from fusedrl.config_sections import (
     FILTER_METRICS,
@@ -292,6 +292,24 @@ def validate(cfg: DictConfig) -> None:
             f"`actor_rollout_ref.rollout.n`={n}: `{est}` compares samples of the same prompt, so every advantage "
             f"would be 0. Use n >= {min_group}."
         )
+    if est in list_adv_estimators() and get_adv_traits(est).needs_reward_components:
+        keys = _get(cfg, "algorithm.gdpo_reward_keys")
+        weights = _get(cfg, "algorithm.gdpo_reward_weights")
+        if need(
+            isinstance(keys, ListConfig) and len(keys) > 0,
+            f"`algorithm.gdpo_reward_keys`={keys!r}: `{est}` needs the names of the reward components your "
+            "compute_score returns in its dict, e.g. +algorithm.gdpo_reward_keys='[accuracy_reward,format_reward]'.",
+        ):
+            need(
+                weights is None or (isinstance(weights, ListConfig) and len(weights) == len(keys)),
+                f"`algorithm.gdpo_reward_weights`={weights!r}: give one weight per gdpo_reward_keys entry "
+                f"({len(keys)}), or null for all 1.",
+            )
+        need(
+            not cfg.reward_model.enable,
+            f"`algorithm.adv_estimator`={est}: reads named components of a rule reward's dict, which a reward "
+            "model does not give; set reward_model.enable=false.",
+        )
     if est in list_adv_estimators() and get_adv_traits(est).needs_sum_pi_squared:
         need(
             not cfg.algorithm.rollout_correction.bypass_mode,
@@ -314,6 +332,9 @@ def validate(cfg: DictConfig) -> None:
         actor.loss_agg_mode in AGG_MODES,
         f"`actor_rollout_ref.actor.loss_agg_mode`={actor.loss_agg_mode!r}: unknown. Known: {', '.join(AGG_MODES)}.",
     )
+    for key in ("actor_rollout_ref.actor.loss_scale_factor", "critic.loss_scale_factor"):
+        if _get(cfg, key) is not None and (factor := number(key, float)) is not None:
+            need(factor > 0, f"`{key}`={factor}: must be > 0 (or null: the response width).")
     need(
         actor.kl_loss_type in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"),
         f"`actor_rollout_ref.actor.kl_loss_type`={actor.kl_loss_type!r}: use k1, k2, k3 (low_var_kl) or abs.",

@@ -29,32 +29,50 @@ def check_number(
 
 
 def rollout_correction_problems(cfg: DictConfig, problems: list[str]) -> None:
-    from fusedrl.algorithms.rollout_correction import IS_LEVELS, RS_LEVELS, parse_rs_threshold
+    from fusedrl.algorithms.rollout_correction import (
+        IS_LEVELS,
+        LOSS_TYPES,
+        RS_OPTIONS,
+        parse_rs_options,
+        parse_rs_thresholds,
+    )
 
     rc = cfg.algorithm.rollout_correction
     key = "algorithm.rollout_correction"
     if rc.rollout_is is not None and rc.rollout_is not in IS_LEVELS:
-        problems.append(f"`{key}.rollout_is`={rc.rollout_is!r}: use token, sequence or null.")
+        problems.append(f"`{key}.rollout_is`={rc.rollout_is!r}: use {', '.join(IS_LEVELS)} or null.")
     if rc.rollout_is is not None:
         threshold = rc.rollout_is_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold <= 0:
             problems.append(f"`{key}.rollout_is_threshold`={threshold!r}: must be a number > 0.")
     if rc.rollout_rs is not None:
-        if rc.rollout_rs not in RS_LEVELS:
-            problems.append(
-                f"`{key}.rollout_rs`={rc.rollout_rs!r}: fusedrl has token, sequence and geometric rejection "
-                "(verl's k1/k2/k3 variants are not implemented)."
-            )
+        options: list[str] | None = None
         try:
-            parse_rs_threshold(rc.rollout_rs_threshold)
-        except (TypeError, ValueError):
+            options = parse_rs_options(str(rc.rollout_rs))
+        except ValueError:
             problems.append(
-                f"`{key}.rollout_rs_threshold`={rc.rollout_rs_threshold!r}: with rollout_rs, give an upper "
-                'bound U > 1 (lower 1/U) or "lower_upper".'
+                f"`{key}.rollout_rs`={rc.rollout_rs!r}: use one of {', '.join(RS_OPTIONS)}, or several joined "
+                "by commas (a token must pass all)."
             )
-    if rc.loss_type != "ppo_clip":
+        threshold_help = (
+            'give an upper bound U (lower 1/U) or "lower_upper" for token / sequence / geometric / *_k1, one '
+            "upper bound for *_k2 / *_k3; one value for all options or one per option, comma-separated."
+        )
+        if rc.rollout_rs_threshold is None:
+            problems.append(f"`{key}.rollout_rs_threshold`=None: rollout_rs needs it; {threshold_help}")
+        elif options is not None:
+            try:
+                parse_rs_thresholds(options, rc.rollout_rs_threshold)
+            except (TypeError, ValueError) as err:
+                problems.append(
+                    f"`{key}.rollout_rs_threshold`={rc.rollout_rs_threshold!r}: {err}; {threshold_help}"
+                )
+    if rc.loss_type not in LOSS_TYPES:
+        problems.append(f"`{key}.loss_type`={rc.loss_type!r}: use {' or '.join(LOSS_TYPES)}.")
+    elif rc.loss_type == "reinforce" and not rc.bypass_mode:
         problems.append(
-            f"`{key}.loss_type`={rc.loss_type!r}: fusedrl has ppo_clip only (the configured policy loss)."
+            f"`{key}.loss_type`=reinforce applies in bypass mode only (verl ignores it otherwise): set "
+            f"`{key}.bypass_mode`=true, or loss_type=ppo_clip."
         )
 
 

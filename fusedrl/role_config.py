@@ -125,6 +125,7 @@ class ActorConfig:
     tau_pos: float
     tau_neg: float
     loss_agg_mode: str
+    loss_scale_factor: float | None
     entropy_coeff: float
     use_kl_loss: bool
     kl_loss_coef: float
@@ -244,6 +245,7 @@ class CriticConfig:
     cliprange_value: float
     grad_clip: float
     loss_agg_mode: str
+    loss_scale_factor: float | None
 
 
 # ---------------------------------------------------------------------- algorithm

@@ -124,7 +124,6 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
         "*.checkpoint.*",
         "one synchronous checkpoint holds every role (see actor_rollout_ref.actor.checkpoint.save_contents)",
     ),
-    ("actor_rollout_ref.actor.loss_scale_factor", "the loss normaliser is fixed by loss_agg_mode"),
     ("actor_rollout_ref.actor.calculate_entropy", "entropy is always computed and logged"),
     (
         "actor_rollout_ref.actor.calculate_sum_pi_squared",

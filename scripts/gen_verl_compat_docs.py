@@ -81,6 +81,26 @@ DIFFERENT_DEFAULTS = {
 }
 
 
+# Where a value means something subtly different in some verl release, or fusedrl differs from verl main
+# on purpose (key, note). The math of each is in docs/algorithms.md.
+VERL_SEMANTICS = {
+    "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm divides the summed token losses by the "
+    "mini-batch's rows x the response width (or loss_scale_factor) as verl >= 0.7 does, whatever the "
+    "micro-batch size; verl <= 0.6 divided by the width only and scaled each micro-batch by 1 / grad_accum, a "
+    "gradient ppo_micro_batch_size_per_gpu times larger. The seq-mean-* modes count non-empty rows (verl: "
+    "every row of the mini-batch; they differ only for a row without a valid token)",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo and sapo aggregate their policy term with "
+    "seq-mean-token-mean whatever loss_agg_mode says, as verl; so does geo_mean over the mini-batch's "
+    "sequences (verl's geo_mean averages each micro-batch's rows and sums the micro-batches); the entropy and "
+    "KL terms keep loss_agg_mode",
+    "algorithm.adv_estimator": "reinforce_plus_plus skips mask-0 tokens inside a response (tool / environment "
+    "output), carrying the return across them, as verl >= 0.9; verl <= 0.8 reset the return to 0 at each one",
+    "algorithm.rollout_correction.rollout_rs": "outside bypass mode a rejected token gets advantage 0 but stays "
+    "in the loss normaliser and in the entropy and KL terms (verl drops it from response_mask before the "
+    "advantages, so from all of these); in bypass mode both mask the policy term only",
+}
+
+
 def _yaml_keys() -> dict[str, str]:
     sys.path.insert(0, str(ROOT / "scripts"))
     from verl_keys import leaf_keys
@@ -107,6 +127,8 @@ def statuses() -> list[tuple[str, str, str]]:
             note = f"fusedrl default `{ours[key]}`"
             if key in DIFFERENT_DEFAULTS:
                 note += f" ({DIFFERENT_DEFAULTS[key]})"
+            if key in VERL_SEMANTICS:
+                note += f"; {VERL_SEMANTICS[key]}"
             rows.append((key, "fusedrl key", note))
         elif target is not None:
             rows.append((key, "maps to", f"`{target}`"))

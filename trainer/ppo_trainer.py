@@ -408,6 +408,10 @@ class PPOTrainer(RewardModelScoring):
         scores, reward_metrics = self.score(batch)  # [B, Tr]
         batch.token_level_scores = scores
         batch.token_level_rewards = scores.clone()
+        if self.adv_traits.needs_reward_components:  # GDPO: the scorer's named components, per row
+            keys = list(self.config.algorithm.gdpo_reward_keys or [])
+            extras = getattr(self.reward_fn, "last_sample_extras", None)
+            batch.reward_components = step_plan.reward_components(keys, extras, batch.num_samples)
         metrics.update(reward_metrics)
         return batch
 
@@ -447,7 +451,8 @@ class PPOTrainer(RewardModelScoring):
         batch.token_level_rewards = rewards
         metrics["actor/reward_kl_penalty"] = mean_kl
         metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value
-        self.kl_ctrl.update(mean_kl, n_steps=int(self.config.data.train_batch_size))
+        # verl's n_steps: the batch's rows (data.train_batch_size x rollout.n), not its prompts.
+        self.kl_ctrl.update(mean_kl, n_steps=batch.num_samples)
         return batch
 
     def _model_inputs(self, batch: RolloutBatch) -> RolloutBatch:
@@ -455,9 +460,10 @@ class PPOTrainer(RewardModelScoring):
 
     def apply_rollout_correction(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """``algorithm.rollout_correction``: weight / reject the actor's advantages by the rollout-vs-trainer
-        log-prob ratio (`fusedrl.algorithms.rollout_correction`); a no-op when both are off."""
+        log-prob ratio (`fusedrl.algorithms.rollout_correction`); a no-op when both are off, and in bypass mode
+        (there pi_old is the rollout policy: the actor's loss measures the current policy against it)."""
         rc = self.config.algorithm.rollout_correction
-        if rc.rollout_is is None and rc.rollout_rs is None:
+        if rc.bypass_mode or (rc.rollout_is is None and rc.rollout_rs is None):
             return batch
         batch.advantages, rc_metrics = correct_advantages(
             batch.advantages, batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, dict(rc)

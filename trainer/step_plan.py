@@ -58,6 +58,28 @@ def old_log_probs_reusable(config: DictConfig, *, world: int, num_samples: int, 
     return -(-num_samples // world) <= mini_rows
 
 
+def reward_components(keys: list[str], extras: list[dict] | None, num_samples: int) -> torch.Tensor:
+    """``[B, K]`` float32: entry ``keys[k]`` of each row's scorer dict (``algorithm.gdpo_reward_keys``; a row
+    that has none, e.g. an empty response, gets 0). Raises naming the key when no row of the batch has it."""
+    if not keys:
+        raise ValueError(
+            "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the reward components your "
+            "compute_score returns in its dict, e.g. +algorithm.gdpo_reward_keys='[accuracy_reward,format_reward]'"
+        )
+    if extras is None or len(extras) != num_samples:
+        raise ValueError(
+            "algorithm.adv_estimator=gdpo reads algorithm.gdpo_reward_keys from the reward function's dict "
+            "results; this reward function gives none per sample (a reward model or a custom reward manager)"
+        )
+    for key in keys:
+        if not any(key in e for e in extras):
+            raise ValueError(
+                f"algorithm.gdpo_reward_keys: {key!r} is in no sample's reward dict (keys seen: "
+                f"{sorted({k for e in extras for k in e})}); make compute_score return it, or drop it"
+            )
+    return torch.tensor([[float(e.get(key, 0.0)) for key in keys] for e in extras], dtype=torch.float32)
+
+
 def sampling(config: DictConfig, validate: bool) -> SamplingConfig:
     """Training rollouts sample with ``rollout.*``; validation uses ``rollout.val_kwargs``."""
     r = config.actor_rollout_ref.rollout
@@ -91,7 +113,12 @@ def advantage_inputs(config: DictConfig, batch: RolloutBatch) -> dict[str, Any]:
         "values": batch.critic_values,
         "reward_baselines": batch.reward_baselines,
     }
-    if get_adv_traits(str(alg.adv_estimator)).needs_sum_pi_squared:
+    traits = get_adv_traits(str(alg.adv_estimator))
+    if traits.needs_reward_components:
+        inputs["reward_components"] = batch.reward_components
+        weights = alg.get("gdpo_reward_weights")
+        inputs["reward_weights"] = None if weights is None else [float(w) for w in weights]
+    if traits.needs_sum_pi_squared:
         inputs["old_log_probs"] = batch.old_log_probs
         inputs["sum_pi_squared"] = batch.sum_pi_squared
         rc = alg.rollout_correction

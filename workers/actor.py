@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -9,10 +10,18 @@ import torch.distributed as dist
 from torch import nn
 
 from fusedrl.algorithms import agg_loss, get_policy_loss, kl_penalty
+from fusedrl.algorithms.rollout_correction import bypass_correction, reinforce_policy_loss
 from fusedrl.auto_defaults import require_resolved
 from fusedrl.batch import RolloutBatch
 from fusedrl.lora import lora_enabled
-from fusedrl.role_config import ActorConfig, FsdpConfig, ModelConfig, RefConfig, RefFsdpConfig
+from fusedrl.role_config import (
+    ActorConfig,
+    FsdpConfig,
+    ModelConfig,
+    RefConfig,
+    RefFsdpConfig,
+    RolloutCorrectionConfig,
+)
 from fusedrl.workers.fsdp import (
     StreamStats,
     build_adamw,
@@ -145,9 +154,22 @@ class ActorRole:
     """
 
     def __init__(
-        self, model_cfg: ModelConfig, cfg: ActorConfig, *, rollout_n: int, rollout_seed: int = 0
+        self,
+        model_cfg: ModelConfig,
+        cfg: ActorConfig,
+        *,
+        rollout_n: int,
+        rollout_seed: int = 0,
+        rollout_correction: RolloutCorrectionConfig | None = None,
     ) -> None:
         self.cfg = cfg
+        # Bypass mode (old log-probs = the rollout's): the rejection and, for loss_type=reinforce, the IS weights
+        # are measured in the loss, current policy against rollout (`bypass_correction`); None: nothing to do.
+        rc = rollout_correction
+        active = (
+            rc is not None and rc.bypass_mode and (rc.rollout_rs is not None or rc.loss_type == "reinforce")
+        )
+        self.bypass = rc if active else None
         # Ulysses: the ranks of one sequence-parallel group share rows, so the data-parallel size is W / sp.
         self.sp_group = sp_group(int(cfg.ulysses_sequence_parallel_size))
         self.world_size = dist.get_world_size() // int(cfg.ulysses_sequence_parallel_size)
@@ -159,8 +181,10 @@ class ActorRole:
         check_heads(self.model, int(cfg.ulysses_sequence_parallel_size))
         self.optimizer = build_adamw(self.model, cfg.optim)
         self.policy_loss = get_policy_loss(cfg.policy_loss.loss_mode)
-        # A loss whose paper fixes the aggregation (GMPO) declares it; every term then uses that mode.
-        self.agg_mode = str(getattr(self.policy_loss, "agg_mode", cfg.loss_agg_mode))
+        # A loss whose paper fixes the aggregation of its own term (GSPO, GMPO, SAPO) declares it; the entropy
+        # and KL terms keep loss_agg_mode (verl's rule).
+        self.agg_mode = str(cfg.loss_agg_mode)
+        self.pg_agg_mode = str(getattr(self.policy_loss, "agg_mode", cfg.loss_agg_mode))
         # Extra actor keys a loss reads (SAPO's tau_pos / tau_neg, Clip-Cov's policy_loss.clip_cov_*), passed
         # by their last name.
         self.loss_kwargs = {
@@ -202,10 +226,11 @@ class ActorRole:
 
     # ------------------------------------------------------------------ training
     def _loss_terms(
-        self, mb: RolloutBatch, *, temperature: float, norm: float, token_norm: float
+        self, mb: RolloutBatch, *, temperature: float, norms: Mapping[str, float], token_norm: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
         mode = self.agg_mode
+        norm = norms[mode]
         entropy_coeff = float(cfg.entropy_coeff)
         log_prob, entropy = response_log_probs(
             self.model,
@@ -216,25 +241,42 @@ class ActorRole:
             sp_group=self.sp_group,
             share_prompts=self.share_prompts,
         )  # [b, Tr]
-        clip = float(cfg.clip_ratio)
         old_log_prob = mb.old_log_probs  # [b, Tr]
         if old_log_prob is None:
             # The batch is used once, in one mini-batch: the policy before the step is this very forward.
             old_log_prob = log_prob.detach()
             self._forward_log_probs.append(old_log_prob)
-        pg_loss, pg_metrics = self.policy_loss(
-            log_prob,
-            old_log_prob,
-            mb.advantages,
-            mb.response_mask,
-            clip_ratio_low=float(clip if cfg.clip_ratio_low is None else cfg.clip_ratio_low),
-            clip_ratio_high=float(clip if cfg.clip_ratio_high is None else cfg.clip_ratio_high),
-            clip_ratio_c=float(cfg.clip_ratio_c),
-            loss_agg_mode=mode,
-            global_norm=norm,
-            **self.loss_kwargs,
-            **self._seed_kwargs(),
-        )
+        pg_mask = mb.response_mask  # [b, Tr]
+        weights = None
+        if self.bypass is not None:
+            rc = self.bypass
+            pg_mask, weights = bypass_correction(
+                log_prob,
+                old_log_prob,
+                mb.response_mask,
+                rollout_is=rc.rollout_is,
+                rollout_is_threshold=float(rc.rollout_is_threshold),
+                rollout_is_batch_normalize=bool(rc.rollout_is_batch_normalize),
+                rollout_rs=rc.rollout_rs,
+                rollout_rs_threshold=rc.rollout_rs_threshold,
+                loss_type=rc.loss_type,
+            )  # [b, Tr] each
+        if self.bypass is not None and self.bypass.loss_type == "reinforce":
+            pg_loss, pg_metrics = reinforce_policy_loss(
+                log_prob,
+                old_log_prob,
+                mb.advantages,
+                pg_mask,
+                weights=weights,
+                loss_agg_mode=self.pg_agg_mode,
+                global_norm=norms[self.pg_agg_mode],
+            )
+        else:
+            pg_loss, pg_metrics = self._policy_term(log_prob, old_log_prob, mb.advantages, pg_mask, norms)
+        if self.bypass is not None and self.bypass.rollout_rs is not None:
+            # share of this micro-batch's valid tokens the in-loss rejection dropped (token-weighted below)
+            valid = mb.response_mask.sum().clamp(min=1)
+            pg_metrics["rollout_rs_rejected_frac"] = ((mb.response_mask - pg_mask).sum() / valid).detach()
         assert entropy is not None
         loss = pg_loss  # []
         if entropy_coeff != 0:  # at 0 (verl's default) the backward never walks the entropy's graph
@@ -253,6 +295,31 @@ class ActorRole:
         for key, value in pg_metrics.items():
             terms[key] = value.detach() * share
         return loss, terms
+
+    def _policy_term(
+        self,
+        log_prob: torch.Tensor,
+        old_log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        norms: Mapping[str, float],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The configured policy loss on one micro-batch, normalised by its own aggregation mode's norm."""
+        cfg = self.cfg
+        clip = float(cfg.clip_ratio)
+        return self.policy_loss(
+            log_prob,
+            old_log_prob,
+            advantages,
+            mask,
+            clip_ratio_low=float(clip if cfg.clip_ratio_low is None else cfg.clip_ratio_low),
+            clip_ratio_high=float(clip if cfg.clip_ratio_high is None else cfg.clip_ratio_high),
+            clip_ratio_c=float(cfg.clip_ratio_c),
+            loss_agg_mode=self.pg_agg_mode,
+            global_norm=norms[self.pg_agg_mode],
+            **self.loss_kwargs,
+            **self._seed_kwargs(),
+        )
 
     def update(self, batch: RolloutBatch, *, temperature: float, lr: float | None = None) -> dict[str, float]:
         """One PPO update pass over this rank's shard (``ppo_epochs`` x mini-batches x micro-batches).
@@ -279,14 +346,15 @@ class ActorRole:
         metrics = minibatch_updates(
             batch,
             stepper=self.stepper,
-            micro_loss=lambda mb, norm, token_norm: self._loss_terms(
-                mb, temperature=temperature, norm=norm, token_norm=token_norm
+            micro_loss=lambda mb, norms, token_norm: self._loss_terms(
+                mb, temperature=temperature, norms=norms, token_norm=token_norm
             ),
             mini_rows=mini_rows,
             micro_rows=cfg.ppo_micro_batch_size_per_gpu,
             epochs=epochs,
-            loss_agg_mode=self.agg_mode,
+            loss_agg_modes=[self.pg_agg_mode, self.agg_mode],
             world_size=dist.get_world_size(),  # all ranks: sp replicas count in the normaliser and in FSDP's mean
+            loss_scale_factor=cfg.loss_scale_factor,
             max_token_len=token_budget(cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu),
             on_micro_split=orders.append,
             share_prompts=self.share_prompts,

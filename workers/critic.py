@@ -9,6 +9,7 @@ the loss normaliser of a mini-batch is summed over ranks so the gradient does no
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -165,7 +166,7 @@ class CriticRole:
         mode = self.cfg.loss_agg_mode
         clip = float(self.cfg.cliprange_value)
 
-        def micro_loss(mb: RolloutBatch, norm: float, token_norm: float):
+        def micro_loss(mb: RolloutBatch, norms: Mapping[str, float], token_norm: float):
             values = self._forward_values(mb)  # [b, Tr]
             loss, metrics = value_loss(
                 values,
@@ -174,7 +175,7 @@ class CriticRole:
                 mb.response_mask,
                 cliprange_value=clip,
                 loss_agg_mode=mode,
-                global_norm=norm,
+                global_norm=norms[mode],
             )
             # The loss already carries the global normaliser; the per-micro-batch means are weighted by
             # this micro-batch's share of the mini-batch's tokens.
@@ -188,8 +189,9 @@ class CriticRole:
             mini_rows=mini_rows,
             micro_rows=int(cfg.ppo_micro_batch_size_per_gpu),
             epochs=int(self.cfg.ppo_epochs),
-            loss_agg_mode=mode,
+            loss_agg_modes=[mode],
             world_size=dist.get_world_size(),  # all ranks: sp replicas count in the normaliser and in FSDP's mean
+            loss_scale_factor=cfg.loss_scale_factor,
             max_token_len=token_budget(cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu),
         )
         out = {f"critic/{k}": v for k, v in metrics.items()}

@@ -4,7 +4,7 @@ normaliser for the whole mini-batch across ranks, guarded optimizer steps, metri
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -17,8 +17,8 @@ from fusedrl.batch import RolloutBatch
 from fusedrl.workers.fsdp import gathered_for_pass
 from fusedrl.workers.logprob import micro_batches, split_micro_batches
 
-# (micro-batch, loss normaliser, token normaliser) -> (loss to backprop, metric terms)
-MicroLoss = Callable[[RolloutBatch, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# (micro-batch, loss normaliser per aggregation mode, token normaliser) -> (loss to backprop, metric terms)
+MicroLoss = Callable[[RolloutBatch, Mapping[str, float], float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @dataclass
@@ -85,8 +85,9 @@ def minibatch_updates(
     mini_rows: int,
     micro_rows: int,
     epochs: int,
-    loss_agg_mode: str,
+    loss_agg_modes: Sequence[str],
     world_size: int,
+    loss_scale_factor: float | None = None,
     max_token_len: int | None = None,
     on_micro_split: Callable[[torch.Tensor], None] | None = None,
     share_prompts: bool = False,
@@ -96,7 +97,9 @@ def minibatch_updates(
 
     The loss normaliser of a mini-batch is counted over all ranks and micro-batches, so the gradient
     does not depend on how the batch was split; FSDP averages gradients over ranks, hence ``/ W``.
-    ``micro_loss`` receives both that normaliser and the token count (for token-weighted metrics).
+    ``micro_loss`` receives that normaliser for each of ``loss_agg_modes`` (a loss whose policy term has
+    its own aggregation needs two) and the token count (for token-weighted metrics).
+    ``loss_scale_factor``: the horizon of "seq-mean-token-sum-norm" (`agg_denominator`).
     With ``max_token_len`` (dynamic batch size) micro-batches hold at most that many real tokens and
     ``micro_rows`` is ignored; the gradient is the same, since only the split changes.
     ``share_prompts``: token-budget micro-batches hold whole prompt groups (`split_micro_batches`).
@@ -108,13 +111,16 @@ def minibatch_updates(
     defer = defer_grad_sync(stepper.model, world_size)
     for _ in range(epochs):
         for mini in micro_batches(batch, mini_rows):
+            modes = list(dict.fromkeys(loss_agg_modes))  # each mode once, in order
+            shares = [agg_denominator(mini.response_mask, m, loss_scale_factor) for m in modes]
             local = torch.tensor(
-                [agg_denominator(mini.response_mask, loss_agg_mode), float(mini.response_mask.sum())],
+                [*shares, float(mini.response_mask.sum())],
                 dtype=torch.float64,
                 device=mini.response_mask.device,  # NCCL reduces device tensors only
             )
             dist.all_reduce(local)
-            norm, token_norm = (v / world_size for v in local.tolist())
+            *mode_norms, token_norm = (v / world_size for v in local.tolist())
+            norms = dict(zip(modes, mode_norms))
             stepper.optimizer.zero_grad(set_to_none=True)
             mini_terms: dict[str, torch.Tensor] = {}
             mbs, order = split_micro_batches(
@@ -126,7 +132,7 @@ def minibatch_updates(
             # optimizer step, which works on the shards.
             with gathered_for_pass(stepper.model):
                 for i, mb in enumerate(mbs):
-                    loss, terms = micro_loss(mb, norm, token_norm)
+                    loss, terms = micro_loss(mb, norms, token_norm)
                     with grad_sync(stepper.model, last=i == len(mbs) - 1, defer=defer):
                         loss.backward()
                     for key, value in terms.items():

@@ -129,7 +129,13 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
             import_plugin(str(module))  # user losses / estimators must be registered in this process too
         n = int(cfg.rollout.n)
         if "actor" in self.roles:
-            self.actor = ActorRole(cfg.model, cfg.actor, rollout_n=n, rollout_seed=seed)
+            self.actor = ActorRole(
+                cfg.model,
+                cfg.actor,
+                rollout_n=n,
+                rollout_seed=seed,
+                rollout_correction=cfg.algorithm.rollout_correction,
+            )
         if "ref" in self.roles:
             self.ref = self._build_ref(cfg.model, cfg.ref, sp=int(cfg.actor.ulysses_sequence_parallel_size))
         if "critic" in self.roles:

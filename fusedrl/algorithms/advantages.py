@@ -27,6 +27,7 @@ GroupIndex = np.ndarray | Sequence[Hashable] | torch.Tensor
 
 __all__ = [
     "compute_gae_advantage",
+    "compute_gdpo_advantage",
     "compute_grpo_advantage",
     "compute_opo_advantage",
     "compute_reinforce_plus_plus_advantage",
@@ -104,6 +105,58 @@ def compute_grpo_advantage(
     centered = scores - mean  # [B]
     adv = centered / (std + epsilon) if norm_adv_by_std_in_grpo else centered  # [B]
     advantages = adv.unsqueeze(-1) * mask  # [B, T]
+    return advantages, advantages
+
+
+@register_adv_estimator("gdpo", needs_reward_components=True)
+@torch.no_grad()
+def compute_gdpo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    reward_components: torch.Tensor | None = None,
+    reward_weights: Sequence[float] | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO: normalise each reward component within its group *before* combining them.
+
+    Paper: "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL
+    Optimization" (arXiv 2601.05242). Summing several rewards first and then applying GRPO lets the
+    component with the largest spread decide every advantage, and distinct reward combinations
+    collapse onto one value. Here, for each component ``k`` (``reward_components[:, k]`` ``[B]``),
+    ``A_k`` is GRPO's group-relative advantage of that component alone (std division as
+    ``norm_adv_by_std_in_grpo``); ``A = sum_k w_k A_k`` (``reward_weights``, default all 1) is then
+    whitened over all valid tokens of the batch, which keeps its scale independent of the number of
+    components. Without ``reward_components`` the one component is the outcome reward of
+    ``token_level_rewards`` (GRPO, then batch whitening). ``returns = advantages``.
+    """
+    mask = response_mask.to(_compute_dtype(token_level_rewards))  # [B, T]
+    if reward_components is None:
+        components = _outcome_scores(token_level_rewards, mask).unsqueeze(-1)  # [B, 1]
+    else:
+        components = reward_components.to(mask.dtype)  # [B, K]
+        if components.dim() != 2 or components.shape[0] != mask.shape[0]:
+            raise ValueError(
+                f"gdpo: reward_components must be [B, K] with B={mask.shape[0]}, got {tuple(components.shape)}"
+            )
+    num = components.shape[1]
+    weights = [1.0] * num if reward_weights is None else [float(w) for w in reward_weights]
+    if len(weights) != num:
+        raise ValueError(
+            f"gdpo: {len(weights)} reward weights for {num} reward components "
+            "(algorithm.gdpo_reward_weights needs one weight per entry of algorithm.gdpo_reward_keys)"
+        )
+    inv, num_groups = _group_inverse(index, mask.shape[0], mask.device)  # [B]
+    combined = torch.zeros(mask.shape[0], dtype=mask.dtype, device=mask.device)  # [B]
+    for k in range(num):
+        scores = components[:, k]  # [B]
+        mean, std, _ = _group_mean_std(scores, inv, num_groups)  # [B] each
+        centered = scores - mean  # [B]
+        adv_k = centered / (std + epsilon) if norm_adv_by_std_in_grpo else centered  # [B]
+        combined = combined + weights[k] * adv_k  # [B]
+    advantages = _whitened_token_advantages(combined.unsqueeze(-1) * mask, mask)  # [B, T]
     return advantages, advantages
 
 

@@ -45,27 +45,30 @@ def _check_mode(mode: str) -> None:
         )
 
 
-def _local_denominator(mask: torch.Tensor, mode: str) -> torch.Tensor:
+def _local_denominator(mask: torch.Tensor, mode: str, loss_scale_factor: float | None = None) -> torch.Tensor:
     """Count that normalises ``mode`` on this tensor alone (a 0-d tensor, no host sync)."""
     if mode == "token-mean":
         return mask.sum()  # []
     if mode == "seq-mean-token-sum-norm":
-        # Dr. GRPO's constant: independent of how many tokens are actually valid.
-        return torch.tensor(float(mask.shape[0] * mask.shape[-1]), device=mask.device)  # []
+        # Dr. GRPO's constant: rows times the response width (or `loss_scale_factor`), independent of how
+        # many tokens are actually valid.
+        horizon = float(mask.shape[-1]) if loss_scale_factor is None else float(loss_scale_factor)
+        return torch.tensor(float(mask.shape[0]) * horizon, device=mask.device)  # []
     # Fully masked rows (e.g. rows padded in to balance data-parallel ranks) are not sequences.
     return (mask.sum(dim=-1) > 0).sum()  # []
 
 
-def agg_denominator(mask: torch.Tensor, mode: str) -> float:
+def agg_denominator(mask: torch.Tensor, mode: str, loss_scale_factor: float | None = None) -> float:
     """This split's share of the global normaliser of ``agg_loss`` in ``mode``.
 
     No paper: bookkeeping. Summing the value over every micro-batch and data-parallel rank of a
     mini-batch and passing the sum as ``global_norm`` makes ``sum_splits agg_loss(split)`` equal
     ``agg_loss(full mini-batch)``. Counts: valid tokens for "token-mean", non-empty sequences for
-    the "seq-mean-*" modes, ``rows * T`` for "seq-mean-token-sum-norm".
+    the "seq-mean-*" modes, ``rows * T`` for "seq-mean-token-sum-norm" (``rows * loss_scale_factor``
+    when that is set: ``actor_rollout_ref.actor.loss_scale_factor``, verl's constant horizon).
     """
     _check_mode(mode)
-    return float(_local_denominator(mask, mode).item())
+    return float(_local_denominator(mask, mode, loss_scale_factor).item())
 
 
 def agg_loss(
@@ -73,6 +76,7 @@ def agg_loss(
     mask: torch.Tensor,
     mode: str,
     global_norm: float | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
     """Reduce a ``[B, T]`` per-token loss to a scalar.
 
@@ -83,6 +87,7 @@ def agg_loss(
 
     ``global_norm`` replaces the local denominator (see ``agg_denominator``) so that a mini-batch
     split over micro-batches / data-parallel ranks gives the same gradient as the unsplit batch.
+    ``loss_scale_factor`` replaces ``T`` in the local "seq-mean-token-sum-norm" denominator.
     A denominator of 0 (nothing valid) yields a loss of 0 rather than NaN.
     """
     _check_mode(mode)
@@ -95,7 +100,7 @@ def agg_loss(
         per_seq = masked_mean(loss_mat, mask, dim=-1)  # [B], 0 for fully masked rows
         numerator = per_seq.sum()  # []
     if global_norm is None:
-        denom = _local_denominator(mask, mode).to(numerator.dtype)  # []
+        denom = _local_denominator(mask, mode, loss_scale_factor).to(numerator.dtype)  # []
     else:
         denom = torch.as_tensor(global_norm, dtype=numerator.dtype, device=numerator.device)  # []
     # With an empty denominator the numerator is 0 too; clamping keeps 0 / 0 at 0 without a branch.
@@ -190,6 +195,10 @@ def gspo_policy_loss(
     token-level advantages be used. The paper's clip ranges are much smaller than PPO's (order
     3e-4 / 4e-4); pass them via ``clip_ratio_low`` / ``clip_ratio_high``. ``clip_ratio_c`` is
     accepted for a uniform call shape and unused (no dual-clip); ``pg_clipfrac_lower`` is then 0.
+
+    The paper averages per sequence, so the policy term is aggregated with "seq-mean-token-mean"
+    whatever ``loss_agg_mode`` says (``agg_mode`` below; ``global_norm`` must be that mode's, which
+    the actor passes); the entropy and KL terms keep ``loss_agg_mode``, as in verl.
     """
     log_prob, old_log_prob, advantages = _upcast(log_prob, old_log_prob, advantages)  # [B, T] each
     mask = response_mask.to(log_prob.dtype)  # [B, T]
@@ -204,5 +213,9 @@ def gspo_policy_loss(
 
     clipped = loss_clipped > loss_unclipped  # [B, T]
     no_dual_clip = torch.zeros_like(clipped)  # [B, T]
-    pg_loss = agg_loss(loss, mask, loss_agg_mode, global_norm)  # []
+    pg_loss = agg_loss(loss, mask, "seq-mean-token-mean", global_norm)  # []
     return pg_loss, _ratio_metrics(-token_log_ratio, clipped, no_dual_clip, mask)
+
+
+# The aggregation of the policy term that the paper fixes (see `register_policy_loss`).
+gspo_policy_loss.agg_mode = "seq-mean-token-mean"  # type: ignore[attr-defined]

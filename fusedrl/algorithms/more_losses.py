@@ -1,8 +1,8 @@
 """Policy losses and an estimator added for verl parity: GPG, CISPO, GMPO (``geo_mean``).
 
 Same call shape as `fusedrl.algorithms.losses` (see `register_policy_loss`). A loss whose paper fixes
-the aggregation sets ``agg_mode`` on the function; the actor then normalises every term (policy,
-entropy, KL) and its micro-batch bookkeeping with that mode instead of ``loss_agg_mode``.
+the aggregation sets ``agg_mode`` on the function; the actor then normalises the policy term (and its
+micro-batch bookkeeping) with that mode, while the entropy and KL terms keep ``loss_agg_mode``, as verl does.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ class EstimatorTraits:
     needs_sum_pi_squared: bool = False
     """``old_log_probs`` and Σπ² per token from the actor's old-log-prob pass (the optimal token baseline):
     the pass always runs (never folded into the update) and returns Σπ² too."""
+    needs_reward_components: bool = False
+    """Each row's named reward components (``algorithm.gdpo_reward_keys``, entries of a dict-returning
+    scorer) as ``reward_components`` ``[B, K]``, and ``algorithm.gdpo_reward_weights`` as ``reward_weights``."""
 
 
 _ADV_TRAITS: dict[str, EstimatorTraits] = {}
@@ -78,6 +81,7 @@ def register_adv_estimator(
     needs_greedy_baseline: bool = False,
     min_group_size: int = 1,
     needs_sum_pi_squared: bool = False,
+    needs_reward_components: bool = False,
 ) -> Callable[[F], F]:
     """Decorator registering a function as the advantage estimator called ``name``, with its needs.
 
@@ -91,6 +95,7 @@ def register_adv_estimator(
         needs_greedy_baseline=needs_greedy_baseline,
         min_group_size=min_group_size,
         needs_sum_pi_squared=needs_sum_pi_squared,
+        needs_reward_components=needs_reward_components,
     )
     register = _register(_ADV_ESTIMATORS, "advantage estimator", name)
 
@@ -108,7 +113,9 @@ def register_policy_loss(name: str) -> Callable[[F], F]:
     No paper: registry plumbing. The function must take
     ``(log_prob, old_log_prob, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
     clip_ratio_c, loss_agg_mode, global_norm)`` and return ``(loss scalar, metrics dict)``.
-    Registering a different function under a taken name raises ValueError.
+    A loss whose paper fixes the aggregation of its own term sets ``fn.agg_mode``: the actor then passes
+    that mode's ``global_norm`` for the policy term, while the entropy and KL terms keep
+    ``loss_agg_mode`` (verl's rule). Registering a different function under a taken name raises ValueError.
     """
     return _register(_POLICY_LOSSES, "policy loss", name)
 

@@ -12,11 +12,23 @@ Keys (``algorithm.rollout_correction.*``, verl's names):
 - ``rollout_is``: ``token`` | ``sequence`` | null. Weight ``w = min(pi_old / pi_rollout, threshold)`` per
   token, or per sequence (the product of its token ratios, broadcast to its tokens), with
   ``threshold = rollout_is_threshold``. ``rollout_is_batch_normalize`` rescales the weights to mean 1.
-- ``rollout_rs``: ``token`` | ``sequence`` | ``geometric`` | null. Reject (weight 0) tokens / sequences
-  whose ratio (token ratio, sequence product, or geometric mean of the token ratios) is outside
-  ``[lower, upper]``; ``rollout_rs_threshold`` is ``upper`` (lower = 1 / upper) or ``"lower_upper"``.
+- ``rollout_rs``: null, or one option or several joined by commas (a token must pass all of them):
+  ``token`` | ``sequence`` | ``geometric`` reject (weight 0) tokens / sequences whose ratio (token ratio,
+  sequence product, or geometric mean of the token ratios) is outside ``[lower, upper]``. verl's divergence
+  options (`RS_DIVERGENCE_OPTIONS`) bound a per-token divergence between ``pi_old`` and ``pi_rollout``, with
+  ``d = log pi_old - log pi_rollout``: ``k1 = -d`` (kept in ``[log lower, log upper]``), ``k2 = d^2 / 2``,
+  ``k3 = exp(d) - 1 - d`` (kept at most ``upper``); ``token_*`` per token, ``seq_sum_*`` / ``seq_mean_*`` /
+  ``seq_max_*`` on the sum / mean / maximum over the sequence's valid tokens (the whole sequence is kept or
+  rejected). ``rollout_rs_threshold``: one value for every option or one per option, comma-separated;
+  ``upper`` (lower = 1 / upper) or ``"lower_upper"`` for the ratio bands and ``*_k1``, a single upper bound
+  for ``*_k2`` / ``*_k3``.
 - ``bypass_mode``: use the rollout's log-probs as ``pi_old`` (no trainer forward for them); the PPO
-  ratio then corrects the mismatch itself.
+  ratio then corrects the mismatch itself. The rejection (and, with ``loss_type=reinforce``, the IS
+  weights) are then computed in the actor's loss from the *current* log-probs against the rollout's
+  (`bypass_correction`), as verl does.
+- ``loss_type``: ``ppo_clip`` (the configured policy loss) or ``reinforce`` (bypass mode only):
+  ``-w * A * log pi`` with ``w`` the truncated IS weight of ``pi / pi_rollout`` (detached; 1 without
+  ``rollout_is``), no ratio clipping (`reinforce_policy_loss`).
 
 The weights multiply the advantages before the actor update. Every built-in loss is linear in a positive
 per-token factor on ``A`` (PPO's clip and dual-clip included), so this equals weighting the per-token
@@ -34,7 +46,22 @@ from fusedrl.algorithms.utils import masked_mean
 _LOG_CLAMP = 20.0  # exp(20) ~ 5e8: keeps a product of many token ratios finite
 
 IS_LEVELS = ("token", "sequence")
-RS_LEVELS = ("token", "sequence", "geometric")
+RS_LEVELS = ("token", "sequence", "geometric")  # ratio bands
+RS_DIVERGENCE_OPTIONS = (  # verl's divergence bounds (no seq_max_k1: a maximum of a signed k1 bounds nothing)
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+RS_OPTIONS = RS_LEVELS + RS_DIVERGENCE_OPTIONS
+LOSS_TYPES = ("ppo_clip", "reinforce")
 
 
 def parse_rs_threshold(value: float | str) -> tuple[float, float]:
@@ -47,6 +74,45 @@ def parse_rs_threshold(value: float | str) -> tuple[float, float]:
     if not 0 <= low < high:
         raise ValueError(f"rollout_rs_threshold={value!r}: need 0 <= lower < upper")
     return low, high
+
+
+def parse_rs_options(rollout_rs: str) -> list[str]:
+    """The options of ``rollout_rs`` (comma-separated, each once, in order); ValueError for an unknown one."""
+    options = list(dict.fromkeys(o.strip() for o in str(rollout_rs).split(",") if o.strip()))
+    unknown = [o for o in options if o not in RS_OPTIONS]
+    if not options or unknown:
+        raise ValueError(
+            f"rollout_rs={rollout_rs!r}: unknown option(s) {unknown}; use {', '.join(RS_OPTIONS)}"
+        )
+    return options
+
+
+def parse_rs_thresholds(options: list[str], spec: float | str | None) -> list[tuple[float, float]]:
+    """``(lower, upper)`` per option from ``rollout_rs_threshold``: one entry shared by all options or one per
+    option, comma-separated. Ratio bands and ``*_k1``: ``u`` (lower ``1/u``) or ``"l_u"``; ``*_k2`` /
+    ``*_k3``: one upper bound > 0 (lower is then unused, 0)."""
+    if spec is None or isinstance(spec, bool):
+        raise ValueError(f"rollout_rs_threshold={spec!r}: rollout_rs needs a threshold")
+    specs = [part.strip() for part in str(spec).split(",") if part.strip()]
+    if len(specs) == 1:
+        specs = specs * len(options)
+    if len(specs) != len(options):
+        raise ValueError(
+            f"rollout_rs_threshold={spec!r}: give one threshold for all {len(options)} rollout_rs options "
+            "or one per option"
+        )
+    out: list[tuple[float, float]] = []
+    for option, one in zip(options, specs):
+        if option.endswith(("_k2", "_k3")):
+            if "_" in one or float(one) <= 0:
+                raise ValueError(f"rollout_rs_threshold for {option}: {one!r}; give one upper bound > 0")
+            out.append((0.0, float(one)))
+        else:
+            low, high = parse_rs_threshold(one)
+            if option.endswith("_k1") and low <= 0:
+                raise ValueError(f"rollout_rs_threshold for {option}: {one!r}; the lower bound must be > 0")
+            out.append((low, high))
+    return out
 
 
 @torch.no_grad()
@@ -103,6 +169,76 @@ def rejection_keep(
     return keep.to(torch.float32) * maskf
 
 
+@torch.no_grad()
+def divergence_keep(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    option: str,
+    lower: float,
+    upper: float,
+) -> torch.Tensor:
+    """``[B, T]`` float, 1 where a token passes the divergence bound ``option`` (`RS_DIVERGENCE_OPTIONS`), 0
+    where it or its sequence fails, and on padding. ``d = log pi_old - log pi_rollout`` (clamped to +-20)."""
+    maskf = mask.to(torch.float32)  # [B, T]
+    d = ((old_log_probs.float() - rollout_log_probs.float()) * maskf).clamp(-_LOG_CLAMP, _LOG_CLAMP)  # [B, T]
+    scope, _, kind = option.rpartition("_")
+    if kind == "k1":
+        div = -d  # [B, T]: log(pi_rollout / pi_old)
+    elif kind == "k2":
+        div = 0.5 * d * d  # [B, T]
+    elif kind == "k3":
+        div = torch.exp(d) - 1.0 - d  # [B, T]
+    else:
+        raise ValueError(
+            f"rollout_rs={option!r}: not a divergence option ({', '.join(RS_DIVERGENCE_OPTIONS)})"
+        )
+    if scope == "token":
+        stat = div  # [B, T]
+    elif scope == "seq_sum":
+        stat = (div * maskf).sum(-1, keepdim=True)  # [B, 1]
+    elif scope == "seq_mean":
+        stat = (div * maskf).sum(-1, keepdim=True) / maskf.sum(-1, keepdim=True).clamp_min(1.0)  # [B, 1]
+    elif scope == "seq_max" and kind != "k1":
+        stat = div.masked_fill(maskf == 0, float("-inf")).amax(-1, keepdim=True)  # [B, 1]
+        stat = torch.where(torch.isinf(stat), torch.zeros_like(stat), stat)  # an empty row: 0
+    else:
+        raise ValueError(
+            f"rollout_rs={option!r}: not a divergence option ({', '.join(RS_DIVERGENCE_OPTIONS)})"
+        )
+    if kind == "k1":
+        keep = (stat >= math.log(lower)) & (stat <= math.log(upper))  # [B, T] or [B, 1]
+    else:
+        keep = stat <= upper  # [B, T] or [B, 1]
+    return keep.expand_as(maskf).to(torch.float32) * maskf  # [B, T]
+
+
+@torch.no_grad()
+def rejection_mask(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    rollout_rs: str,
+    rollout_rs_threshold: float | str | None,
+) -> torch.Tensor:
+    """``[B, T]`` float: 1 where a token passes every option of ``rollout_rs`` (``algorithm.rollout_correction``
+    values, comma-separated), 0 where any rejects it, and on padding."""
+    options = parse_rs_options(rollout_rs)
+    keep = mask.to(torch.float32)  # [B, T]
+    for option, (lower, upper) in zip(options, parse_rs_thresholds(options, rollout_rs_threshold)):
+        if option in RS_LEVELS:
+            one = rejection_keep(
+                old_log_probs, rollout_log_probs, mask, level=option, lower=lower, upper=upper
+            )
+        else:
+            one = divergence_keep(
+                old_log_probs, rollout_log_probs, mask, option=option, lower=lower, upper=upper
+            )
+        keep = keep * one  # [B, T]
+    return keep
+
+
 def correct_advantages(
     advantages: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -126,11 +262,77 @@ def correct_advantages(
         factor = factor * w
         metrics["rollout_corr/is_weight_mean"] = float(masked_mean(w, mask.to(torch.float32)))
     if cfg["rollout_rs"] is not None:
-        lower, upper = parse_rs_threshold(cfg["rollout_rs_threshold"])
-        keep = rejection_keep(
-            old_log_probs, rollout_log_probs, mask, level=str(cfg["rollout_rs"]), lower=lower, upper=upper
+        keep = rejection_mask(
+            old_log_probs, rollout_log_probs, mask, str(cfg["rollout_rs"]), cfg["rollout_rs_threshold"]
         )  # [B, T]
         factor = factor * keep
         valid = float(mask.sum())
         metrics["rollout_corr/rejected_token_frac"] = 1.0 - float(keep.sum()) / max(valid, 1.0)
     return advantages * factor, metrics
+
+
+@torch.no_grad()
+def bypass_correction(
+    log_prob: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    rollout_is: str | None,
+    rollout_is_threshold: float,
+    rollout_is_batch_normalize: bool,
+    rollout_rs: str | None,
+    rollout_rs_threshold: float | str | None,
+    loss_type: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Bypass mode's correction inside the loss (``algorithm.rollout_correction.bypass_mode=true``): there
+    ``pi_old`` is the rollout policy, so the mismatch is measured between the *current* policy ``log_prob``
+    (detached) and ``rollout_log_probs``, per micro-batch, as verl does.
+
+    Returns ``(loss_mask [B, T], weights [B, T] or None)``: ``mask`` with the tokens ``rollout_rs`` rejects set to
+    0, and for ``loss_type=reinforce`` with ``rollout_is`` the truncated IS weights of ``pi / pi_rollout``
+    (``rollout_is_batch_normalize`` rescales them over this micro-batch). PPO-clip takes no weights: its ratio
+    ``pi / pi_rollout`` is already the importance ratio.
+    """
+    current = log_prob.detach()  # [B, T]
+    keep = mask.to(torch.float32)  # [B, T]
+    if rollout_rs is not None:
+        keep = rejection_mask(current, rollout_log_probs, mask, rollout_rs, rollout_rs_threshold)  # [B, T]
+    weights = None
+    if loss_type == "reinforce" and rollout_is is not None:
+        weights = is_weights(
+            current,
+            rollout_log_probs,
+            mask,
+            level=rollout_is,
+            threshold=float(rollout_is_threshold),
+            batch_normalize=rollout_is_batch_normalize,
+        )  # [B, T]
+    return keep, weights
+
+
+def reinforce_policy_loss(
+    log_prob: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    weights: torch.Tensor | None,
+    loss_agg_mode: str,
+    global_norm: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``loss_type=reinforce`` (bypass mode): the policy gradient ``-w * A * log pi`` per token, aggregated over
+    ``response_mask`` (the rejection already applied) by ``loss_agg_mode``. ``w`` (detached truncated IS
+    weights of ``pi / pi_rollout``; 1 where None) reweights the rollout's samples towards the current policy.
+    No ratio and no clipping. ``ppo_kl``: masked mean of ``log pi_rollout - log pi``; the clip fractions are 0.
+    Paper: the off-policy correction of "When Speed Kills Stability" (Liu, Li et al., 2025); REINFORCE:
+    Williams, "Simple statistical gradient-following algorithms" (1992)."""
+    from fusedrl.algorithms.losses import _ratio_metrics, _upcast, agg_loss
+
+    log_prob, rollout_log_probs, advantages = _upcast(log_prob, rollout_log_probs, advantages)  # [B, T] each
+    mask = response_mask.to(log_prob.dtype)  # [B, T]
+    loss = -advantages * log_prob  # [B, T]
+    if weights is not None:
+        loss = loss * weights.to(log_prob.dtype)  # [B, T]
+    none = torch.zeros_like(mask, dtype=torch.bool)  # [B, T]
+    pg_loss = agg_loss(loss, mask, loss_agg_mode, global_norm)  # []
+    return pg_loss, _ratio_metrics(rollout_log_probs - log_prob, none, none, mask)

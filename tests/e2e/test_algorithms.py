@@ -86,12 +86,20 @@ ALGORITHMS = {
         "actor_rollout_ref.model.use_remove_padding=true",
         "algorithm.rollout_correction.rollout_is=token",
     ],
-    "rollout_correction_bypass": [  # pi_old = the rollout's log-probs; token IS weights and rejection wired in
+    "rollout_correction_bypass": [  # pi_old = the rollout's log-probs; rejection in the loss (current vs rollout)
         "algorithm.adv_estimator=grpo",
         "algorithm.rollout_correction.bypass_mode=true",
         "algorithm.rollout_correction.rollout_is=token",
         "algorithm.rollout_correction.rollout_rs=token",
         "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+    ],
+    "bypass_reinforce": [  # verl's loss_type=reinforce: -w * A * log pi, w and the rejection from pi vs pi_rollout
+        "algorithm.adv_estimator=grpo",
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.loss_type=reinforce",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_rs=seq_max_k2",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.5",
     ],
 }
 
@@ -139,9 +147,10 @@ def test_algorithm_two_steps(algorithm, ray_cluster, tiny_model_dir, arithmetic_
         assert math.isfinite(metrics[key]), (key, metrics[key])
     changed = sum(any(not torch.equal(b[name], a[name]) for b, a in zip(before, after)) for name in before[0])
     assert changed == len(before[0]), f"{len(before[0]) - changed} actor parameters did not change"
-    if algorithm == "rollout_correction_bypass":
-        assert metrics["rollout_corr/is_weight_mean"] == pytest.approx(1.0)  # pi_old is pi_rollout
-        assert metrics["rollout_corr/rejected_token_frac"] == 0.0
+    if algorithm in ("rollout_correction_bypass", "bypass_reinforce"):
+        # pi_old is pi_rollout: nothing to weight on the driver; the loss measures the current policy instead
+        assert "rollout_corr/is_weight_mean" not in metrics
+        assert 0.0 <= metrics["actor/rollout_rs_rejected_frac"] <= 1.0
     if algorithm == "clip_cov":  # about clip_cov_ratio of the valid tokens lost their gradient
         assert 0 < metrics["actor/cov_detached_frac"] <= 0.2 + 1e-6
     if algorithm == "optimal_token_baseline":  # Σπ² came with the old log-probs: pi_t^2 <= Σπ² <= 1

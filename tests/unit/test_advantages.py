@@ -274,3 +274,61 @@ def test_load_function_file_path(tmp_path):
         load_function(f"{tmp_path / 'missing.py'}:score")
     with pytest.raises(AttributeError, match="other"):
         load_function(f"{f}:other")
+
+
+# -------------------------------------------------------------------------------------------- gdpo
+def test_gdpo_normalises_each_component_in_its_group_then_whitens():
+    # two groups (u1: rows 0-1, u2: rows 2-3); components accuracy [1, 0, 1, 1], format [1, 1, 0, 1];
+    # weights [2, 1]; row 3 has 1 valid token, the others 2.
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    components = torch.tensor([[1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    rewards = torch.zeros(4, 2)  # unused when the components are given
+    adv, ret = get_adv_estimator("gdpo")(
+        rewards, mask, ["u1", "u1", "u2", "u2"], reward_components=components, reward_weights=[2.0, 1.0]
+    )
+    # GRPO per component (unbiased std of a pair {x, y} = |x - y| / sqrt 2, a = 1 / sqrt 2):
+    #   accuracy: u1 {1, 0} -> +a, -a; u2 {1, 1} -> 0, 0
+    #   format:   u1 {1, 1} -> 0, 0;   u2 {0, 1} -> -a, +a
+    # weighted sum 2 * acc + fmt = [2a, -2a, -a, a] on 2, 2, 2, 1 tokens
+    # batch whitening over the 7 tokens: mean = (4a - 4a - 2a + a) / 7 = -a / 7
+    #   deviations 15a/7, -13a/7, -6a/7, 8a/7; unbiased var = a^2 (2*225 + 2*169 + 2*36 + 64) / 49 / 6
+    #   = 0.5 * 924 / 294 = 11/7, so A = [15, -13, -6, 8] * a / 7 / sqrt(11/7) = [15, -13, -6, 8] * a / sqrt(77)
+    a = 1 / math.sqrt(2)
+    expected = (
+        torch.tensor([15.0, -13.0, -6.0, 8.0]) * a / math.sqrt(77)
+    )  # [1.2087, -1.0476, -0.4835, 0.6447]
+    close(adv, expected.unsqueeze(-1) * mask)
+    assert torch.equal(adv, ret)
+    # GRPO on the summed reward 2 * acc + fmt = [3, 1, 2, 3] would give u1 +-a and u2 -+a: the weights'
+    # effect inside each group is lost there, which is what GDPO keeps.
+
+
+def test_gdpo_without_components_is_grpo_then_batch_whitening():
+    rewards, mask = outcome_batch([1.0, 0.0, 0.0, 0.0], [2, 2, 2, 2], 2)
+    adv, _ = get_adv_estimator("gdpo")(rewards, mask, ["u", "u", "v", "v"])
+    # GRPO: u {1, 0} -> +a, -a; v {0, 0} -> 0, 0; tokens [a, a, -a, -a, 0, 0, 0, 0]: mean 0,
+    # unbiased var = 4 a^2 / 7 = 2/7 -> A = a / sqrt(2/7) = sqrt(7) / 2 = 1.3229
+    close(adv, [[math.sqrt(7) / 2] * 2, [-math.sqrt(7) / 2] * 2, [0.0, 0.0], [0.0, 0.0]])
+
+
+def test_gdpo_weights_must_match_components():
+    with pytest.raises(ValueError, match="algorithm.gdpo_reward_weights"):
+        get_adv_estimator("gdpo")(
+            torch.zeros(2, 1),
+            torch.ones(2, 1),
+            ["u", "u"],
+            reward_components=torch.ones(2, 2),
+            reward_weights=[1.0],
+        )
+
+
+def test_gdpo_components_come_from_the_scorer_dict_by_key():
+    from fusedrl.trainer.step_plan import reward_components
+
+    extras = [{"acc": 1.0, "fmt": 0.5}, {}, {"acc": 0.0, "fmt": 1.0}]  # row 1: empty response, no dict
+    out = reward_components(["fmt", "acc"], extras, 3)
+    assert torch.equal(out, torch.tensor([[0.5, 1.0], [0.0, 0.0], [1.0, 0.0]]))
+    with pytest.raises(ValueError, match=r"gdpo_reward_keys: 'length'.*keys seen: \['acc', 'fmt'\]"):
+        reward_components(["acc", "length"], extras, 3)
+    with pytest.raises(ValueError, match=r"\+algorithm.gdpo_reward_keys="):
+        reward_components([], extras, 3)

@@ -396,3 +396,58 @@ def test_multi_turn_problems_reported_together(base):
     assert "left, right or middle" in problem_naming(problems, f"{mt}.tool_response_truncate_side")
     assert not any("tokenization_check" in p for p in problems)  # the default "off" is not a boolean
     assert "does not exist" in problem_naming(problems, f"{mt}.tool_config_path")
+
+
+# ---------------------------------------------------------------------- verl parity values
+RC = "algorithm.rollout_correction"
+
+
+def test_verl_rollout_correction_values_load(base):
+    cfg = load_config(
+        [
+            *base,
+            f"{RC}.rollout_rs='token_k1,seq_max_k2'",  # quoted, as Hydra (and verl) need
+            f"{RC}.rollout_rs_threshold='0.5_2.0,0.01'",
+            f"{RC}.bypass_mode=true",
+            f"{RC}.loss_type=reinforce",
+            f"{RC}.rollout_is=token",
+        ]
+    )
+    assert cfg.algorithm.rollout_correction.loss_type == "reinforce"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "hint"),
+    [
+        ([f"{RC}.loss_type=reinforce"], f"{RC}.loss_type", "bypass_mode`=true"),
+        ([f"{RC}.loss_type=dpo"], f"{RC}.loss_type", "ppo_clip or reinforce"),
+        ([f"{RC}.rollout_rs=token_k9", f"{RC}.rollout_rs_threshold=2.0"], f"{RC}.rollout_rs", "seq_max_k2"),
+        (
+            [f"{RC}.rollout_rs=seq_max_k3", f"{RC}.rollout_rs_threshold=0.5_2.0"],
+            f"{RC}.rollout_rs_threshold",
+            "upper",
+        ),
+        (["actor_rollout_ref.actor.loss_scale_factor=0"], "actor_rollout_ref.actor.loss_scale_factor", "> 0"),
+        (["algorithm.adv_estimator=gdpo"], "algorithm.gdpo_reward_keys", "+algorithm.gdpo_reward_keys="),
+        (
+            [
+                "algorithm.adv_estimator=gdpo",
+                "+algorithm.gdpo_reward_keys=[acc,fmt]",
+                "algorithm.gdpo_reward_weights=[1.0]",
+            ],
+            "algorithm.gdpo_reward_weights",
+            "one weight per",
+        ),
+    ],
+)
+def test_verl_parity_bad_values_name_key_and_fix(base, overrides, key, hint):
+    problems = problems_of([*base, *overrides])
+    assert hint in problem_naming(problems, key), problems
+
+
+def test_gdpo_keys_with_plus_as_verl_writes_them(base):
+    cfg = load_config(
+        [*base, "algorithm.adv_estimator=gdpo", "+algorithm.gdpo_reward_keys=[accuracy_reward,format_reward]"]
+    )
+    assert list(cfg.algorithm.gdpo_reward_keys) == ["accuracy_reward", "format_reward"]
+    assert cfg.critic.loss_scale_factor is None  # follows the actor's

@@ -267,3 +267,121 @@ def test_policy_loss_registry():
         return log_prob.sum() * 0, {}
 
     assert get_policy_loss("test_only_const_loss") is const
+
+
+# ------------------------------------------------------------- verl parity: seq-mean-token-sum-norm
+def test_sum_norm_divides_by_rows_times_width_or_loss_scale_factor():
+    # verl main's agg_loss: sum of the sequences' token sums / rows / H, H = the width (or loss_scale_factor)
+    one = torch.ones(2, 1)
+    close(agg_loss(one, one, "seq-mean-token-sum-norm"), (1 + 1) / 2 / 1)  # 1.0
+    assert agg_denominator(one, "seq-mean-token-sum-norm", loss_scale_factor=4) == 2 * 4
+    close(agg_loss(one, one, "seq-mean-token-sum-norm", loss_scale_factor=4), 2 / (2 * 4))  # 0.25
+    # the factor only touches this mode
+    assert agg_denominator(MASK, "token-mean", loss_scale_factor=4) == 5.0
+
+
+def _grad_of_one_minibatch(mode: str, micro_rows: int, loss_scale_factor: float | None) -> float:
+    """d loss / d w for one mini-batch through the shared update loop (one rank), with the per-token loss
+    ``w * C`` (w = 1): the gradient is the aggregation's weight on C, micro-batching included."""
+    from fusedrl.batch import RolloutBatch
+    from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates
+    from tests.support import free_port, single_rank_group
+
+    costs = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 6.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
+    batch = RolloutBatch(
+        prompts=torch.zeros(4, 1, dtype=torch.long),
+        prompt_mask=torch.ones(4, 1, dtype=torch.long),
+        response_mask=mask,
+        advantages=costs,
+        batch_size=[4],
+    )
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.ones(()))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    stepper = GuardedStepper(model, optimizer, max_norm=1e9)
+
+    def micro_loss(mb, norms, token_norm):
+        loss = agg_loss(model.w * mb.advantages, mb.response_mask, mode, norms[mode])
+        return loss, {"loss": loss.detach()}
+
+    with single_rank_group(free_port()):
+        minibatch_updates(
+            batch,
+            stepper=stepper,
+            micro_loss=micro_loss,
+            mini_rows=4,
+            micro_rows=micro_rows,
+            epochs=1,
+            loss_agg_modes=[mode],
+            world_size=1,
+            loss_scale_factor=loss_scale_factor,
+        )
+    return 1.0 - float(model.w.detach())  # SGD with lr 1: w_new = 1 - grad
+
+
+@pytest.mark.parametrize("micro_rows", [1, 2, 4])
+def test_sum_norm_gradient_equals_verl_main_for_every_micro_batch_size(micro_rows):
+    # verl main (model engine): each micro-batch adds sum(seq token sums) / global_batch_size * dp / H, and
+    # FSDP averages over dp, so the mini-batch gradient on C is  sum(valid C) / (rows * H), rows = 4 =
+    # ppo_mini_batch_size x rollout.n, whatever the micro-batch size (verl <= 0.6 divided by H only and scaled by
+    # 1 / grad_accum: micro_rows times this). Valid C: 1 + 2 + 3 + 4 + 5 + 6 = 21.
+    assert _grad_of_one_minibatch("seq-mean-token-sum-norm", micro_rows, None) == pytest.approx(21 / (4 * 3))
+    # loss_scale_factor = 7 replaces H = 3
+    assert _grad_of_one_minibatch("seq-mean-token-sum-norm", micro_rows, 7) == pytest.approx(21 / (4 * 7))
+    # token-mean for comparison: 21 / 6 valid tokens
+    assert _grad_of_one_minibatch("token-mean", micro_rows, None) == pytest.approx(21 / 6)
+
+
+def test_gspo_policy_term_is_seq_mean_token_mean_whatever_loss_agg_mode():
+    # verl hard-codes seq-mean-token-mean for GSPO's policy term. Ratio 1 everywhere (log_prob = old), so the
+    # per-token loss is -A: row0 A = 0.2 on 3 tokens, row1 A = 1.0 on its 1 valid token.
+    old = torch.zeros(2, 3)
+    log_prob = torch.zeros(2, 3, requires_grad=True)
+    adv = torch.tensor([[0.2, 0.2, 0.2], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    fn = get_policy_loss("gspo")
+    assert fn.agg_mode == "seq-mean-token-mean"
+    loss, _ = fn(log_prob, old, adv, mask, loss_agg_mode="token-mean")
+    # seq-mean-token-mean: (-0.2 + -1.0) / 2 = -0.6   (token-mean would be -(0.6 + 1.0) / 4 = -0.4)
+    close(loss, -0.6)
+    loss.backward()
+    # d/d logp = -A * s / (tokens of the row) / rows: row0 -0.2 / 3 / 2, row1 -1.0 / 1 / 2
+    close(log_prob.grad, [[-0.2 / 6, -0.2 / 6, -0.2 / 6], [-0.5, 0.0, 0.0]])
+
+
+def test_update_loop_passes_one_norm_per_mode():
+    # GSPO's policy term and the entropy / KL terms under token-mean need different normalisers in one pass.
+    from fusedrl.batch import RolloutBatch
+    from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates
+    from tests.support import free_port, single_rank_group
+
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    batch = RolloutBatch(
+        prompts=torch.zeros(2, 1, dtype=torch.long),
+        prompt_mask=torch.ones(2, 1, dtype=torch.long),
+        response_mask=mask,
+        batch_size=[2],
+    )
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.ones(()))
+    stepper = GuardedStepper(model, torch.optim.SGD(model.parameters(), lr=0.0), max_norm=1.0)
+    seen: list[dict] = []
+
+    def micro_loss(mb, norms, token_norm):
+        seen.append(dict(norms))
+        return model.w * 0.0, {"zero": torch.zeros(())}
+
+    with single_rank_group(free_port()):
+        minibatch_updates(
+            batch,
+            stepper=stepper,
+            micro_loss=micro_loss,
+            mini_rows=2,
+            micro_rows=1,
+            epochs=1,
+            loss_agg_modes=["seq-mean-token-mean", "token-mean", "token-mean"],
+            world_size=1,
+        )
+    # 2 non-empty sequences; 3 + 1 = 4 valid tokens; the same normalisers for both micro-batches
+    assert seen == [{"seq-mean-token-mean": 2.0, "token-mean": 4.0}] * 2

@@ -55,3 +55,34 @@ def test_kl_in_reward_subtracts_beta_times_k1():
     # k1 = logp - ref: row0 [0.5, -1.0], row1 [0, masked]
     assert torch.allclose(rewards, torch.tensor([[-0.05, 1.1], [0.0, 0.0]]))
     assert mean_kl == pytest.approx(((0.5 - 1.0) / 2 + 0.0) / 2)
+
+
+def test_adaptive_kl_counts_rows_as_verl_does():
+    # verl updates the in-reward KL coefficient with n_steps = the batch's rows (train_batch_size x rollout.n).
+    # 8 prompts x n = 4 -> 32 rows; every token has k1 = old - ref = 0.3, so the measured KL is 0.3.
+    from types import SimpleNamespace
+
+    from fusedrl.batch import RolloutBatch
+    from fusedrl.trainer.ppo_trainer import PPOTrainer
+
+    rows, width = 32, 2
+    config = SimpleNamespace(
+        algorithm=SimpleNamespace(kl_penalty="kl"), data=SimpleNamespace(train_batch_size=8)
+    )
+    fake = SimpleNamespace(config=config, kl_ctrl=build_kl_controller("adaptive", 0.001, 0.1, 10000))
+    for _ in range(100):
+        batch = RolloutBatch(
+            prompts=torch.zeros(rows, 1, dtype=torch.long),
+            prompt_mask=torch.ones(rows, 1, dtype=torch.long),
+            response_mask=torch.ones(rows, width, dtype=torch.long),
+            token_level_scores=torch.zeros(rows, width),
+            old_log_probs=torch.full((rows, width), -1.0),
+            ref_log_probs=torch.full((rows, width), -1.3),
+            batch_size=[rows],
+        )
+        PPOTrainer.apply_kl_penalty(fake, batch, {})
+    # error = clip(0.3 / 0.1 - 1, -0.2, 0.2) = 0.2; per step beta *= 1 + 0.2 * 32 / 10000 = 1.00064;
+    # after 100 steps 0.001 * 1.00064 ** 100 = 0.001 * exp(100 * ln 1.00064) = 0.001 * exp(0.063980) = 0.00106607
+    # (with n_steps = train_batch_size = 8: 0.001 * 1.00016 ** 100 = 0.00101613)
+    assert fake.kl_ctrl.value == pytest.approx(0.001 * 1.00064**100, rel=1e-9)
+    assert fake.kl_ctrl.value == pytest.approx(0.00106607, abs=5e-9)

@@ -289,8 +289,8 @@ def test_new_keys_bad_values_are_reported_together(files):
         load_config(
             [
                 *_common(files),
-                "algorithm.rollout_correction.rollout_rs=token_k1",
-                "algorithm.rollout_correction.loss_type=reinforce",
+                "algorithm.rollout_correction.rollout_rs=seq_max_k1",  # not a verl option either
+                "algorithm.rollout_correction.loss_type=reinforce",  # without bypass_mode
                 "actor_rollout_ref.actor.optim.lr_scheduler_type=linear",
                 "critic.optim.min_lr_ratio=2.0",
                 "actor_rollout_ref.rollout.mode=eager",
