@@ -511,6 +511,23 @@ def validate(cfg: DictConfig) -> None:
             rm.reward_manager == "dapo",
             "`reward_model.overlong_buffer.enable`=true needs `reward_model.reward_manager=dapo`.",
         )
+    if rm.overlong_buffer.enable and rm.overlong_buffer.max_resp_len is not None:
+        resp_len = number("reward_model.overlong_buffer.max_resp_len")
+        buffer_len = _get(cfg, "reward_model.overlong_buffer.len")
+        need(
+            resp_len is None or not isinstance(buffer_len, int) or resp_len >= buffer_len,
+            f"`reward_model.overlong_buffer.max_resp_len`={resp_len} (verl: reward_kwargs.max_resp_len) < "
+            f"`reward_model.overlong_buffer.len`={buffer_len}: the overlong buffer is the last len tokens of "
+            "max_resp_len; use max_resp_len >= len.",
+        )
+    from fusedrl.ray_config import ray_init_problems
+
+    ray_init = _get(cfg, "trainer.ray_init")
+    if ray_init is not None and not isinstance(ray_init, DictConfig):
+        problems.append(f"`trainer.ray_init`={ray_init!r}: use a mapping of ray.init keyword arguments.")
+    else:
+        container = OmegaConf.to_container(ray_init, resolve=True) if ray_init else None
+        problems.extend(ray_init_problems(container if isinstance(container, dict) else None))
     cpath = cfg.custom_reward_function.path
     if cpath:
         need(os.path.isfile(str(cpath)), f"`custom_reward_function.path`: file `{cpath}` does not exist.")

@@ -312,6 +312,7 @@ class OverlongBufferConfig:
     enable: bool
     len: int
     penalty_factor: float
+    max_resp_len: int | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -410,6 +411,7 @@ class TrainerConfig:
     step_timeout_s: float | None
     preemption_save_timeout_s: float | None
     ray_num_cpus: int | None
+    ray_init: Mapping[str, Any]
     emulated_bf16: str
     ray_object_store_gb: float
 

@@ -4,6 +4,9 @@ Backends (``KNOWN_LOGGERS``):
 
 * ``console``: one line per step, ``[step/total pct%] step N | reward ... | time: ... | eta ...``.
 * ``jsonl``: one JSON object per step appended to ``{run_dir}/metrics.jsonl``.
+* ``file``: verl's file logger: one ``{"step": N, "data": {metric: value}}`` line per step, written to
+  ``$VERL_FILE_LOGGER_PATH``, else ``$VERL_FILE_LOGGER_ROOT`` (default ``.``)``/{project}/{experiment}.jsonl``
+  (the file is started afresh, as verl does).
 * ``tensorboard``: scalars per metric per step, written under ``$TENSORBOARD_DIR`` or ``{run_dir}/tensorboard``.
 * ``wandb``: a Weights & Biases run under ``{run_dir}/wandb``; offline unless ``WANDB_MODE`` says otherwise,
   so nothing needs the network until the run is synced (``wandb sync``).
@@ -21,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+KNOWN_LOGGERS = ("console", "jsonl", "file", "tensorboard", "wandb")
 
 # (metric, short label, format) shown on the console line, in this order, when present.
 CONSOLE_FIELDS = (
@@ -104,6 +107,16 @@ class _StepClock:
         return mean * (total_steps - step)
 
 
+def verl_file_logger_path(project_name: str, experiment_name: str | None) -> str:
+    """Where the ``file`` backend writes, as verl's file logger: ``$VERL_FILE_LOGGER_PATH``, else
+    ``$VERL_FILE_LOGGER_ROOT`` (default ``.``) ``/{project_name}/{experiment_name}.jsonl``."""
+    path = os.environ.get("VERL_FILE_LOGGER_PATH")
+    if path:
+        return path
+    root = os.path.expanduser(os.environ.get("VERL_FILE_LOGGER_ROOT", "."))
+    return os.path.join(root, project_name, f"{experiment_name or 'run'}.jsonl")
+
+
 class Tracker:
     """Fans one metrics dict per step out to the configured backends.
 
@@ -131,6 +144,7 @@ class Tracker:
         self.total_steps = int(total_steps) if total_steps else None
         self.step_clock = _StepClock()
         self._jsonl: TextIO | None = None
+        self._file: TextIO | None = None
         self._tb: Any = None
         self._wandb_run: Any = None
         self.tensorboard_dir: str | None = None
@@ -139,6 +153,10 @@ class Tracker:
                 os.makedirs(run_dir, exist_ok=True)
                 self.jsonl_path = os.path.join(run_dir, "metrics.jsonl")
                 self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 (lives as long as the run)
+            if "file" in self.backends:
+                self.file_path = verl_file_logger_path(project_name, experiment_name)
+                os.makedirs(os.path.dirname(os.path.abspath(self.file_path)), exist_ok=True)
+                self._file = open(self.file_path, "w", encoding="utf-8")  # noqa: SIM115 (lives as long as the run)
             if "tensorboard" in self.backends:
                 self._open_tensorboard(config)
             if "wandb" in self.backends:
@@ -201,6 +219,9 @@ class Tracker:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
             self._jsonl.flush()
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, "data": values}) + "\n")
+            self._file.flush()
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, step)
@@ -211,11 +232,14 @@ class Tracker:
     def close(self) -> None:
         """Flush and close every backend; safe to call more than once."""
         jsonl, self._jsonl = self._jsonl, None
+        file, self._file = self._file, None
         tb, self._tb = self._tb, None
         run, self._wandb_run = self._wandb_run, None
         try:
             if jsonl is not None:
                 jsonl.close()
+            if file is not None:
+                file.close()
         finally:
             try:
                 if tb is not None:

@@ -91,19 +91,31 @@ def init_ray(config: DictConfig) -> None:
     for key in ("PYTHONPATH", "HF_HUB_OFFLINE", "OMP_NUM_THREADS"):
         if key in os.environ:
             env[key] = os.environ[key]
+    from omegaconf import OmegaConf
+
+    from fusedrl.ray_config import ray_init_kwargs
+
+    # trainer.ray_init (verl's ray_kwargs.ray_init.*): the user's ray.init arguments over fusedrl's
+    user = config.trainer.get("ray_init")
+    user_kwargs: Any = OmegaConf.to_container(user, resolve=True) if user is not None else None
     if os.environ.get("RAY_ADDRESS"):  # a running (multi-node) cluster: join it as it is sized
-        ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+        ray.init(
+            **ray_init_kwargs(
+                {"runtime_env": {"env_vars": env}, "logging_level": logging.WARNING}, user_kwargs
+            )
+        )
         return
     preload = tcmalloc_preload()
     if preload:  # local workers only: another node may keep the library elsewhere or not at all
         env["LD_PRELOAD"] = preload
-    ray.init(
-        num_cpus=int(num_cpus),
-        include_dashboard=False,
-        object_store_memory=int(float(config.trainer.ray_object_store_gb) * (1 << 30)),
-        runtime_env={"env_vars": env},
-        logging_level=logging.WARNING,
-    )
+    base = {
+        "num_cpus": int(num_cpus),
+        "include_dashboard": False,
+        "object_store_memory": int(float(config.trainer.ray_object_store_gb) * (1 << 30)),
+        "runtime_env": {"env_vars": env},
+        "logging_level": logging.WARNING,
+    }
+    ray.init(**ray_init_kwargs(base, user_kwargs))
 
 
 # Where Debian/Ubuntu (libtcmalloc-minimal4, libgoogle-perftools4) and RPM distributions put the library.

@@ -102,7 +102,8 @@ def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..
     - ``reward_model.mp_context``: ``forkserver`` | ``spawn`` | ``fork``, how workers start (forkserver)
     - ``reward_model.reward_kwargs``: extra keyword arguments for every scoring call ({})
     - ``reward_model.overlong_buffer.{enable, len, penalty_factor}``: dapo's shaping (false, 1024, 1.0)
-    - ``data.max_response_length``: dapo's L (default: the batch's response width)
+    - ``reward_model.overlong_buffer.max_resp_len``: dapo's L (null: ``data.max_response_length``, and
+      without it the batch's response width)
     - ``custom_reward_function.path`` / ``.name``: a user's function file and name (null / compute_score)
 
     ``compute_score`` (a callable) overrides ``custom_reward_function``. A bad value raises ValueError
@@ -176,7 +177,10 @@ def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..
             overlong_buffer_enable=bool(overlong.enable),
             overlong_buffer_len=int(overlong.len),
             overlong_penalty_factor=float(overlong.penalty_factor),
-            max_response_length=OmegaConf.select(cfg, "data.max_response_length"),  # None: the batch's width
+            # L: verl's reward_kwargs.max_resp_len when given, else data.max_response_length (None: the batch's width)
+            max_response_length=overlong.max_resp_len
+            if overlong.max_resp_len is not None
+            else OmegaConf.select(cfg, "data.max_response_length"),
             **common,
         )
     return NaiveRewardManager(tokenizer, fn, **common)

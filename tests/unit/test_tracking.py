@@ -30,7 +30,7 @@ class FakeClock:
 
 
 def test_known_loggers_and_unknown_backend(tmp_path):
-    assert KNOWN_LOGGERS == ("console", "jsonl", "tensorboard", "wandb")
+    assert KNOWN_LOGGERS == ("console", "jsonl", "file", "tensorboard", "wandb")
     with pytest.raises(ValueError, match="mlflow"):
         Tracker(["console", "mlflow"], run_dir=str(tmp_path))
 
