@@ -8,6 +8,7 @@ rollout engine and a Hugging Face export use).
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -17,6 +18,31 @@ ALL_LINEAR = "all-linear"
 _PEFT_ROOT = "base_model.model."
 _BASE_LAYER = ".base_layer"
 ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude")
+# The input embedding and LM head of a Hugging Face causal LM: one tensor when ``tie_word_embeddings`` is set.
+TIED_MODULES = ("embed_tokens", "lm_head")
+
+
+def tied_target_message(key: str, value: Any, names: list[str], path: Any) -> str:
+    """The config error for an adapter on a tied embedding / LM head (``names``): the one fix is to leave
+    them out."""
+    return (
+        f"`{key}`={value!r} adapts {', '.join(names)}, which {path} ties together "
+        "(tie_word_embeddings=true: the LM head is the input embedding). An adapter there would untie them "
+        "(the merged head no longer equals the embedding the engine and an export tie to it). Leave "
+        f"{' and '.join(TIED_MODULES)} out of target_modules (all-linear already does) or add them to "
+        "exclude_modules."
+    )
+
+
+def ties_embeddings(model_path: Any) -> bool:
+    """Whether ``model_path``'s config.json sets ``tie_word_embeddings`` (False where unreadable or unset)."""
+    try:
+        with open(os.path.join(str(model_path), "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings"))
+    return bool(tied)
 
 
 def lora_rank(model_cfg: Any) -> int:
@@ -82,6 +108,12 @@ def lora_problems(cfg: Any) -> list[str]:
             f"`{key}.target_modules`={targets!r}: LoRA (lora_rank={rank}) needs the modules to adapt: "
             f"`{ALL_LINEAR}` or a list such as [q_proj,k_proj,v_proj,o_proj]."
         )
+    named = [] if isinstance(targets, str) or targets is None else [str(t) for t in targets]
+    excluded = model.exclude_modules
+    excluded = [] if excluded is None or isinstance(excluded, str) else [str(e) for e in excluded]
+    tied = [t for t in named if t.rsplit(".", 1)[-1] in TIED_MODULES and t not in excluded]
+    if tied and ties_embeddings(model.path):
+        problems.append(tied_target_message(f"{key}.target_modules", list(named), tied, model.path))
     if needed_roles(cfg)["critic"]:
         problems.append(
             f"`{key}.lora_rank`={rank} with algorithm.adv_estimator={cfg.algorithm.adv_estimator} (a critic): "

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusedrl.lora import base_name, is_adapter_name, lora_rank, target_modules
+from fusedrl.lora import base_name, is_adapter_name, lora_rank, target_modules, tied_target_message
 from fusedrl.role_config import ModelConfig, RefConfig
 from fusedrl.workers.fsdp import StreamStats, gather_full
 
@@ -36,11 +36,14 @@ def add_lora(model: nn.Module, model_cfg: ModelConfig) -> nn.Module:
     at ``model.lora_adapter_path``. ``lora_B`` starts at zero (PEFT's default), so the wrapped model
     computes exactly what the base model does until the first update.
 
-    Raises ValueError naming the model's linear modules when ``target_modules`` matches none of them.
+    Raises ValueError naming the model's linear modules when ``target_modules`` matches none of them, and
+    naming the key and the fix when an adapter lands on a tied embedding or LM head (a regex or a saved
+    adapter can reach them; the driver refuses the names written out before anything starts).
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
     available = linear_module_names(model)
+    tied = _tied_embedding_modules(model)
     path = model_cfg.lora_adapter_path
     try:
         if path:
@@ -70,7 +73,30 @@ def add_lora(model: nn.Module, model_cfg: ModelConfig) -> nn.Module:
             f"actor_rollout_ref.model.target_modules={model_cfg.target_modules!r} adapted no module; "
             f"the model's linear modules are: {', '.join(available)}"
         )
+    on_tied = sorted(
+        base_name(n)
+        for n, m in lora_layers(peft_model).items()
+        if id(m.get_base_layer()) in tied  # type: ignore[operator]
+    )
+    if on_tied:
+        key, value = ("lora_adapter_path", path) if path else ("target_modules", model_cfg.target_modules)
+        raise ValueError(
+            tied_target_message(f"actor_rollout_ref.model.{key}", value, on_tied, model_cfg.path)
+        )
     return peft_model
+
+
+def _tied_embedding_modules(model: nn.Module) -> set[int]:
+    """``id``s of the input embedding and LM head modules when they share one weight, else empty."""
+    get_in, get_out = (
+        getattr(model, "get_input_embeddings", None),
+        getattr(model, "get_output_embeddings", None),
+    )
+    embed = get_in() if get_in is not None else None
+    head = get_out() if get_out is not None else None
+    if embed is None or head is None or getattr(head, "weight", None) is not getattr(embed, "weight", ()):
+        return set()
+    return {id(embed), id(head)}
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:

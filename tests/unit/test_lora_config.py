@@ -191,3 +191,59 @@ def test_saved_adapter_round_trips_through_lora_adapter_path(files, tmp_path):
         with resumed.disable_adapter():
             assert not torch.allclose(resumed(input_ids=ids).logits, expected)  # the adapter matters
         assert torch.equal(resumed(input_ids=ids).logits, expected)
+
+
+@pytest.fixture(scope="module")
+def tied_model(files, tmp_path_factory) -> str:
+    """The tiny model with ``tie_word_embeddings=true`` (SmolLM2's layout: the LM head is the embedding)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = str(tmp_path_factory.mktemp("lora_tied") / "model")
+    shutil.copytree(files["model"], out)
+    with open(f"{out}/config.json") as f:
+        config = json.load(f)
+    config["tie_word_embeddings"] = True
+    with open(f"{out}/config.json", "w") as f:
+        json.dump(config, f)
+    weights = load_file(f"{out}/model.safetensors")
+    del weights["lm_head.weight"]  # the head is the embedding
+    save_file(weights, f"{out}/model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_all_linear_leaves_a_tied_head_and_embedding_alone(tied_model):
+    from fusedrl.workers.fsdp import load_causal_lm
+    from fusedrl.workers.lora import add_lora, lora_layers
+
+    base = load_causal_lm(tied_model, "float32")
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
+    model_cfg = _model_cfg(tied_model, lora_rank=4, lora_alpha=8, target_modules="all-linear")
+    peft_model = add_lora(base, model_cfg)
+    adapted = {name.rsplit(".", 1)[-1] for name in lora_layers(peft_model)}
+    assert "q_proj" in adapted and not adapted & {"lm_head", "embed_tokens"}
+    assert peft_model.get_output_embeddings().weight is peft_model.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("module", ["lm_head", "embed_tokens"])
+def test_naming_a_tied_head_or_embedding_is_a_config_error(files, base, tied_model, module):
+    tied = [o if not o.startswith(f"{M}.path=") else f"{M}.path={tied_model}" for o in base]
+    lora = [f"{M}.lora_rank=4", f"{M}.target_modules=[q_proj,{module}]"]
+    (problem,) = problems_of(tied + lora)
+    assert f"`{M}.target_modules`" in problem and module in problem
+    assert "tie_word_embeddings" in problem and "exclude_modules" in problem  # why, and the fix
+    load_config(tied + lora + [f"{M}.exclude_modules=[{module}]"])  # excluded: accepted
+    load_config(base + lora)  # an untied model may adapt its own head
+
+
+def test_a_regex_reaching_the_tied_head_fails_at_build_naming_the_key(tied_model):
+    from fusedrl.workers.fsdp import load_causal_lm
+    from fusedrl.workers.lora import add_lora
+
+    model_cfg = _model_cfg(tied_model, lora_rank=4, lora_alpha=8, target_modules=r".*(q_proj|lm_head)")
+    with pytest.raises(ValueError) as info:
+        add_lora(load_causal_lm(tied_model, "float32"), model_cfg)
+    msg = str(info.value)
+    assert "actor_rollout_ref.model.target_modules" in msg and "lm_head" in msg and "exclude_modules" in msg
