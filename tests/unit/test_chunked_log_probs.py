@@ -395,3 +395,67 @@ def test_ulysses_chunked_equals_whole(two_ranks):
         for key in ("log_probs", "entropy"):
             torch.testing.assert_close(chunked[key], whole[key], atol=ATOL, rtol=0)
         _assert_grads_close(chunked["grads"], whole["grads"])
+
+
+# --------------------------------------------------------------------------- the roles, on SmolLM2
+
+
+def _roles_body(port: int, model_dir: str, out: str) -> None:
+    """The actor's and reference's passes as the worker runs them (roles from the config, FSDP2, packed rows
+    as on CPU) on the real 2-layer SmolLM2: how many chunked-head forwards and backwards each pass ran."""
+    from support import single_rank_group
+
+    with single_rank_group(port):
+        from fusedrl.role_config import role_configs_from_overrides
+        from fusedrl.workers.actor import ActorRole, RefRole
+
+        fn = chunked_head._ChunkedHeadStats
+        calls = {"forward": 0, "backward": 0}
+        forward, backward = fn.forward, fn.backward
+
+        def counted(kind, original):
+            return staticmethod(lambda *a, **k: calls.__setitem__(kind, calls[kind] + 1) or original(*a, **k))
+
+        fn.forward, fn.backward = counted("forward", forward), counted("backward", backward)
+        cfg = role_configs_from_overrides(
+            [
+                "data.train_files=unused",
+                f"actor_rollout_ref.model.path={model_dir}",
+                "actor_rollout_ref.rollout.n=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                "actor_rollout_ref.actor.fsdp_config.param_dtype=null",
+                "actor_rollout_ref.ref.fsdp_config.param_dtype=null",
+            ]
+        )
+        gen = torch.Generator().manual_seed(6)
+        batch = padded_batch([9, 5, 7, 8] * 4, [12] * 16, tp=9, tr=12, gen=gen)
+        batch.advantages = torch.randn(16, 1, generator=gen).expand(16, 12) * batch.response_mask
+        actor, ref = ActorRole(cfg.model, cfg.actor, rollout_n=4), RefRole(cfg.model, cfg.ref)
+        seen = {"packed": bool(cfg.model.use_remove_padding)}
+        for name, run in (
+            ("old_log_prob", lambda: actor.compute_log_prob(batch, temperature=1.0, micro_batch_size=8)),
+            ("ref_log_prob", lambda: ref.compute_log_prob(batch, temperature=1.0)),
+            ("update", lambda: actor.update(batch, temperature=1.0)),
+        ):
+            calls.update(forward=0, backward=0)
+            value = run()
+            if name == "old_log_prob":
+                batch.old_log_probs = value
+            elif name == "ref_log_prob":
+                batch.ref_log_probs = value
+            seen[name] = dict(calls)
+        torch.save(seen, out)
+
+
+def test_actor_and_reference_passes_run_the_chunked_head_on_smollm2(smollm2_2layer_dir, tmp_path):
+    """On the real model (49,152-token tied head, Llama) the old log-prob, reference and update passes all
+    take the chunked head, and the update's backward through the LM head is the chunked one: 8 rows x 12
+    response tokens make 4.7M logits, over `CHUNK_ELEMENTS`."""
+    from support import spawned_result
+
+    seen = spawned_result(_roles_body, smollm2_2layer_dir, tmp_path, timeout=600)
+    assert seen["packed"]  # the CPU default: packed rows, 96 positions per micro-batch
+    assert seen["old_log_prob"] == {"forward": 2, "backward": 0}  # 16 rows, micro-batches of 8
+    assert seen["ref_log_prob"]["forward"] >= 1 and seen["ref_log_prob"]["backward"] == 0
+    assert seen["update"]["forward"] == seen["update"]["backward"] >= 2, seen["update"]
