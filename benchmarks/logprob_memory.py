@@ -34,6 +34,7 @@ import json
 import os
 import resource
 import statistics
+import sys
 import time
 
 import torch
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = f"{args.model} (pretrained)" if args.model else f"SmolLM2 widths x {args.layers} layers"
     title = f"Chunked LM head: log-prob passes, {shape}, {layout}, {args.dtype}"
     if args.record:
-        command = "python -m benchmarks.logprob_memory " + " ".join(argv or [])
+        command = "python -m benchmarks.logprob_memory " + " ".join(sys.argv[1:] if argv is None else argv)
         record(title, command, table, {"results": results})
     else:
         print(title)
