@@ -295,6 +295,8 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig
     rollout_correction: RolloutCorrectionConfig
     filter_groups: FilterGroupsConfig
+    gdpo_reward_keys: tuple[str, ...] | None
+    gdpo_reward_weights: tuple[float, ...] | None
 
 
 @dataclass(frozen=True, kw_only=True)
