@@ -1,6 +1,6 @@
 """Checks of the keys whose support depends on the model's architecture, read from the model folder's
 ``config.json`` with plain ``json`` (no model is loaded, nothing heavy is imported), called by
-`fusedrl.config.validate` so that a model a path cannot serve is named before Ray starts instead of
+`fusedrl.config_checks.validate` so that a model a path cannot serve is named before Ray starts instead of
 failing in a worker.
 
 Every decoder architecture Transformers ships runs packed rows, shared prompts, compiled layers and
@@ -44,7 +44,7 @@ def model_config(path: Any) -> dict[str, Any] | None:
 
 def _select(cfg: DictConfig, key: str) -> Any:
     """``cfg``'s value at ``key``, or None where it is missing (also through an interpolation: the critic's
-    path follows the actor's, which `fusedrl.config.validate` reports once)."""
+    path follows the actor's, which `fusedrl.config_checks.validate` reports once)."""
     try:
         return OmegaConf.select(cfg, key, throw_on_missing=False)
     except OmegaConfBaseException:

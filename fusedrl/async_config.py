@@ -1,5 +1,5 @@
 """``async_training``, read and checked before Ray starts (pure config logic, called by
-`fusedrl.config.validate`). The trainer is `fusedrl.trainer.async_trainer.AsyncPPOTrainer`;
+`fusedrl.config_checks.validate`). The trainer is `fusedrl.trainer.async_trainer.AsyncPPOTrainer`;
 docs/placement.md ("Asynchronous training") has the user's view.
 
 ``async_training.max_staleness`` bounds how many actor updates a sample's policy may lag behind the actor

@@ -11,6 +11,10 @@ not float32 and padded rows because those are safe everywhere. These keys defaul
   where it would attend a packed row through a dense block-diagonal mask (SDPA on CUDA: the update took 1.6x
   as long on an H200; ``sdpa`` / ``eager`` named explicitly).
 * ``model.compile_layers`` (and the critic's): on only where the compile is repaid (`COMPILE_RULE`).
+* ``rollout.sleep_level``: 2 on CUDA (the engine's weights are discarded while it sleeps: the next stream
+  overwrites every one of them anyway, so a host copy is bytes moved twice for nothing), 1 under LoRA (the
+  base weights stay, so each sync streams the adapted modules only) and on CPU (vLLM has no sleep mode there:
+  nothing is released at either level).
 
 They resolve **in the worker process that holds the model**, not on the driver: a Ray head node may have
 another CPU, or no GPU. The ranks of a worker group agree first (`agreed_facts`: bf16 only where every rank
@@ -157,6 +161,15 @@ def compiles_for(
     return (False, failed) if failed else (True, f"{planned_steps} planned steps")
 
 
+def sleep_level_for(facts: DeviceFacts, *, lora: bool) -> tuple[int, str]:
+    """``rollout.sleep_level=auto`` (module docstring)."""
+    if not facts.cuda:
+        return 1, "no sleep mode on CPU: nothing is released at either level"
+    if lora:
+        return 1, "LoRA: the base weights stay, each sync streams the adapted modules only"
+    return 2, "every sync overwrites the engine's weights: no host copy kept while it sleeps"
+
+
 def _is_half(param_dtype: str | None, model_dtype: str) -> bool:
     return str(param_dtype or model_dtype) in HALF_DTYPES
 
@@ -180,6 +193,7 @@ ROLE_KEYS = {
         "critic.model.use_remove_padding",
         "critic.model.compile_layers",
     ),
+    "rollout": (f"{ARR}.rollout.sleep_level",),
 }
 
 
@@ -248,10 +262,16 @@ def resolve_configs(cfg: Any, facts: DeviceFacts, roles: Iterable[str] | None = 
             facts=facts,
         ),
     )
+    sleep = pick(
+        f"{ARR}.rollout.sleep_level",
+        cfg.rollout.sleep_level,
+        lambda: sleep_level_for(facts, lora=lora_enabled(model)),
+    )
     replace = dataclasses.replace
     resolved = replace(
         cfg,
         model=replace(model, use_remove_padding=m_packed, compile_layers=m_compiled),
+        rollout=replace(cfg.rollout, sleep_level=sleep),
         actor=replace(actor, fsdp_config=replace(actor_fsdp, param_dtype=a_dtype)),
         ref=replace(ref, fsdp_config=replace(ref_fsdp, param_dtype=r_dtype)),
         critic=replace(

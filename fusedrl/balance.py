@@ -132,3 +132,24 @@ def rank_token_loads(lengths: Sequence[int], world_size: int) -> list[int]:
 def apply_order(batch: RolloutBatch, order: Sequence[int]) -> RolloutBatch:
     """``batch`` with its rows in ``order`` (every field, tensor or not)."""
     return batch[torch.tensor(list(order), dtype=torch.long)]
+
+
+def balance_over_ranks(
+    batch: RolloutBatch, world_size: int, *, reorder: bool, groups_whole: bool
+) -> tuple[RolloutBatch, float]:
+    """``batch`` reordered so each of ``world_size`` contiguous shards carries about the same real tokens
+    (when ``reorder``), and the largest shard's tokens over the mean. With ``groups_whole`` the rows of one
+    ``uid`` go to one rank together (packed rows hold their shared prompt once)."""
+    lengths = sequence_lengths(batch)
+    if reorder and world_size > 1:
+        groups = None
+        if groups_whole and batch.uid is not None:
+            by_uid: dict[str, list[int]] = {}
+            for row, uid in enumerate(batch.uid):
+                by_uid.setdefault(str(uid), []).append(row)
+            groups = list(by_uid.values())
+        order = balanced_rank_order(lengths, world_size, groups)
+        batch = apply_order(batch, order)
+        lengths = [lengths[i] for i in order]
+    loads = rank_token_loads(lengths, world_size)
+    return batch, max(loads) / max(sum(loads) / world_size, 1.0)

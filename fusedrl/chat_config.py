@@ -1,4 +1,4 @@
-"""Checks of the model folder's chat template, called by `fusedrl.config.validate` so that a folder whose
+"""Checks of the model folder's chat template, called by `fusedrl.config_checks.validate` so that a folder whose
 prompts cannot be rendered, or whose responses would never stop, is named before Ray starts instead of
 failing in the data pipeline (no template) or silently generating to ``data.max_response_length`` every
 time (a template whose assistant turn ends with a token the engine does not stop on).

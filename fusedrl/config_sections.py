@@ -1,5 +1,5 @@
 """Checks of single config sections (rollout correction, checkpoint contents, LR schedules, token
-budgets, compiled layers, the keys that may be ``auto``), called by `fusedrl.config.validate`; each appends problems that name the key and the fix."""
+budgets, compiled layers, the keys that may be ``auto``), called by `fusedrl.config_checks.validate`; each appends problems that name the key and the fix."""
 
 from __future__ import annotations
 

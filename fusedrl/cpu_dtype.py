@@ -11,7 +11,10 @@ config once, before Ray starts, and acts by ``trainer.emulated_bf16``:
 * ``error``: a `ConfigError` naming the keys and the two ways out;
 * ``allow``: keep bf16 (emulated; e.g. to reproduce bf16 numerics on a CPU).
 
-Where the device computes bf16 natively (CUDA, or a CPU with those instructions) nothing changes. A dtype key
+Where the device computes bf16 natively (CUDA, or a CPU with those instructions) nothing changes. When the run
+joins a running Ray cluster (``RAY_ADDRESS`` or ``trainer.ray_init.address``), this machine is not the workers'
+and their devices are not known before Ray starts: explicit bf16 keys are kept as set, with a line saying so
+(`remote_cluster`). A dtype key
 left at ``auto`` is no bf16 setting here: each worker resolves it for its own device (`fusedrl.auto_defaults`),
 to float32 (null) where bf16 is not native.
 """
@@ -19,6 +22,7 @@ to float32 (null) where bf16 is not native.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -45,6 +49,15 @@ def bf16_dtype_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
     return out
 
 
+def remote_cluster(cfg: DictConfig) -> str | None:
+    """The address of a running Ray cluster the run joins (``RAY_ADDRESS``, else ``trainer.ray_init.address``;
+    ``local`` and an empty value start a cluster here), or None."""
+    address = os.environ.get("RAY_ADDRESS") or OmegaConf.select(cfg, "trainer.ray_init.address", default=None)
+    if address in (None, "", "local"):
+        return None
+    return str(address)
+
+
 def apply_cpu_dtype_policy(
     cfg: DictConfig, detect: Callable[[], tuple[bool, str]] | None = None
 ) -> list[str]:
@@ -55,6 +68,15 @@ def apply_cpu_dtype_policy(
 
     keys = bf16_dtype_keys(cfg)
     if not keys:
+        return []
+    remote = remote_cluster(cfg)
+    if remote is not None:
+        line = (
+            f"fusedrl: joining the Ray cluster at {remote}: {', '.join(f'`{k}`' for k in keys)} stay bfloat16 "
+            "as set (the workers' devices are not known here; a worker CPU without native bf16 would emulate "
+            "it slowly, where `auto` dtypes resolve on each worker)"
+        )
+        print(line, file=sys.stderr, flush=True)
         return []
     native, device = (detect or native_bf16)()
     if native:

@@ -7,7 +7,7 @@ pool share one worker per slot (the fused worker); roles on different pools run 
 the weight sync between the actor and the rollout then goes over a collective group made for it
 (`fusedrl.controller.weight_sync`). The default (no pools, no roles) is one fused pool: today's run.
 
-Pure config logic (no torch, no Ray), so `fusedrl.config.validate` can call it. docs/placement.md has the
+Pure config logic (no torch, no Ray), so `fusedrl.config_checks.validate` can call it. docs/placement.md has the
 user's view.
 """
 
@@ -159,7 +159,7 @@ def placement_problems(cfg: Any, roles: Sequence[str], problems: list[str]) -> P
                     f"(actor_rollout_ref.model.lora_rank > 0) the {role} must be on the actor's pool "
                     f"({actor_pool!r}) for now."
                 )
-    # Batch sizes and TP against the pools are checked by `fusedrl.config.validate` with the worlds below.
+    # Batch sizes and TP against the pools are checked by `fusedrl.config_checks.validate` with the worlds below.
     return placement
 
 

@@ -1,6 +1,6 @@
 """The typed configs the roles receive: one keyword-only frozen dataclass per YAML section.
 
-The driver validates the composed config (`fusedrl.config.validate`), then turns it ONCE into a
+The driver validates the composed config (`fusedrl.config_checks.validate`), then turns it ONCE into a
 `RoleConfigs` (`build_role_configs`; SFT: `fusedrl.sft_role_config.build_sft_role_configs`) and hands that to every worker. The
 roles read attributes (``cfg.actor.optim.lr``), never ``config["..."]`` dicts, and values the driver
 derives (the tokenizer's eos / pad ids, Python agent tools, the SFT step count) are fields of their own,
@@ -200,7 +200,7 @@ class RolloutConfig:
     gpu_memory_utilization: float
     cpu_kv_cache_gb: float
     free_cache_engine: bool
-    sleep_level: int
+    sleep_level: int | str  # "auto" until the worker resolves it (`fusedrl.auto_defaults`)
     emulate_sleep: bool
     enable_prefix_caching: bool
     max_num_seqs: int
@@ -468,7 +468,7 @@ def _plain(value: Any) -> Any:
 def build_section(cls: type, node: Section, where: str) -> Any:
     """``cls`` from one YAML section ``node`` (a plain mapping, interpolations resolved), recursively for
     nested sections. Raises KeyError naming ``where.key`` for a key the section lacks; keys the dataclass
-    does not know are ignored here (``fusedrl.config.validate`` has reported them already)."""
+    does not know are ignored here (``fusedrl.config_checks.validate`` has reported them already)."""
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for field in dataclasses.fields(cls):

@@ -176,7 +176,7 @@ def statuses() -> list[tuple[str, str, str]]:
         rows.append(row)
     if missing:
         raise SystemExit(
-            "verl keys with no status (add them to fusedrl's YAML or to fusedrl.verl_compat.NO_EFFECT):\n  "
+            "verl keys with no status (add them to fusedrl's YAML or to fusedrl.verl_key_status.NO_EFFECT):\n  "
             + "\n  ".join(missing)
         )
     return rows

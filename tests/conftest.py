@@ -74,6 +74,14 @@ def arithmetic_data(tmp_path_factory) -> tuple[str, str]:
     return write_arithmetic_parquet(str(out), n_train=64, n_test=16, seed=0)
 
 
+@pytest.fixture(scope="session")
+def small_train_file(tmp_path_factory) -> str:
+    """8 arithmetic training prompts (the real-model tests' data: two steps of 4)."""
+    from fusedrl.data.arithmetic import write_arithmetic_parquet
+
+    return write_arithmetic_parquet(str(tmp_path_factory.mktemp("arith8")), n_train=8, n_test=4, seed=0)[0]
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray cluster per test module, for tests that build trainers with `PPOTrainer` directly."""

@@ -25,6 +25,33 @@ def varied_score(data_source, solution_str, ground_truth, extra_info=None) -> fl
     return (len(solution_str) % 5) / 4.0
 
 
+def real_model_grpo(
+    train_file: str, model_dir: str, run_dir: str, *, response: int = 12, n: int = 2, steps: int = 3
+) -> list[str]:
+    """The GRPO command line the real-model tests share: 4 prompts x ``n`` samples a step, ``response`` tokens,
+    temperature 1, the engine's cache kept between phases, one mini-batch, a KL loss to the reference (coef
+    0.01), no weight decay, 2 workers, ``steps`` steps. Each test adds its dtype, batch and learning-rate keys."""
+    return [
+        f"data.train_files={train_file}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=128",
+        f"data.max_response_length={response}",
+        f"actor_rollout_ref.rollout.n={n}",
+        "algorithm.adv_estimator=grpo",
+        "trainer.val_before_train=false",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        "actor_rollout_ref.rollout.free_cache_engine=false",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.optim.weight_decay=0.0",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.01",
+        "trainer.n_gpus_per_node=2",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+
+
 @contextmanager
 def started_trainer(
     overrides: Sequence[str],

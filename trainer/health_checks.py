@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
 
 from fusedrl.auto_defaults import AUTO, driver_value
 from fusedrl.checkpoint import find_latest_checkpoint
+from fusedrl.controller.placement import cluster_has_gpus
 from fusedrl.metrics import Metrics
 from fusedrl.workers.rollout.base import rollout_dtype
 
@@ -54,7 +54,7 @@ def auto_rollout_check_tol(config: DictConfig, settings: Mapping[str, Any] | Non
     for other dtypes (fp16). An actor ``param_dtype=auto`` no worker resolved may be bf16: the bf16 bound."""
     arr = config.actor_rollout_ref
     fsdp = arr.actor.fsdp_config
-    engine = rollout_dtype(str(arr.rollout.dtype), cuda=torch.cuda.is_available())
+    engine = rollout_dtype(str(arr.rollout.dtype), cuda=cluster_has_gpus())  # the workers' devices
     param = driver_value(config, settings or {}, "actor_rollout_ref.actor.fsdp_config.param_dtype")
     names = {engine, str(param or fsdp.model_dtype)}
     names = {{"fp32": "float32", "bf16": "bfloat16", AUTO: "bfloat16"}.get(n) or n for n in names}

@@ -23,7 +23,8 @@ from omegaconf import DictConfig
 from fusedrl.algorithms import get_adv_estimator, get_adv_traits
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
 from fusedrl.algorithms.rollout_correction import correct_advantages
-from fusedrl.balance import apply_order, balanced_rank_order, rank_token_loads, sequence_lengths
+from fusedrl.auto_defaults import driver_value
+from fusedrl.balance import balance_over_ranks
 from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint, seed_rng
 from fusedrl.config import logger_names, needed_roles, to_plain_dict
@@ -175,7 +176,8 @@ class PPOTrainer(RewardModelScoring):
             # Preempted: spend the time budget on stopping, not on validation.
             validate = self.val_dataset is not None and not stop.requested
             if validate and due(int(tr.test_freq), self.global_step, self.total_steps):
-                last.update(self.validate())
+                with timer("testing", last):  # verl's name for the validation's time
+                    last.update(self.validate())
             self.tracker.log(last, self.global_step)
             if stop.requested:
                 raise stop.stopped(self.global_step, saved, resume_hint(self.ckpt_root))
@@ -306,21 +308,14 @@ class PPOTrainer(RewardModelScoring):
         batch by ``uid``, so a GRPO group split across ranks is fine; each epoch still uses every row once.
         With shared prompts in packed rows (`step_plan.prompt_groups_whole`) a ``uid``'s rows go to one rank
         together."""
-        lengths = sequence_lengths(batch)
-        world = self.workers.world_size
-        if self.config.trainer.balance_batch and world > 1:
-            groups = None
-            whole = step_plan.prompt_groups_whole(self.config, self.groups.auto_settings)
-            if whole and batch.uid is not None:
-                # A prompt's samples stay on one rank, where its packed rows hold the prompt once.
-                by_uid: dict[str, list[int]] = {}
-                for row, uid in enumerate(batch.uid):
-                    by_uid.setdefault(str(uid), []).append(row)
-                groups = list(by_uid.values())
-            batch = apply_order(batch, order := balanced_rank_order(lengths, world, groups))
-            lengths = [lengths[i] for i in order]
-        loads = rank_token_loads(lengths, world)
-        metrics["balance/max_over_mean_rank_tokens"] = max(loads) / max(sum(loads) / world, 1.0)
+        whole = step_plan.prompt_groups_whole(self.config, self.groups.auto_settings)
+        batch, spread = balance_over_ranks(
+            batch,
+            self.workers.world_size,
+            reorder=bool(self.config.trainer.balance_batch),
+            groups_whole=whole,
+        )
+        metrics["balance/max_over_mean_rank_tokens"] = spread
         return batch
 
     def filter_metric(self, batch: RolloutBatch) -> torch.Tensor:
@@ -584,9 +579,10 @@ class PPOTrainer(RewardModelScoring):
 
     @property
     def rollout_discards_weights(self) -> bool:
-        """Whether the engines' post-rollout sleep throws their weights away (level 2)."""
+        """Whether the engines' post-rollout sleep discards their weights (level 2; an unresolved auto too)."""
         r = self.config.actor_rollout_ref.rollout
-        return r.name == "vllm" and bool(r.free_cache_engine) and int(r.sleep_level) == 2
+        level = driver_value(self.config, self.groups.auto_settings, "actor_rollout_ref.rollout.sleep_level")
+        return r.name == "vllm" and bool(r.free_cache_engine) and str(level) in ("2", "auto")
 
     def validate(self) -> Metrics:
         """Greedy (``rollout.val_kwargs``) generation on the validation set; mean score per data source."""

@@ -105,12 +105,25 @@ class WeightSyncEndpoint:
     events: Any
     _sync_group: Any = None
     _sync_plan: list[list[Entry]] | None = None
+    _sync_dtype: torch.dtype | None = None
 
-    def weight_manifest(self) -> list[tuple[str, list[int], str]]:
-        """Name, full shape and dtype of every tensor the actor streams, in stream order (no gather)."""
+    def weight_manifest(self, wire_dtype: str | None = None) -> list[tuple[str, list[int], str]]:
+        """Name, full shape and dtype of every tensor the actor streams, in stream order (no gather).
+        ``wire_dtype`` (the engines' parameter dtype): floating tensors travel in it, cast on the training
+        ranks before they are gathered, as the in-process stream does (float32 master weights to bf16
+        engines: half the bytes on the gathers, the wire and the buckets)."""
         if self.actor is None:
             raise RuntimeError("weight_manifest: this worker holds no actor")
-        return [(n, list(t.shape), str(t.dtype)) for n, t in self.actor.model.state_dict().items()]
+        return [
+            (n, list(t.shape), wire_dtype if wire_dtype and t.is_floating_point() else str(t.dtype))
+            for n, t in self.actor.model.state_dict().items()
+        ]
+
+    def rollout_param_dtype(self) -> str:
+        """The engine's parameter dtype (``torch.bfloat16`` ...), for the cross-pool manifest."""
+        if self.rollout is None:
+            raise RuntimeError("rollout_param_dtype: this worker holds no rollout")
+        return str(self.rollout.param_dtype())
 
     def weight_sync_address(self, multi_node: bool) -> tuple[str, int]:
         """Where the sync group's store will listen (this worker serves it as the group's rank 0)."""
@@ -130,11 +143,13 @@ class WeightSyncEndpoint:
         sync_size: int,
         manifest: list[tuple[str, list[int], str]],
         bucket_bytes: int,
+        wire_dtype: str | None = None,
     ) -> None:
         """Join the sync group as ``sync_rank`` of ``sync_size`` (0: the training rank 0, the root) and
         keep the bucket layout. Collective over the group."""
         self._sync_group = make_sync_group(addr, port, sync_rank, sync_size)
         self._sync_plan = bucket_plan(manifest, bucket_bytes)
+        self._sync_dtype = _dtype(wire_dtype) if wire_dtype else None
 
     def _plan(self) -> list[list[Entry]]:
         if self._sync_plan is None:
@@ -148,7 +163,7 @@ class WeightSyncEndpoint:
             raise RuntimeError("send_weights: this worker holds no actor")
         t0 = time.perf_counter()
         stats = StreamStats()
-        stream = self.actor.stream_weights(stats)
+        stream = self.actor.stream_weights(stats, dtype=self._sync_dtype)
         sent, wire_s, buckets = 0, 0.0, 0
         for bucket in self._plan():
             root = self.rank == 0

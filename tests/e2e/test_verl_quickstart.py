@@ -71,6 +71,7 @@ def test_verl_quickstart_line_trains_ppo_with_a_critic(tiny_model_dir, arithmeti
     assert by_step[2]["actor/lr"] == pytest.approx(1e-6) and by_step[2]["critic/lr"] == pytest.approx(1e-5)
     # The last step validates (test_freq) and prints 2 samples.
     assert "val/test_score/mean" in by_step[2]
+    assert by_step[2]["timing_s/testing"] > 0 and "timing_s/testing" not in by_step[1]  # verl's metric
     assert out.stdout.count("[val step 2 sample") == 2
     # The last step saves (save_freq), with a Hugging Face folder of the policy (save_contents: hf_model).
     assert Path(tmp_path, "global_step_2", "huggingface", "config.json").is_file()

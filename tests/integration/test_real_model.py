@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from support import FLOAT32_TRAINING, started_trainer, sync_gap, update_without_sync
+from support import FLOAT32_TRAINING, real_model_grpo, started_trainer, sync_gap, update_without_sync
 
 pytestmark = pytest.mark.integration
 
@@ -70,37 +70,21 @@ def model_dir(smollm2_2layer_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def train_file(tmp_path_factory) -> str:
-    from fusedrl.data.arithmetic import write_arithmetic_parquet
-
-    return write_arithmetic_parquet(str(tmp_path_factory.mktemp("arith")), n_train=8, n_test=4, seed=0)[0]
-
-
-@pytest.fixture(scope="module")
-def trainer(model_dir, train_file, tmp_path_factory):
+def trainer(model_dir, small_train_file, tmp_path_factory):
     with started_trainer(
         [
-            f"data.train_files={train_file}",
-            f"actor_rollout_ref.model.path={model_dir}",
-            "data.train_batch_size=4",
-            "data.max_prompt_length=128",
-            f"data.max_response_length={MAX_RESPONSE}",
-            "actor_rollout_ref.rollout.n=4",
-            "algorithm.adv_estimator=grpo",
-            "trainer.val_before_train=false",
-            "actor_rollout_ref.rollout.temperature=1.0",
+            *real_model_grpo(
+                small_train_file,
+                model_dir,
+                str(tmp_path_factory.mktemp("run")),
+                response=MAX_RESPONSE,
+                n=4,
+                steps=2,
+            ),
             "actor_rollout_ref.rollout.dtype=float32",
             *FLOAT32_TRAINING,
-            "actor_rollout_ref.rollout.free_cache_engine=false",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.actor.optim.lr=2e-3",
-            "actor_rollout_ref.actor.optim.weight_decay=0.0",
-            "actor_rollout_ref.actor.use_kl_loss=true",
-            "actor_rollout_ref.actor.kl_loss_coef=0.01",
-            "trainer.n_gpus_per_node=2",
-            "trainer.total_training_steps=2",
-            f"trainer.default_local_dir={tmp_path_factory.mktemp('run')}",
         ]
     ) as t:
         yield t
@@ -117,7 +101,7 @@ def _messages_by_uid(train_file: str) -> dict[str, list[dict]]:
     }
 
 
-def test_prompts_render_the_default_system_prompt_like_the_engine(trainer, model_dir, train_file):
+def test_prompts_render_the_default_system_prompt_like_the_engine(trainer, model_dir, small_train_file):
     """The data pipeline's prompt ids = the folder's chat template (with SmolLM's default system prompt)
     = vLLM's own chat rendering of the same messages (its tokenizer for the folder: the engine itself runs
     with ``skip_tokenizer_init`` and takes the trainer's ids)."""
@@ -126,7 +110,7 @@ def test_prompts_render_the_default_system_prompt_like_the_engine(trainer, model
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     vllm_tok = get_tokenizer(model_dir)
-    messages = _messages_by_uid(train_file)
+    messages = _messages_by_uid(small_train_file)
     prompts = trainer.next_prompts()
     assert all(m[0]["role"] != "system" for m in messages.values()), "the data must leave the system turn out"
     for row, uid in enumerate(prompts.uid):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import started_trainer, update_without_sync
+from support import real_model_grpo, started_trainer, update_without_sync
 
 # ~3.5 min on a 2-core AVX2 CPU (bf16 emulated, engine and training): excluded from `make test`.
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -32,42 +32,23 @@ MEAN_BOUND = 0.1
 
 
 @pytest.fixture(scope="module")
-def train_file(tmp_path_factory) -> str:
-    from fusedrl.data.arithmetic import write_arithmetic_parquet
-
-    return write_arithmetic_parquet(str(tmp_path_factory.mktemp("arith")), n_train=8, n_test=4, seed=0)[0]
-
-
-@pytest.fixture(scope="module")
-def trainer(smollm2_2layer_dir, train_file, tmp_path_factory):
+def trainer(smollm2_2layer_dir, small_train_file, tmp_path_factory):
     with started_trainer(
         [
-            f"data.train_files={train_file}",
-            f"actor_rollout_ref.model.path={smollm2_2layer_dir}",
-            "data.train_batch_size=4",
-            "data.max_prompt_length=128",
-            "data.max_response_length=12",
-            "actor_rollout_ref.rollout.n=2",
-            "algorithm.adv_estimator=grpo",
-            "trainer.val_before_train=false",
-            "actor_rollout_ref.rollout.temperature=1.0",
+            *real_model_grpo(
+                small_train_file,
+                smollm2_2layer_dir,
+                str(tmp_path_factory.mktemp("run")),
+            ),
             "actor_rollout_ref.rollout.dtype=bfloat16",
             "actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16",
             "actor_rollout_ref.ref.fsdp_config.param_dtype=bfloat16",
             "trainer.emulated_bf16=allow",
-            "actor_rollout_ref.rollout.free_cache_engine=false",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",  # not the log-prob passes' 8 rows
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.actor.optim.lr=1e-3",
-            "actor_rollout_ref.actor.optim.weight_decay=0.0",
-            "actor_rollout_ref.actor.use_kl_loss=true",
-            "actor_rollout_ref.actor.kl_loss_coef=0.01",
             "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-            "trainer.n_gpus_per_node=2",
-            "trainer.total_training_steps=3",
-            f"trainer.default_local_dir={tmp_path_factory.mktemp('run')}",
         ]
     ) as t:
         yield t

@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from support import FLOAT32_TRAINING, started_trainer, sync_gap, update_without_sync
+from support import FLOAT32_TRAINING, real_model_grpo, started_trainer, sync_gap, update_without_sync
 
 pytestmark = pytest.mark.integration
 
@@ -28,40 +28,21 @@ SYNC_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def train_file(tmp_path_factory) -> str:
-    from fusedrl.data.arithmetic import write_arithmetic_parquet
-
-    return write_arithmetic_parquet(str(tmp_path_factory.mktemp("arith")), n_train=8, n_test=4, seed=0)[0]
-
-
-@pytest.fixture(scope="module")
-def trainer(smollm2_2layer_dir, train_file, tmp_path_factory):
+def trainer(smollm2_2layer_dir, small_train_file, tmp_path_factory):
     with started_trainer(
         [
-            f"data.train_files={train_file}",
-            f"actor_rollout_ref.model.path={smollm2_2layer_dir}",
+            *real_model_grpo(
+                small_train_file,
+                smollm2_2layer_dir,
+                str(tmp_path_factory.mktemp("run")),
+            ),
             "actor_rollout_ref.model.lora_rank=8",
             "actor_rollout_ref.model.lora_alpha=16",
             "actor_rollout_ref.model.target_modules=all-linear",
-            "data.train_batch_size=4",
-            "data.max_prompt_length=128",
-            "data.max_response_length=12",
-            "actor_rollout_ref.rollout.n=2",
-            "algorithm.adv_estimator=grpo",
-            "trainer.val_before_train=false",
-            "actor_rollout_ref.rollout.temperature=1.0",
             "actor_rollout_ref.rollout.dtype=float32",
             *FLOAT32_TRAINING,
-            "actor_rollout_ref.rollout.free_cache_engine=false",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.actor.optim.lr=5e-3",  # adapters start at B = 0: a LoRA-sized step
-            "actor_rollout_ref.actor.optim.weight_decay=0.0",
-            "actor_rollout_ref.actor.use_kl_loss=true",
-            "actor_rollout_ref.actor.kl_loss_coef=0.01",
-            "trainer.n_gpus_per_node=2",
-            "trainer.total_training_steps=3",
-            f"trainer.default_local_dir={tmp_path_factory.mktemp('run')}",
         ]
     ) as t:
         yield t

@@ -106,11 +106,33 @@ def test_each_auto_key_per_device(facts, expected):
             for s in (f"{ARR}.model", "critic.model")
             for k in ("use_remove_padding", "compile_layers")
         ),
+        f"{ARR}.rollout.sleep_level",
     }
+    assert resolved.rollout.sleep_level == (2 if facts.cuda else 1)
     assert resolve_configs(resolved, facts) == (
         resolved,
         {},
     )  # nothing auto is left: resolving again is a no-op
+
+
+def test_sleep_level_per_device_and_lora():
+    """2 on CUDA (the stream overwrites every weight), 1 under LoRA (adapter-only streams need the base
+    weights) and on CPU (no sleep mode: nothing released); an explicit level wins."""
+    key = f"{ARR}.rollout.sleep_level"
+    lora = (f"{ARR}.model.lora_rank=8", f"{ARR}.model.target_modules=all-linear")
+    for facts, overrides, level in (
+        (CUDA_SDPA, (), 2),
+        (CUDA_FLASH, lora, 1),
+        (AMX_CPU, (), 1),
+        (AVX2_CPU, lora, 1),
+        (CUDA_SDPA, (f"{key}=1",), 1),
+        (AVX2_CPU, (f"{key}=2",), 2),
+    ):
+        resolved, chosen = resolve_configs(_configs(*overrides), facts, roles=["rollout"])
+        assert resolved.rollout.sleep_level == level, (facts.device, overrides)
+        assert (key in chosen) == (not any(o.startswith(key) for o in overrides))
+    # a worker without the rollout reports nothing about it
+    assert key not in resolve_configs(_configs(), CUDA_SDPA, roles=["actor"])[1]
 
 
 def test_an_explicit_value_always_wins():
@@ -118,6 +140,7 @@ def test_an_explicit_value_always_wins():
         *(f"{key}=float32" for key in DTYPE_KEYS),
         f"{ARR}.model.use_remove_padding=false",
         f"{ARR}.model.compile_layers=false",
+        f"{ARR}.rollout.sleep_level=1",
     ]
     for facts in (AMX_CPU, CUDA_FLASH):
         resolved, chosen = resolve_configs(_configs(*explicit), facts)
@@ -265,13 +288,15 @@ def test_the_start_up_line():
         "fusedrl: auto defaults on CPU fake AVX2: "
         "actor_rollout_ref.actor.fsdp_config.param_dtype=null (no native bf16: the model dtype), "
         "actor_rollout_ref.model.use_remove_padding=true (fusedrl's CPU attention attends each packed sequence), "
-        "actor_rollout_ref.model.compile_layers=false (float32 compute). "
+        "actor_rollout_ref.model.compile_layers=false (float32 compute), "
+        "actor_rollout_ref.rollout.sleep_level=1 (no sleep mode on CPU: nothing is released at either level). "
         f"compile_layers=auto compiles with packed rows, bf16/fp16 compute and >= {LONG} planned steps "
         "(not with LoRA, Ulysses, or without a C++ compiler on CPU)"
     )
     assert "\n" not in line
-    # Only the keys of the roles a worker holds are named (no critic in a GRPO worker, none for a rollout).
-    assert resolve_configs(_configs(), AVX2_CPU, roles=["rollout"])[1] == {}
+    # Only the keys of the roles a worker holds are named (no critic in a GRPO worker; the sleep level alone
+    # for a rollout).
+    assert set(resolve_configs(_configs(), AVX2_CPU, roles=["rollout"])[1]) == {f"{ARR}.rollout.sleep_level"}
     _, with_ref = resolve_configs(_configs(), AMX_CPU, roles=["ref"])
     assert set(with_ref) == {DTYPE_KEYS[1], f"{ARR}.model.use_remove_padding", f"{ARR}.model.compile_layers"}
     _, lora = resolve_configs(_configs(f"{ARR}.model.lora_rank=4"), AMX_CPU, roles=["actor", "ref"])
@@ -437,5 +462,6 @@ def test_the_worker_resolves_before_building_and_reports(monkeypatch):
         DTYPE_KEYS[0]: "bfloat16",
         f"{ARR}.model.use_remove_padding": True,
         f"{ARR}.model.compile_layers": True,
+        f"{ARR}.rollout.sleep_level": 1,
     }
     assert answer["line"].startswith("fusedrl: auto defaults on CPU fake AMX: ")

@@ -176,3 +176,28 @@ def test_ray_is_sized_for_every_pool_and_for_sft(tiny_model_dir, arithmetic_data
         ["trainer.nnodes=1", "trainer.n_gpus_per_node=2"], config_name="sft_trainer", validate_config=False
     )
     assert run_slots(sft) == 2
+
+
+def test_cross_pool_manifest_travels_in_the_engines_dtype():
+    """float32 master weights to a bf16 engine: the manifest (and so every bucket and the broadcast) carries
+    floating tensors in bf16, half the bytes; integer buffers keep their dtype."""
+    from types import SimpleNamespace
+
+    from fusedrl.workers.weight_sync import WeightSyncEndpoint
+
+    model = torch.nn.Linear(4, 8)
+    model.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+    endpoint = WeightSyncEndpoint()
+    endpoint.actor = SimpleNamespace(model=model)
+    endpoint.rollout = SimpleNamespace(param_dtype=lambda: torch.bfloat16)
+    wire = endpoint.rollout_param_dtype()
+    assert wire == "torch.bfloat16"
+    as_master = endpoint.weight_manifest()
+    as_engine = endpoint.weight_manifest(wire)
+    assert [d for _, _, d in as_master] == ["torch.float32", "torch.float32", "torch.int64"]
+    assert [d for _, _, d in as_engine] == ["torch.bfloat16", "torch.bfloat16", "torch.int64"]
+
+    def total(manifest):
+        return sum(bucket_size(b) for b in bucket_plan(manifest, bucket_bytes=1 << 20))
+
+    assert total(as_engine) < 0.6 * total(as_master)

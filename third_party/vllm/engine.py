@@ -234,6 +234,47 @@ def _completion(out) -> tuple[list[int], list[float], str]:
     return token_ids, logprobs, "length" if completion.finish_reason == "length" else "stop"
 
 
+def engine_kwargs(cfg: EngineConfig, *, eager: bool, cuda: bool) -> dict[str, Any]:
+    """The keyword arguments of vLLM's ``LLM`` for ``cfg`` on a CUDA or a CPU worker (pure: tests build the
+    CUDA engine's arguments on a CPU machine)."""
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model_path,
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+        enforce_eager=eager,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        distributed_executor_backend="external_launcher",
+        # The driver detokenises; the engine works on ids only. This also keeps vLLM's tokenizer
+        # (and transformers' per-model tokenizer overrides) out of the rollout path.
+        skip_tokenizer_init=True,
+        # Log-probs of the *sampling* distribution (after temperature), the same quantity the actor
+        # computes from logits / temperature, so rollout and trainer log-probs are comparable.
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        max_num_seqs=cfg.max_num_seqs,
+        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        disable_log_stats=cfg.disable_log_stats,
+    )
+    if cfg.max_num_batched_tokens is not None:
+        # vLLM needs a step's token budget to hold one whole sequence unless it chunks prefills.
+        budget = cfg.max_num_batched_tokens
+        if not cfg.enable_chunked_prefill and cfg.max_model_len is not None:
+            budget = max(budget, cfg.max_model_len)
+        kwargs["max_num_batched_tokens"] = budget
+    if cfg.max_model_len is not None:
+        kwargs["max_model_len"] = cfg.max_model_len
+    if cuda:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
+        # vLLM's custom all-reduce checks P2P access between the TP group's GPUs by mapping each peer's rank
+        # through CUDA_VISIBLE_DEVICES; a fused worker sees only its own GPU, so that lookup fails for peer 1
+        # and a TP >= 2 engine cannot start. NCCL's all-reduce serves the group instead.
+        kwargs["disable_custom_all_reduce"] = True
+    else:
+        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+    return kwargs
+
+
 class VLLMEngine:
     """One vLLM ``LLM`` per process, driven with token ids (the engine never sees text)."""
 
@@ -272,37 +313,7 @@ class VLLMEngine:
                 # 'finalize_loading'") and compiles again at every start; Inductor's own cache works: a warm
                 # start took 7 s instead of 16 s (small preset). A value the user set is kept.
                 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-        kwargs: dict = dict(
-            model=cfg.model_path,
-            dtype=cfg.dtype,
-            seed=cfg.seed,
-            enforce_eager=self.eager,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            distributed_executor_backend="external_launcher",
-            # The driver detokenises; the engine works on ids only. This also keeps vLLM's tokenizer
-            # (and transformers' per-model tokenizer overrides) out of the rollout path.
-            skip_tokenizer_init=True,
-            # Log-probs of the *sampling* distribution (after temperature), the same quantity the actor
-            # computes from logits / temperature, so rollout and trainer log-probs are comparable.
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            max_num_seqs=cfg.max_num_seqs,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-            disable_log_stats=cfg.disable_log_stats,
-        )
-        if cfg.max_num_batched_tokens is not None:
-            # vLLM needs a step's token budget to hold one whole sequence unless it chunks prefills.
-            budget = cfg.max_num_batched_tokens
-            if not cfg.enable_chunked_prefill and cfg.max_model_len is not None:
-                budget = max(budget, cfg.max_model_len)
-            kwargs["max_num_batched_tokens"] = budget
-        if cfg.max_model_len is not None:
-            kwargs["max_model_len"] = cfg.max_model_len
-        if _is_cuda():
-            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
-        else:
-            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        kwargs = engine_kwargs(cfg, eager=self.eager, cuda=_is_cuda())
         cpu_tp = not _is_cuda() and cfg.tensor_parallel_size > 1
         if cpu_tp:
             if torch.distributed.get_rank() == 0:
@@ -452,7 +463,14 @@ class VLLMEngine:
             )
 
     def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        """Drop every cached prefix: its KV was computed with the weights before the update. vLLM refuses
+        (returns False) while running requests still hold blocks; generating on would reuse stale KV."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(
+                "vLLM refused to reset its prefix cache (requests still hold KV blocks): a weight update "
+                "must come after every request of the previous policy has finished, or the cached KV of "
+                "the old weights would be reused"
+            )
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The engine's own parameters (kernel layout), for tests that check a sync really landed.
@@ -473,8 +491,8 @@ class VLLMEngine:
         return next(self._model().parameters()).dtype
 
     def _model(self) -> torch.nn.Module:
-        executor = self.llm.llm_engine.model_executor
-        return executor.driver_worker.worker.model_runner.get_model()
+        # vLLM's public route to the model (the engine runs in this process, so the module itself comes back)
+        return self.llm.apply_model(lambda model: model)[0]
 
     # ------------------------------------------------------------------ memory
     def sleep(self, level: int = 1) -> None:
