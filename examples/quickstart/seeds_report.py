@@ -19,6 +19,19 @@ def _read(run: str) -> tuple[dict, list[dict]]:
     return summary, metrics
 
 
+def held_out_points(metrics: list[dict], most: int = 6) -> str:
+    """The in-loop held-out accuracy at up to ``most`` evenly spread validations (the last included) and
+    its peak: the whole curve is in the plot."""
+    vals = [(m["step"], m["val/test_score/mean"]) for m in metrics if "val/test_score/mean" in m]
+    if not vals:
+        return "-"
+    picks = sorted({round(i * (len(vals) - 1) / (most - 1)) for i in range(most)}) if len(vals) > most else []
+    shown = [vals[i] for i in picks] if picks else vals
+    text = ", ".join(f"{step}: {acc:.1%}" for step, acc in shown)
+    peak_step, peak = max(vals, key=lambda v: v[1])
+    return f"{text} (peak {peak:.1%} at {peak_step})" if picks else text
+
+
 def table(runs: list[tuple[dict, list[dict]]]) -> str:
     head = (
         "| seed | untrained | GRPO (steps, loop min) | gain | RFT (SFT steps, min) | held-out by step "
@@ -26,9 +39,7 @@ def table(runs: list[tuple[dict, list[dict]]]) -> str:
     )
     rows = [head]
     for s, metrics in runs:
-        curve = ", ".join(
-            f"{m['step']}: {m['val/test_score/mean']:.1%}" for m in metrics if "val/test_score/mean" in m
-        )
+        curve = held_out_points(metrics)
         steps = sorted(x for x in s["step_s"] if x)
         rft = f"{s['rft_acc']:.1%} ({s['rft_sft_steps']}, {s['rft_s'] / 60:.1f})" if s["rft_s"] else "-"
         rows.append(

@@ -46,3 +46,11 @@ def test_vllm_check_dry_run_passes_and_says_what_it_skipped(tmp_path):
     assert partial["max_gap_vs_b_with_module"] <= 1e-3 < partial["max_gap_vs_b"]
     assert "model.layers.0.input_layernorm.weight" in checks["level2_nan_check"]["refused"]
     assert checks["sleep_memory"]["ok"] is None and "needs CUDA" in checks["sleep_memory"]["skipped"]
+    # Two GRPO steps through one fused worker with the vLLM rollout: the stream before each rollout landed
+    # (the engine's log-probs of its samples within the rollout check's bound of the actor's), every
+    # parameter trained.
+    grpo = checks["grpo_steps_fused_worker"]
+    assert grpo["ok"] is True and grpo["per_step_ok"] == [True, True], grpo
+    assert grpo["rollout"] == "vllm" and grpo["synced_tensors"] > 0
+    assert grpo["rollout_vs_actor_log_prob_gap"] <= grpo["gap_tol"]
+    assert grpo["changed_tensors"] == grpo["tensors"] > 0

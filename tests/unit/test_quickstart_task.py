@@ -49,3 +49,19 @@ def test_another_seed_gives_other_problems(tmp_path):
     a = pd.read_parquet(qs.write_data(str(tmp_path / "a"), seed=0, n_train=50, n_test=20)["test"])
     b = pd.read_parquet(qs.write_data(str(tmp_path / "b"), seed=1, n_train=50, n_test=20)["test"])
     assert [p[0]["content"] for p in a["prompt"]] != [p[0]["content"] for p in b["prompt"]]
+
+
+def test_seeds_report_shows_spread_validations_the_last_and_the_peak():
+    spec = importlib.util.spec_from_file_location(
+        "seeds_report", ROOT / "examples" / "quickstart" / "seeds_report.py"
+    )
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    # 20 validations every 3 steps; accuracy step / 100, except a peak of 0.9 at step 21.
+    metrics = [{"step": s, "val/test_score/mean": 0.9 if s == 21 else s / 100} for s in range(3, 61, 3)]
+    metrics += [{"step": s, "critic/score/mean": 0.5} for s in range(1, 61)]  # training steps: ignored
+    assert report.held_out_points(metrics) == (
+        "3: 3.0%, 15: 15.0%, 27: 27.0%, 36: 36.0%, 48: 48.0%, 60: 60.0% (peak 90.0% at 21)"
+    )
+    assert report.held_out_points(metrics[:3]) == "3: 3.0%, 6: 6.0%, 9: 9.0%"  # few: all of them
+    assert report.held_out_points(metrics[20:]) == "-"

@@ -7,6 +7,7 @@ the old appended RESULTS.md into the archive must have lost nothing (checked aga
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -120,6 +121,17 @@ def test_record_run_writes_archive_and_page(tmp_path):
     assert archive.read_text().count("### Weight sync — 2027-01-0") == 2  # both runs kept
     text = page.read_text()
     assert "| b |" in text and "| 1 |" not in text and "old lora" in text
+
+
+def test_a_run_naming_its_block_keeps_the_modules_other_block(tmp_path):
+    """One module, two blocks (trl_side_by_side on the small model and on SmolLM2): the named block is
+    rewritten, the module's own block stays."""
+    page = tmp_path / "RESULTS.md"
+    page.write_text(_page("weight_sync"))
+    run = dataclasses.replace(_run(table="| real |"), block="weight_sync_smollm2")
+    _, name = record_run(run, page_path=page, archive_dir=tmp_path / "archive")
+    text = page.read_text()
+    assert name == "weight_sync_smollm2" and "| real |" in text and "old weight_sync" in text
 
 
 def test_growth_replot_reads_the_archive_format(tmp_path):
