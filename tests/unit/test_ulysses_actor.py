@@ -54,6 +54,8 @@ def _configs(model_dir: str, sp: int):
             "critic.optim.lr=1e-3",
             "critic.optim.weight_decay=0.0",
             "critic.grad_clip=1.0",
+            # float32 compute on every CPU: `auto` is bf16 where bf16 is native (AMX, AVX-512 BF16)
+            "critic.model.fsdp_config.param_dtype=null",
         ],
     )
     return cfg.model, cfg.actor, cfg.ref, cfg.critic
