@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from verl_lines import problems_of as _problems
 
 from fusedrl.balance import (
     apply_order,
@@ -14,7 +15,7 @@ from fusedrl.balance import (
     token_budget_bins,
 )
 from fusedrl.batch import RolloutBatch, split_for_ranks
-from fusedrl.config import ConfigError, load_config
+from fusedrl.config import load_config
 
 
 def _check_partition(bins: list[list[int]], lengths: list[int], budget: int) -> None:
@@ -192,12 +193,6 @@ def base(tmp_path_factory) -> list[str]:
         "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.actor.use_kl_loss=true",
     ]
-
-
-def _problems(overrides: list[str]) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        load_config(overrides)
-    return info.value.problems
 
 
 def test_budget_too_small_names_key_and_fix(base):

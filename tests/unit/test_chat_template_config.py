@@ -11,8 +11,9 @@ import shutil
 
 import pytest
 import torch
+from verl_lines import problems_of as _problems
 
-from fusedrl.config import ConfigError, load_config
+from fusedrl.config import load_config
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +41,6 @@ def _overrides(files, model: str) -> list[str]:
         "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.rollout.n=2",
     ]
-
-
-def _problems(overrides: list[str]) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        load_config(overrides)
-    return info.value.problems
 
 
 def _edit_json(path: str, **changes) -> None:

@@ -35,9 +35,7 @@ def test_the_default_variant_sets_only_the_work_and_the_yaml_engine_dtype():
 
 
 def test_a_chosen_variant_names_its_choices():
-    keys = _keys(
-        fusedrl_overrides(1, "bfloat16", "float32", True, False, True, True, default=False, lr=1e-6)
-    )
+    keys = _keys(fusedrl_overrides(1, "bfloat16", "float32", True, False, True, True, default=False, lr=1e-6))
     assert keys["actor_rollout_ref.model.use_remove_padding"] == "true"
     assert keys["actor_rollout_ref.model.compile_layers"] == "true"
     assert keys["actor_rollout_ref.rollout.enforce_eager"] == "false"
