@@ -81,6 +81,9 @@ def check_overrides(model_dir: str, *, cuda: bool, response_length: int, n: int)
         f"actor_rollout_ref.model.path={model_dir}",
         "actor_rollout_ref.model.attn_implementation=sdpa",
         "actor_rollout_ref.rollout.name=hf",
+        # The vLLM engine (`+vllm`) in the training dtype: float32 on a CPU (the check's config skips the
+        # driver's bf16 -> float32 switch for CPUs without native bf16, where a bf16 engine aborts)
+        f"actor_rollout_ref.rollout.dtype={'bfloat16' if cuda else 'float32'}",
         f"actor_rollout_ref.rollout.n={n}",
         "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.rollout.free_cache_engine=true",
