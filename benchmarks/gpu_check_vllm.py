@@ -114,26 +114,16 @@ def _state(model_dir: str) -> dict[str, torch.Tensor]:
 def versions(engine: Any) -> dict[str, Any]:
     import vllm
 
-    def runner(worker: Any) -> str:
-        return f"{type(worker.model_runner).__module__}.{type(worker.model_runner).__name__}"
-
-    def backend(worker: Any) -> str:
-        mr = worker.model_runner
-        for attr in ("attn_backend", "attn_backends", "attn_groups"):
-            if hasattr(mr, attr):
-                return repr(getattr(mr, attr))[:200]
-        return "unknown"
-
-    name = engine.llm.collective_rpc(runner)[0]
+    facts = engine.runner_facts()
     return {
         "ok": True,
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name(0) if _cuda() else "cpu",
-        "model_runner": name,
-        "model_runner_v2": "v2" in name.lower(),
-        "attention_backend": engine.llm.collective_rpc(backend)[0],
+        "model_runner": facts["model_runner"],
+        "model_runner_v2": "v2" in facts["model_runner"].lower(),
+        "attention_backend": facts["attention_backend"],
         "aot_compile": os.environ.get("VLLM_USE_AOT_COMPILE", "vLLM's default"),
         "eager": engine.eager,
     }

@@ -490,6 +490,27 @@ class VLLMEngine:
         """The dtype of the engine's parameters (metadata only, so it may be read while they sleep)."""
         return next(self._model().parameters()).dtype
 
+    def runner_facts(self) -> dict[str, str]:
+        """Which code paths the engine runs: the model runner's class (vLLM 0.32+ picks model runner V2 on a
+        GPU, V1 on CPU) and its attention backend(s), as the worker holds them (for the GPU check)."""
+
+        def facts(worker: Any) -> dict[str, str]:
+            runner = worker.model_runner
+            backend = next(
+                (
+                    repr(getattr(runner, a))[:200]
+                    for a in ("attn_backend", "attn_backends", "attn_groups")
+                    if hasattr(runner, a)
+                ),
+                "unknown",
+            )
+            return {
+                "model_runner": f"{type(runner).__module__}.{type(runner).__name__}",
+                "attention_backend": backend,
+            }
+
+        return self.llm.collective_rpc(facts)[0]
+
     def _model(self) -> torch.nn.Module:
         # vLLM's public route to the model (the engine runs in this process, so the module itself comes back)
         return self.llm.apply_model(lambda model: model)[0]
