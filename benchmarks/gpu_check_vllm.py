@@ -130,21 +130,19 @@ def versions(engine: Any) -> dict[str, Any]:
 
 
 def grpo_steps_fused_worker(preset: str, *, dry_run: bool) -> dict[str, Any]:
-    """`benchmarks.gpu_check` on ``PRESET+vllm``: its GRPO steps' check and figures."""
+    """`benchmarks.gpu_check`'s one-model run on ``PRESET+vllm``: its GRPO steps' check and figures."""
     import subprocess
 
-    model = f"{preset}+vllm"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "grpo.json")
-        cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--presets", model, "--out", out]
-        cmd += ["--timeout", "420", *(["--dry-run"] if dry_run else [])]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if not os.path.exists(out):
+        cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--child", f"{preset}+vllm", "--out", out]
+        proc = subprocess.run(
+            [*cmd, *(["--dry-run"] if dry_run else [])], capture_output=True, text=True, timeout=900
+        )
+        if proc.returncode != 0 or not os.path.exists(out):
             return {"ok": False, "error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
         with open(out, encoding="utf-8") as f:
-            result = json.load(f)["models"][model]
-    if "error" in result:
-        return {"ok": False, "error": result["error"], "stderr_tail": result.get("stderr_tail", "")}
+            result = json.load(f)
     step = result["checks"]["grpo_step"]
     keep = ("step_s", "sync_s", "generate_s", "old_log_prob_s", "ref_s", "update_s", "tokens_per_s")
     return {**step, "steps": [{k: s.get(k) for k in keep} for s in result["steps"]]}
