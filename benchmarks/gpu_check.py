@@ -341,7 +341,7 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
     import torch
 
     from fusedrl.algorithms import get_adv_estimator
-    from fusedrl.workers.rollout.base import SamplingConfig
+    from fusedrl.workers.rollout.base import SamplingConfig, log_prob_gap_bound
     from fusedrl.workers.rollout.hf_rollout import HFRollout
 
     temperature = 1.0
@@ -385,8 +385,7 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
     resp = batch.response_mask.bool()
     gap = float((batch.rollout_log_probs - batch.old_log_probs)[resp].abs().mean())
     engine_dtype = {str(worker.rollout.param_dtype())} if streams else set()  # HF: the actor's own module
-    both_fp32 = engine_dtype | seen_dtypes <= {"torch.float32"}
-    gap_tol = 1e-3 if both_fp32 else 0.1  # trainer.rollout_check_tol=auto's bounds
+    gap_tol = log_prob_gap_bound({d.removeprefix("torch.") for d in engine_dtype | seen_dtypes})
     worker.load_ref()
     t1 = _now(cuda)
     batch.ref_log_probs = worker.ref_compute_log_prob(inputs, temperature)
@@ -424,6 +423,7 @@ def _grpo_step(worker, batch, response_length: int, *, cuda: bool) -> dict[str, 
                 and finite
                 and seen_dtypes == {compute}
                 and worker.rollout is not None
+                and gap_tol is not None
                 and gap <= gap_tol,
                 rollout="vllm" if streams else "hf",
                 rollout_vs_actor_log_prob_gap=gap,

@@ -12,7 +12,7 @@ from fusedrl.auto_defaults import AUTO, driver_value
 from fusedrl.checkpoint import find_latest_checkpoint
 from fusedrl.controller.placement import cluster_has_gpus
 from fusedrl.metrics import Metrics
-from fusedrl.workers.rollout.base import rollout_dtype
+from fusedrl.workers.rollout.base import log_prob_gap_bound, rollout_dtype
 
 
 def check_step(config: DictConfig, step: int, metrics: Metrics, tol: float | None) -> None:
@@ -58,8 +58,4 @@ def auto_rollout_check_tol(config: DictConfig, settings: Mapping[str, Any] | Non
     param = driver_value(config, settings or {}, "actor_rollout_ref.actor.fsdp_config.param_dtype")
     names = {engine, str(param or fsdp.model_dtype)}
     names = {{"fp32": "float32", "bf16": "bfloat16", AUTO: "bfloat16"}.get(n) or n for n in names}
-    if names == {"float32"}:
-        return 1e-3
-    if names <= {"float32", "bfloat16"}:
-        return 0.1
-    return None
+    return log_prob_gap_bound(names)
