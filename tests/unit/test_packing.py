@@ -243,8 +243,12 @@ def test_packed_critic_values_equal_padded(one_rank):
     _close(one_rank["packed/values"], one_rank["padded/values"])
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"):
         _metric_close(key, one_rank["packed/critic_metrics"][key], one_rank["padded/critic_metrics"][key])
-    _close(one_rank["packed/values_after"], one_rank["padded/values_after"])
-    assert (one_rank["padded/values_after"] - one_rank["padded/values"])[mask].abs().min() > 1e-4
+    # After one AdamW step at lr 1e-2 each weight moves by up to lr whatever its gradient's size, so float32
+    # noise in near-zero gradients (other matmul shapes on the two paths) becomes steps of up to lr: the
+    # values (moved by 1.6 to 2.5 here) then differ by up to 4e-5 on an AVX2 kernel (`make test-avx2` on an
+    # AMX Xeon; 5e-7 natively). 1e-4 is 1/16,000 of the smallest move a correct update makes.
+    _close(one_rank["packed/values_after"], one_rank["padded/values_after"], atol=1e-4)
+    assert (one_rank["padded/values_after"] - one_rank["padded/values"])[mask].abs().min() > 1.0
 
 
 def test_dynamic_bsz_packed_update_equals_padded(one_rank):
@@ -261,12 +265,13 @@ def test_dynamic_bsz_packed_update_equals_padded(one_rank):
         step_pack = after_pack[name] - before_pack[name]
         assert step_pad.abs().max() > 1e-4, f"{name} did not change"  # so the equality is not trivial
         # AdamW's first steps move each element by about lr * g / |g|, which amplifies float32 noise in
-        # gradients near 0; so: every element within 1% of lr = 1e-3, the whole step within 1e-4 (measured:
-        # <= 2e-5). Not for the key bias: its true gradient is 0 (softmax ignores the shift q.b_k that is
+        # gradients near 0; so: every element within 1% of lr = 1e-3, the whole step within 3e-4 (measured:
+        # <= 2e-5 natively, 1.1e-4 for a query bias on AVX2 kernels: `make test-avx2` on an AMX Xeon), so
+        # 3e-4. Not for the key bias: its true gradient is 0 (softmax ignores the shift q.b_k that is
         # the same for every key), so its Adam step is normalised rounding noise on both paths.
         _close(step_pack, step_pad, atol=1e-5)
         rel = float((step_pack - step_pad).norm() / step_pad.norm())
-        assert rel < 1e-4 or name.endswith("k_proj.bias"), (name, rel)
+        assert rel < 3e-4 or name.endswith("k_proj.bias"), (name, rel)
 
 
 @pytest.mark.timeout(300)  # ranks that disagree on the micro-batch count hang in a collective
