@@ -115,7 +115,10 @@ def _refuse_capped_vllm_bf16(cfg: DictConfig, keys: list[str]) -> None:
     from fusedrl.config import ConfigError
     from fusedrl.utils.hardware import capped_amx_bf16
 
-    if ROLLOUT_DTYPE_KEY not in keys or str(OmegaConf.select(cfg, "actor_rollout_ref.rollout.name")) != "vllm":
+    if (
+        ROLLOUT_DTYPE_KEY not in keys
+        or str(OmegaConf.select(cfg, "actor_rollout_ref.rollout.name")) != "vllm"
+    ):
         return
     reason = capped_amx_bf16()
     if reason is not None:
@@ -126,4 +129,3 @@ def _refuse_capped_vllm_bf16(cfg: DictConfig, keys: list[str]) -> None:
                 f"{ROLLOUT_DTYPE_KEY}=float32 (the training keys may stay bfloat16), or run without the cap."
             ]
         )
-

@@ -68,7 +68,9 @@ def capped_amx_bf16() -> str | None:
     if "amx_bf16" not in cpu_flags() or capability.startswith("AVX512"):
         return None
     caps = ", ".join(f"{k}={os.environ[k]}" for k in ISA_ENV if os.environ.get(k))
-    return f"the AMX CPU {cpu_name()} runs capped at torch CPU capability {capability} ({caps or 'no cap set'})"
+    return (
+        f"the AMX CPU {cpu_name()} runs capped at torch CPU capability {capability} ({caps or 'no cap set'})"
+    )
 
 
 def native_bf16() -> tuple[bool, str]:

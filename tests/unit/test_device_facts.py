@@ -99,7 +99,9 @@ def test_bf16_vllm_on_a_capped_amx_cpu_is_refused_before_ray(monkeypatch):
     with pytest.raises(ConfigError, match=rf"`{ARR}.rollout.dtype`=bfloat16 .*{ARR}.rollout.dtype=float32"):
         apply_cpu_dtype_policy(_config(f"{ARR}.rollout.dtype=bfloat16", allow), detect=no_bf16)
     # training in bf16 with a float32 engine, or bf16 for the HF rollout, runs: nothing refused
-    train_only = _config(f"{ARR}.actor.fsdp_config.param_dtype=bfloat16", f"{ARR}.rollout.dtype=float32", allow)
+    train_only = _config(
+        f"{ARR}.actor.fsdp_config.param_dtype=bfloat16", f"{ARR}.rollout.dtype=float32", allow
+    )
     assert apply_cpu_dtype_policy(train_only, detect=no_bf16) == []
     hf = _config(f"{ARR}.rollout.dtype=bfloat16", f"{ARR}.rollout.name=hf", allow)
     assert apply_cpu_dtype_policy(hf, detect=no_bf16) == []
