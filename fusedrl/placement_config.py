@@ -139,7 +139,9 @@ def placement_problems(cfg: Any, roles: Sequence[str], problems: list[str]) -> P
             )
     rollout = cfg.actor_rollout_ref.rollout
     if placement.rollout_apart:
-        if rollout.name != "vllm":
+        from fusedrl.workers.rollout.registry import engine_names, engine_traits
+
+        if rollout.name in engine_names() and engine_traits(rollout.name).shares_actor_module:
             problems.append(
                 f"`trainer.placement.roles.rollout`={placement.pool_of('rollout')!r}: rollout.name="
                 f"{rollout.name} generates with the actor's own module; put it on the actor's pool "

@@ -46,6 +46,7 @@ from fusedrl.trainer.reward_scoring import RewardModelScoring
 from fusedrl.trainer.step_plan import due, sample_seeds
 from fusedrl.trainer.validation import print_generations, validation_metrics
 from fusedrl.workers.rollout.base import SamplingConfig
+from fusedrl.workers.rollout.registry import engine_traits
 from fusedrl.workers.worker_dict import WorkerDict
 
 
@@ -582,7 +583,8 @@ class PPOTrainer(RewardModelScoring):
         """Whether the engines' post-rollout sleep discards their weights (level 2; an unresolved auto too)."""
         r = self.config.actor_rollout_ref.rollout
         level = driver_value(self.config, self.groups.auto_settings, "actor_rollout_ref.rollout.sleep_level")
-        return r.name == "vllm" and bool(r.free_cache_engine) and str(level) in ("2", "auto")
+        traits = engine_traits(r.name)
+        return traits.level2_discards_weights and bool(r.free_cache_engine) and str(level) in ("2", "auto")
 
     def validate(self) -> Metrics:
         """Greedy (``rollout.val_kwargs``) generation on the validation set; mean score per data source."""

@@ -82,8 +82,13 @@ def init_ray(config: DictConfig) -> None:
     if ray.is_initialized():
         return
     num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, run_slots(config))
+    from omegaconf import OmegaConf
+
+    from fusedrl.workers.rollout.registry import engine_traits
+
+    engine = OmegaConf.select(config, "actor_rollout_ref.rollout.name", default=None)  # none in SFT runs
     env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        **(dict(engine_traits(engine).worker_env) if engine is not None else {}),
         "TOKENIZERS_PARALLELISM": "false",
         # vLLM's INFO lines (one per request batch, per reload) would drown the per-step log.
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
@@ -91,8 +96,6 @@ def init_ray(config: DictConfig) -> None:
     for key in ("PYTHONPATH", "HF_HUB_OFFLINE", "OMP_NUM_THREADS"):
         if key in os.environ:
             env[key] = os.environ[key]
-    from omegaconf import OmegaConf
-
     from fusedrl.ray_config import ray_init_kwargs
 
     # trainer.ray_init (verl's ray_kwargs.ray_init.*): the user's ray.init arguments over fusedrl's

@@ -19,6 +19,7 @@ class InspectionHooks:
     actor: Any
     ref: Any
     rollout: Any
+    engine_traits: Any
     events: Any
     rank: int
 
@@ -96,10 +97,8 @@ class InspectionHooks:
         finally:
             hook.remove()
         out = {"actor": str(seen[0]).removeprefix("torch.")}
-        from fusedrl.workers.rollout.hf_rollout import HFRollout
-
-        if self.rollout is not None and not isinstance(self.rollout, HFRollout):
-            out["rollout"] = str(self.rollout.engine.param_dtype()).removeprefix("torch.")
+        if self.rollout is not None and not self.engine_traits.shares_actor_module:
+            out["rollout"] = str(self.rollout.param_dtype()).removeprefix("torch.")
         return out
 
     def torch_threads(self) -> int:

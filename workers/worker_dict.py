@@ -56,8 +56,8 @@ from fusedrl.workers.memory import (
     rss_gb,
 )
 from fusedrl.workers.reward_model import RewardModelRole
-from fusedrl.workers.rollout.base import SamplingConfig
-from fusedrl.workers.rollout.hf_rollout import HFRollout
+from fusedrl.workers.rollout.base import EngineContext, Rollout, SamplingConfig
+from fusedrl.workers.rollout.registry import EngineTraits, engine_spec
 from fusedrl.workers.weight_sync import WeightSyncEndpoint
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
@@ -97,7 +97,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         self.ref: RefRole | LoraRefView | None = None
         self.critic: CriticRole | None = None
         self.reward_model: RewardModelRole | None = None
-        self.rollout: Any = None
+        self.rollout: Rollout | None = None
         self.events: deque[str] = deque(maxlen=MAX_EVENTS)
         self.actor_mem: Offloader | None = None
         self.ref_mem: Offloader | None = None
@@ -114,7 +114,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
     def init_roles(self, master_addr: str, master_port: int) -> dict[str, float]:
         """Join the process group, then build the roles this worker holds. Collective."""
         t0 = time.perf_counter()
-        self._join(master_addr, master_port, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        self._join(master_addr, master_port, **dict(self.engine_traits.worker_env))
         self._resolve_auto_defaults(self.roles)  # `auto` keys for this device, before any role reads them
         cfg = self.config
         seed = int(cfg.rollout.seed)
@@ -174,13 +174,20 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
             )
         return LoraRefView(self.actor, ref_cfg)
 
-    def _uses_hf_rollout(self) -> bool:
-        return "rollout" in self.roles and self.config.rollout.name == "hf"
+    @property
+    def engine_traits(self) -> EngineTraits:
+        """What the run's rollout engine can do (`fusedrl.workers.rollout.registry`)."""
+        return engine_spec(self.config.rollout.name).traits
+
+    def _shares_actor_module(self) -> bool:
+        return "rollout" in self.roles and self.engine_traits.shares_actor_module
 
     def _sleep_engine(self) -> None:
         """The engine releases its memory (``rollout.free_cache_engine``) at ``rollout.sleep_level``."""
         rcfg = self.config.rollout
         if self.rollout is None or self.rollout_asleep or not rcfg.free_cache_engine:
+            return
+        if not self.engine_traits.can_sleep:
             return
         level = int(rcfg.sleep_level)
         self.events.append(f"rollout.sleep(level={level})")
@@ -200,8 +207,9 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
                 optimizer_offload=fsdp.optimizer_offload,
                 events=self.events,
             )
-            # The HF rollout generates with the actor's own parameters: they stay (validated at start-up).
-            self.actor_mem.param_offload &= not self._uses_hf_rollout()
+            # An engine on the actor's own module generates with its parameters: they stay (validated at
+            # start-up).
+            self.actor_mem.param_offload &= not self._shares_actor_module()
         if isinstance(self.ref, RefRole):  # a LoRA reference is the actor: no memory of its own
             self.ref_mem = Offloader(
                 "ref",
@@ -236,32 +244,13 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
                     stack.enter_context(mem.resident())
             yield
 
-    def _build_rollout(self) -> Any:
+    def _build_rollout(self) -> Rollout:
+        """The run's engine, built by its registry entry; under ``multi_turn`` wrapped in agent loops."""
         cfg = self.config
         rcfg, data, tokens = cfg.rollout, cfg.data, cfg.tokens  # tokens: read by the driver's tokenizer
-        if rcfg.name == "hf":
-            if self.actor is None:
-                raise ValueError(
-                    "rollout.name=hf generates with the actor's module: place both in one worker"
-                )
-            return HFRollout(
-                self.actor.model,
-                max_response_length=int(data.max_response_length),
-                eos_token_id=tokens.eos,
-                pad_token_id=tokens.pad,
-            )
-        from fusedrl.workers.rollout.vllm_rollout import VLLMRollout
-
-        rollout_cls: Any = VLLMRollout
-        extra: dict[str, Any] = {}
-        if rcfg.multi_turn.enable:
-            from fusedrl.workers.rollout.agent_rollout import AgentRollout
-
-            rollout_cls = AgentRollout
-            extra["tools"] = cfg.agent_tools  # tools passed in Python to the trainer
-        return rollout_cls(
-            rcfg,
-            **extra,
+        spec = engine_spec(rcfg.name)
+        ctx = EngineContext(
+            cfg=rcfg,
             model_path=cfg.model.path,
             # The ranks of one tensor-parallel engine must sample alike: one seed per rollout (DP) group.
             seed=int(rcfg.seed) + self.rank // int(rcfg.tensor_model_parallel_size),
@@ -269,7 +258,17 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
             max_response_length=int(data.max_response_length),
             eos_token_id=tokens.eos,
             pad_token_id=tokens.pad,
+            actor_module=self.actor.model if self.actor is not None else None,
         )
+        from fusedrl.plugins import load_function
+
+        rollout: Rollout = load_function(spec.build)(ctx)
+        if rcfg.multi_turn.enable:
+            from fusedrl.workers.rollout.agent_rollout import AgentRollout
+
+            # tools passed in Python to the trainer
+            rollout = AgentRollout(rollout, ctx, tools=cfg.agent_tools)
+        return rollout
 
     def _need(self, role: Any, name: str, method: str) -> Any:
         if role is None:
@@ -435,7 +434,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         """
         actor = self._need(self.actor, "actor", "update_weights")
         self._need(self.rollout, "rollout", "update_weights (a rollout on another pool: send_weights)")
-        if isinstance(self.rollout, HFRollout):
+        if self.engine_traits.shares_actor_module:
             return {"timing_s/sync_weights_inner": 0.0, **memory_metrics("sync")}
         t0 = time.perf_counter()
         stats = StreamStats()

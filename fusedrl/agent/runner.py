@@ -227,7 +227,7 @@ class AgentRunner:
     ) -> tuple[list[int], list[float], str]:
         """One assistant turn continuing ``traj``: ``(sampled ids, their log-probs, "stop" | "length")``.
         At most ``max_tokens`` (and ``max_tokens_per_turn``, and what is left of the response budget)."""
-        from fusedrl.third_party.vllm.engine import SampleParams
+        from fusedrl.workers.rollout.base import SampleParams
 
         index, turn = traj.index, traj.turns_requested
         traj.turns_requested += 1

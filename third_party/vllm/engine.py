@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from fusedrl.workers.rollout.base import SampleParams  # engine-neutral; re-exported here
+
 logger = logging.getLogger(__name__)
 
 
@@ -67,19 +69,6 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int | None = None
     disable_log_stats: bool = True
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SampleParams:
-    """Sampling controls for one generate call (``rollout.temperature``, ``top_p`` ...)."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
 
 def _drop_chat_template_warmup(record: logging.LogRecord) -> bool:
@@ -130,14 +119,6 @@ class _NameRecorder:
         name, tensor = next(self._it)
         self.names.add(name)
         return name, tensor
-
-
-def vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:  # ImportError, or a broken binary companion (torchcodec, ...)
-        return False
-    return True
 
 
 def _is_cuda() -> bool:

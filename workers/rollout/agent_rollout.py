@@ -1,6 +1,7 @@
-"""Multi-turn agent rollouts on the fused worker's own in-process vLLM engine.
+"""Multi-turn agent rollouts on the fused worker's own engine.
 
-`AgentRollout` is a `VLLMRollout` (same engine, same in-place weight stream, same sleep / wake) whose
+`AgentRollout` holds the run's engine adapter (any engine with the ``request_queue`` trait: its ``engine``
+takes requests one at a time) and hands it every weight stream, sleep and wake-up unchanged; its
 ``generate`` runs one agent loop per row through `fusedrl.agent.AgentRunner` instead of one batch
 ``generate`` call. Each row's trajectory comes back as:
 
@@ -14,31 +15,60 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from fusedrl.agent import STAT_NAMES, AgentRunner, ChatRenderer, MultiTurnConfig, ToolSet, TurnSampling
 from fusedrl.batch import RolloutBatch
-from fusedrl.role_config import RolloutConfig
-from fusedrl.workers.rollout.base import SamplingConfig, unpadded_prompts
-from fusedrl.workers.rollout.vllm_rollout import VLLMRollout
+from fusedrl.workers.rollout.base import EngineContext, Rollout, SamplingConfig, unpadded_prompts
 
 
-class AgentRollout(VLLMRollout):
-    """``cfg`` is ``actor_rollout_ref.rollout`` (with ``multi_turn``); ``tools`` are extra Python tools."""
+class AgentRollout:
+    """Agent loops on ``inner``'s engine; ``ctx.cfg`` is ``actor_rollout_ref.rollout`` (with ``multi_turn``),
+    ``tools`` extra Python tools."""
 
-    def __init__(self, cfg: RolloutConfig, *, tools: Sequence[Any] = (), **kwargs: Any) -> None:
-        super().__init__(cfg, **kwargs)
+    def __init__(self, inner: Rollout, ctx: EngineContext, *, tools: Sequence[Any] = ()) -> None:
         from transformers import AutoTokenizer
 
-        mt = dataclasses.asdict(cfg.multi_turn)  # the agent package reads the section as a mapping
+        self.inner = inner
+        self.engine = inner.engine  # type: ignore[attr-defined]  # a RequestEngine (the request_queue trait)
+        self.eos_token_id = ctx.eos_token_id
+        self.pad_token_id = ctx.pad_token_id
+        self.max_response_length = ctx.max_response_length
+        mt = dataclasses.asdict(ctx.cfg.multi_turn)  # the agent package reads the section as a mapping
         self.multi_turn = MultiTurnConfig.from_dict(mt)
         self.tools = ToolSet.from_config(mt, extra=list(tools))
-        tokenizer = AutoTokenizer.from_pretrained(kwargs["model_path"])
+        tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)
         self.renderer = ChatRenderer(tokenizer, self.tools.schemas() or None)
         self.runner = AgentRunner(self.engine, self.renderer, self.tools, self.multi_turn)
+
+    # The engine's own moves, unchanged.
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        reset_prefix_cache: bool = True,
+        partial: bool = False,
+    ) -> None:
+        self.inner.update_weights(named_tensors, reset_prefix_cache=reset_prefix_cache, partial=partial)
+
+    def param_dtype(self) -> torch.dtype:
+        return self.inner.param_dtype()
+
+    @property
+    def weights_discarded(self) -> bool:
+        return self.inner.weights_discarded
+
+    def sleep(self, level: int) -> None:
+        self.inner.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.inner.wake_up(tags)
+
+    def reset_prefix_cache(self) -> None:
+        self.inner.reset_prefix_cache()
 
     def generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
         extra = batch.field_list("extra_info") or [{} for _ in range(batch.num_samples)]

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from fusedrl.batch import RolloutBatch
+
+if TYPE_CHECKING:
+    from fusedrl.role_config import RolloutConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -20,6 +23,44 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = -1
     do_sample: bool = True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SampleParams:
+    """Sampling controls of one engine request (engine-neutral; each adapter converts them)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens
+
+
+def sample_params(sampling: SamplingConfig, *, stop_token_id: int) -> SampleParams:
+    """One generate call's `SamplingConfig` as request parameters (greedy: temperature 0)."""
+    return SampleParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature if sampling.do_sample else 0.0,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        stop_token_ids=(stop_token_id,),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineContext:
+    """What the fused worker gives an engine's ``build`` function (`fusedrl.workers.rollout.registry`)."""
+
+    cfg: RolloutConfig  # actor_rollout_ref.rollout
+    model_path: str
+    seed: int  # one per rollout (data-parallel) group: the ranks of one TP engine sample alike
+    max_model_len: int  # prompt + response budget
+    max_response_length: int
+    eos_token_id: int
+    pad_token_id: int
+    actor_module: Any = None  # the actor's FSDP2 module, for an engine that `shares_actor_module`
 
 
 def rollout_dtype(name: str, *, cuda: bool) -> str:
@@ -43,21 +84,45 @@ def log_prob_gap_bound(dtypes: set[str]) -> float | None:
 
 
 class Rollout(Protocol):
-    """What the fused worker needs of a rollout engine."""
+    """What the fused worker needs of a rollout engine (its adapter; `fusedrl.workers.rollout.registry`
+    says what each can do). ``generate`` fills ``responses`` / ``response_mask`` / ``rollout_log_probs``
+    [B, Tr] of the batch's rows; ``update_weights`` takes the actor's full tensors in Hugging Face names and
+    the engine's `param_dtype` (``partial``: only some modules, the rest kept); ``weights_discarded`` says
+    the next stream must be complete (a level-2 sleep)."""
 
     def generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch: ...
 
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, reset_prefix_cache: bool = True
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        reset_prefix_cache: bool = True,
+        partial: bool = False,
     ) -> None: ...
 
     def param_dtype(self) -> torch.dtype: ...
+
+    @property
+    def weights_discarded(self) -> bool: ...
 
     def sleep(self, level: int) -> None: ...
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None: ...
 
     def reset_prefix_cache(self) -> None: ...
+
+
+class RequestEngine(Protocol):
+    """An engine that takes requests one at a time (the ``request_queue`` trait; a rollout's ``engine``):
+    the agent loops queue each turn and collect finished ones. ``step`` advances every queued request and
+    returns those that finished: ``(request_id, token_ids, log_probs, finish_reason)``, ``finish_reason``
+    ``"stop"`` (a stop token, included) or ``"length"``."""
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SampleParams) -> None: ...
+
+    def step(self) -> list[tuple[str, list[int], list[float], str]]: ...
+
+    def num_unfinished(self) -> int: ...
 
 
 def unpadded_prompts(batch: RolloutBatch) -> list[list[int]]:
@@ -86,3 +151,54 @@ def attach_responses(
     batch.response_mask = response_mask
     batch.rollout_log_probs = log_probs
     return batch
+
+
+class EngineRollout:
+    """The `Rollout` of any engine that samples token ids (a `RequestEngine` with ``generate(prompts,
+    params, seeds)`` and the weight and memory calls): one batch request per call, responses right-padded
+    to ``max_response_length`` (``data.max_response_length``). vLLM's and the fake engine's adapters build
+    one around their engine."""
+
+    def __init__(
+        self, engine: Any, *, max_response_length: int, eos_token_id: int, pad_token_id: int
+    ) -> None:
+        self.engine = engine
+        self.max_response_length = int(max_response_length)
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+
+    def generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
+        params = sample_params(sampling, stop_token_id=self.eos_token_id)
+        seeds = batch.sample_seeds.tolist() if batch.sample_seeds is not None else None
+        samples = self.engine.generate(unpadded_prompts(batch), params, seeds)
+        return attach_responses(
+            batch, samples, max_response_length=self.max_response_length, pad_token_id=self.pad_token_id
+        )
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        reset_prefix_cache: bool = True,
+        partial: bool = False,
+    ) -> None:
+        self.engine.update_weights(named_tensors, reset_prefix_cache=reset_prefix_cache, partial=partial)
+
+    def param_dtype(self) -> torch.dtype:
+        """The engine's parameter dtype: the weight stream is cast to it before it is gathered."""
+        return self.engine.param_dtype()
+
+    @property
+    def weights_discarded(self) -> bool:
+        """Whether the engine holds no weights (a level-2 sleep threw them away): the next stream must
+        be complete."""
+        return bool(self.engine.weights_discarded)
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.wake_up(tags)

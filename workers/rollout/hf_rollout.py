@@ -14,7 +14,7 @@ from torch import nn
 
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.logprob import response_log_probs
-from fusedrl.workers.rollout.base import SamplingConfig
+from fusedrl.workers.rollout.base import EngineContext, SamplingConfig
 
 
 class HFRollout:
@@ -47,7 +47,12 @@ class HFRollout:
         del position_ids  # generate derives positions from the attention mask
         # Compiled layers (model.compile_layers) run eager here: every decoding step has a new KV-cache
         # length, which would compile a graph per step.
-        with torch.compiler.set_stance("force_eager"):
+        # HF samples a batch from one generator: seeded from the rows' seeds, the same rows with the same
+        # seeds give the same tokens (resumed runs), though a row's tokens depend on the whole batch.
+        seed = None if batch.sample_seeds is None else hash(tuple(batch.sample_seeds.tolist())) % (2**63)
+        with torch.random.fork_rng(devices=[]), torch.compiler.set_stance("force_eager"):
+            if seed is not None:
+                torch.manual_seed(seed)
             out = self.model.generate(batch.prompts, **kwargs)  # type: ignore[operator]  # [B, Tp + t]
         generated = out[:, prompt_len:]  # [B, t]
         b = batch.num_samples
@@ -70,10 +75,22 @@ class HFRollout:
         return batch
 
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, reset_prefix_cache: bool = True
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        reset_prefix_cache: bool = True,
+        partial: bool = False,
     ) -> None:
         # Same module as the actor: nothing to copy. The fused worker does not even build the stream.
-        del named_tensors, reset_prefix_cache
+        del named_tensors, reset_prefix_cache, partial
+
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of the actor's parameters (its shards; there is no stream to cast)."""
+        return next(self.model.parameters()).dtype
+
+    @property
+    def weights_discarded(self) -> bool:
+        return False  # they are the actor's
 
     def reset_prefix_cache(self) -> None:
         pass
@@ -83,3 +100,15 @@ class HFRollout:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         pass
+
+
+def build(ctx: EngineContext) -> HFRollout:
+    """The ``hf`` entry of `fusedrl.workers.rollout.registry`: needs the actor's module (same worker)."""
+    if ctx.actor_module is None:
+        raise ValueError("rollout.name=hf generates with the actor's module: place both in one worker")
+    return HFRollout(
+        ctx.actor_module,
+        max_response_length=ctx.max_response_length,
+        eos_token_id=ctx.eos_token_id,
+        pad_token_id=ctx.pad_token_id,
+    )
