@@ -277,8 +277,9 @@ def validate(cfg: DictConfig) -> None:
     ):
         need(
             tp == 1 or engine.tensor_parallel,
-            f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp}: rollout.name={rollout.name} runs no "
-            f"tensor-parallel engine; use tensor_model_parallel_size=1 or rollout.name= one of {engines_with('tensor_parallel')}.",
+            f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp} needs a tensor-parallel engine "
+            f"(rollout.name={' or '.join(engines_with('tensor_parallel'))}); rollout.name={rollout.name} runs one "
+            "engine per worker: set tensor_model_parallel_size=1.",
         )
     mt = rollout.get("multi_turn")
     if mt is not None and mt.enable:
@@ -287,8 +288,9 @@ def validate(cfg: DictConfig) -> None:
         problems.extend(MultiTurnConfig.from_dict(dict(mt)).problems())
         need(
             engine.request_queue,
-            f"`actor_rollout_ref.rollout.multi_turn.enable`=true: rollout.name={rollout.name} takes no requests "
-            f"one at a time, which agent loops queue; use rollout.name= one of {engines_with('request_queue')}.",
+            "`actor_rollout_ref.rollout.multi_turn.enable`=true needs an engine that takes requests one at a "
+            f"time, as agent loops queue them (rollout.name={' or '.join(engines_with('request_queue'))}); "
+            f"rollout.name={rollout.name} generates whole batches only.",
         )
         need(
             tp is None or tp == 1,

@@ -50,7 +50,9 @@ def _model_log_probs(model, batch) -> torch.Tensor:
         n = int(batch.response_mask[i].sum())
         tokens = batch.responses[i, :n].tolist()
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]  # [n, V]
+            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[
+                0, len(prompt) - 1 : -1
+            ]  # [n, V]
         out[i, :n] = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     return out
 
@@ -170,7 +172,8 @@ def _body(port: int, args: str, out: str) -> None:
         while engine.num_unfinished() > 0:
             done.update({rid: ids for rid, ids, _, _ in engine.step()})
         r["queue_equal"] = [
-            done[f"r{i}"] == again.responses[i, : int(again.response_mask[i].sum())].tolist() for i in range(3)
+            done[f"r{i}"] == again.responses[i, : int(again.response_mask[i].sum())].tolist()
+            for i in range(3)
         ]
     torch.save(r, out)
     os._exit(0)  # skip engine teardown (vLLM destroys the process group) and atexit hooks

@@ -392,7 +392,8 @@ def test_multi_turn_problems_reported_together(base):
     )
     assert "tensor_model_parallel_size=1 only" in " ".join(problems)
     enable = [p for p in problems if p.startswith(f"`{mt}.enable`")]
-    assert len(enable) == 2 and "needs rollout.name=vllm" in enable[0]
+    assert len(enable) == 2 and "needs an engine that takes requests one at a time" in enable[0]
+    assert "rollout.name=vllm or fake" in enable[0] and "rollout.name=hf generates whole batches" in enable[0]
     assert "left, right or middle" in problem_naming(problems, f"{mt}.tool_response_truncate_side")
     assert not any("tokenization_check" in p for p in problems)  # the default "off" is not a boolean
     assert "does not exist" in problem_naming(problems, f"{mt}.tool_config_path")
