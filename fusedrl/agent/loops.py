@@ -34,6 +34,8 @@ class AgentContext(Protocol):
 
     async def call_tools(self, traj: Trajectory, calls: list[ToolCall], row: dict[str, Any]) -> list[str]: ...
 
+    async def call_env(self, traj: Trajectory, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]: ...
+
 
 class AgentLoop:
     """Base class of agent loops."""
@@ -142,10 +144,15 @@ class EnvironmentLoop(AgentLoop):
     async def run(self, row: dict[str, Any], traj: Trajectory, ctx: AgentContext) -> None:
         env = self.env_class(ctx.env_config)
         try:
-            env.reset(row)
-            while traj.remaining > 0:
+            # reset / step run on the tool threads, off the loop that steps the engine: a slow environment
+            # holds back its own trajectory only, and one past the timeout ends it (`env_timeouts`).
+            finished, _ = await ctx.call_env(traj, env.reset, row)
+            while finished and traj.remaining > 0:
                 text, stopped = await assistant_turn(traj, ctx)
-                messages, reward, done = env.step(text)
+                finished, result = await ctx.call_env(traj, env.step, text)
+                if not finished:
+                    return
+                messages, reward, done = result
                 traj.stats["reward"] += float(reward)
                 # A turn cut by max_tokens_per_turn still goes to the environment, which decides.
                 if done or not messages or not _turns_left(traj, ctx):
@@ -153,7 +160,7 @@ class EnvironmentLoop(AgentLoop):
                 if not append_observation(traj, ctx, list(messages), after_stop=stopped):
                     return
         finally:
-            env.close()
+            await ctx.call_env(traj, env.close)
 
 
 def register_environment(name: str) -> Callable[[type[Environment]], type[Environment]]:

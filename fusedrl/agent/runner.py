@@ -11,7 +11,8 @@ a loop that batches each turn across trajectories would.
 
 Tools run on a thread pool: a call that raises becomes an error observation; one that runs past
 ``tool_timeout_s`` is abandoned (its thread cannot be killed and finishes in the background) and becomes a
-timeout observation. Engine interface (see fusedrl.third_party.vllm.VLLMEngine): ``submit(request_id,
+timeout observation. Environments' ``reset`` / ``step`` / ``close`` run on the same threads under the same
+timeout (one past it ends its trajectory). Engine interface (`fusedrl.workers.rollout.base.RequestEngine`): ``submit(request_id,
 prompt_ids, params)``, ``step() -> [(request_id, ids, log_probs, finish_reason)]``, ``num_unfinished()``.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -303,6 +305,21 @@ class AgentRunner:
             traj.stats["reward"] += float(result.reward)
             return result.text
         return str(result)
+
+    async def call_env(self, traj: Trajectory, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+        """``fn(*args)`` (an environment's reset / step / close) on the tool threads: ``(True, result)``, or
+        ``(False, None)`` when it ran past ``tool_timeout_s`` (abandoned, like a tool call; counted in
+        ``env_timeouts``). An environment's exception is raised: it is the task's bug, not the model's."""
+        assert self._pool is not None
+        try:
+            result = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args)),
+                self.cfg.tool_timeout_s,
+            )
+        except asyncio.TimeoutError:
+            traj.stats["env_timeouts"] += 1
+            return False, None
+        return True, result
 
     def _release_tools(self, traj: Trajectory) -> None:
         for name in sorted(traj.created_tools):
