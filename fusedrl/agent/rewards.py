@@ -22,7 +22,7 @@ def agent_metrics(agent_stats: torch.Tensor) -> dict[str, float]:
     out: dict[str, float] = {}
     for k, name in enumerate(STAT_NAMES):
         out[f"agent/{name}/mean"] = float(stats[:, k].mean())
-    for name in ("tool_calls", "tool_errors", "tool_timeouts", "observation_tokens"):
+    for name in ("tool_calls", "tool_errors", "tool_timeouts", "env_timeouts", "observation_tokens"):
         out[f"agent/{name}/total"] = float(stats[:, STAT_NAMES.index(name)].sum())
     out["agent/assistant_turns/max"] = float(stats[:, STAT_NAMES.index("assistant_turns")].max())
     return out
