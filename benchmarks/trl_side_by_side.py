@@ -298,9 +298,10 @@ def main() -> None:
             if p in phases
         )
         tokens = statistics.median([t for r in runs[v] for t in r["response_tokens"]] or [0.0])
+        firsts = " / ".join(f"{r['curve'][0][0]:.1f}" for r in runs[v] if r.get("curve"))
         rows.append(
             f"| {v} | {med:.2f} ({min(steps[v]):.2f}-{max(steps[v]):.2f}, n={len(steps[v])}) | {ratio} "
-            f"| {tokens:.0f} | {detail or '-'} |"
+            f"| {firsts or '-'} | {tokens:.0f} | {detail or '-'} |"
         )
     table = "\n".join(
         [
@@ -310,8 +311,9 @@ def main() -> None:
             f"ISA: {args.isa} (torch CPU capability in the runs: {', '.join(capability)}); "
             f"load average at the end: {os.getloadavg()[0]:.1f}",
             "",
-            "| variant | step s | vs TRL | mean response tokens | fusedrl phases s (first round, median) |",
-            "|---|---|---|---|---|",
+            "| variant | step s | vs TRL | first step s, each round | mean response tokens "
+            "| fusedrl phases s (first round, median) |",
+            "|---|---|---|---|---|---|",
             *rows,
         ]
     )
