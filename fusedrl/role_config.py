@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fusedrl.agent.runner import MultiTurnConfig
+
 Section = Mapping[str, Any]
 
 
@@ -149,27 +151,6 @@ class RefConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MultiTurnSection:
-    """``actor_rollout_ref.rollout.multi_turn`` as written (``fusedrl.agent.MultiTurnConfig`` reads it)."""
-
-    enable: bool
-    default_agent_name: str
-    tool_config_path: str | None
-    max_assistant_turns: int | None
-    max_user_turns: int | None
-    max_tokens_per_turn: int | None
-    max_parallel_calls: int
-    max_tool_response_length: int
-    tool_response_truncate_side: str
-    format: str
-    tool_timeout_s: float
-    tool_workers: int
-    tokenization_check: str | bool
-    schedule: str
-    env_config: Mapping[str, Any]
-
-
-@dataclass(frozen=True, kw_only=True)
 class ValKwargs:
     """``actor_rollout_ref.rollout.val_kwargs``: sampling for validation."""
 
@@ -209,7 +190,7 @@ class RolloutConfig:
     max_num_batched_tokens: int
     max_model_len: int | None
     disable_log_stats: bool
-    multi_turn: MultiTurnSection
+    multi_turn: MultiTurnConfig  # the agent package's own section type
     val_kwargs: ValKwargs
 
 

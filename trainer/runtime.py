@@ -87,6 +87,10 @@ def init_ray(config: DictConfig) -> None:
     from fusedrl.workers.rollout.registry import engine_traits
 
     engine = OmegaConf.select(config, "actor_rollout_ref.rollout.name", default=None)  # none in SFT runs
+    for module in OmegaConf.select(config, "algorithm.custom_modules", default=None) or []:
+        from fusedrl.config import import_plugin
+
+        import_plugin(str(module))  # an engine registered there (idempotent with the config check)
     env = {
         **(dict(engine_traits(engine).worker_env) if engine is not None else {}),
         "TOKENIZERS_PARALLELISM": "false",

@@ -114,6 +114,13 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
     def init_roles(self, master_addr: str, master_port: int) -> dict[str, float]:
         """Join the process group, then build the roles this worker holds. Collective."""
         t0 = time.perf_counter()
+        cfg = self.config
+        for module in cfg.algorithm.custom_modules:
+            from fusedrl.config import import_plugin  # only here: the GPU check runs without omegaconf
+
+            # user losses / estimators / engines must be registered in this process too (an engine's
+            # traits are read below)
+            import_plugin(str(module))
         self._join(master_addr, master_port, **dict(self.engine_traits.worker_env))
         self._resolve_auto_defaults(self.roles)  # `auto` keys for this device, before any role reads them
         cfg = self.config
@@ -123,10 +130,6 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         # and their states, saved in every checkpoint, would differ from run to run.
         seed_rng(seed)
 
-        for module in cfg.algorithm.custom_modules:
-            from fusedrl.config import import_plugin  # only here: the GPU check runs without omegaconf
-
-            import_plugin(str(module))  # user losses / estimators must be registered in this process too
         n = int(cfg.rollout.n)
         if "actor" in self.roles:
             self.actor = ActorRole(

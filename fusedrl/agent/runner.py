@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +38,12 @@ SCHEDULES = ("continuous", "turn_sync")
 
 @dataclass(frozen=True, kw_only=True)
 class MultiTurnConfig:
-    """``actor_rollout_ref.rollout.multi_turn`` (see docs/agentic.md)."""
+    """``actor_rollout_ref.rollout.multi_turn`` (see docs/agentic.md): the one definition of the section, the
+    field of the workers' typed `fusedrl.role_config.RolloutConfig` and what the agent runner reads. The
+    defaults (the YAML's) serve code that builds one directly (tests, benchmarks)."""
 
+    enable: bool = False
+    tool_config_path: str | None = None
     default_agent_name: str = "single_turn"
     max_assistant_turns: int | None = None
     max_user_turns: int | None = None
@@ -52,19 +56,21 @@ class MultiTurnConfig:
     tool_workers: int = 16
     tokenization_check: str = "off"
     schedule: str = "continuous"
-    env_config: dict[str, Any] | None = None
+    env_config: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tokenization_check, bool):  # YAML reads a bare off / on as a boolean
+            object.__setattr__(self, "tokenization_check", "strict" if self.tokenization_check else "off")
+        for k in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
+            if getattr(self, k) is not None:
+                object.__setattr__(self, k, int(getattr(self, k)))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> MultiTurnConfig:
-        d = dict(d or {})
+    def from_dict(cls, d: Mapping[str, Any] | None) -> MultiTurnConfig:
+        """From the section as a mapping (the driver's config check); keys it does not define are left to
+        the config's unknown-key check."""
         keys = {f for f in cls.__dataclass_fields__}
-        kwargs = {k: v for k, v in d.items() if k in keys}
-        if isinstance(kwargs.get("tokenization_check"), bool):  # YAML reads a bare off / on as a boolean
-            kwargs["tokenization_check"] = "strict" if kwargs["tokenization_check"] else "off"
-        for k in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
-            if kwargs.get(k) is not None:
-                kwargs[k] = int(kwargs[k])
-        return cls(**kwargs)
+        return cls(**{k: v for k, v in dict(d or {}).items() if k in keys})
 
     def problems(self, prefix: str = "actor_rollout_ref.rollout.multi_turn") -> list[str]:
         """Every invalid value, as config-error lines (key=value: what to use)."""

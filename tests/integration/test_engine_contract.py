@@ -235,3 +235,46 @@ def test_fake_engine_trains_through_the_driver(tiny_model_dir, arithmetic_data, 
     assert events.count("rollout.update_weights") >= 2, events  # re-streamed after each update / sleep
     assert metrics[1]["actor/kl_loss"] > 0  # the policy moved, and the engine followed it:
     assert metrics[1]["rollout/log_prob_abs_diff_mean"] <= 1e-3, metrics[1]
+
+
+USER_ENGINE = """
+from fusedrl.workers.rollout.registry import EngineSpec, EngineTraits, register_engine
+
+register_engine(
+    EngineSpec(
+        name="my_engine",
+        traits=EngineTraits(can_sleep=True, level2_discards_weights=True, request_queue=True),
+        build="fusedrl.workers.rollout.fake_engine:build",
+        summary="a user's engine (here: the fake engine's build under another name)",
+    )
+)
+"""
+
+
+def test_an_engine_registered_in_custom_modules_runs(tiny_model_dir, arithmetic_data, tmp_path):
+    """An engine kept outside the package: one `register_engine` call in a module named in
+    algorithm.custom_modules is all the driver's config check, Ray's runtime env and the workers need."""
+    plugin = tmp_path / "my_engine.py"
+    plugin.write_text(USER_ENGINE)
+    overrides = [
+        f"data.train_files={arithmetic_data[0]}",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=256",
+        "data.max_response_length=4",
+        "algorithm.adv_estimator=grpo",
+        f"algorithm.custom_modules=[{plugin}]",
+        "actor_rollout_ref.rollout.name=my_engine",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "trainer.n_gpus_per_node=1",
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=0",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    ]
+    with started_trainer(overrides) as trainer:
+        metrics = trainer.train_step()
+        (events,) = trainer.workers.run_all(lambda w: w.get_events.remote())
+    assert "rollout.generate" in events
+    assert metrics["response_length/mean"] > 0

@@ -1,7 +1,7 @@
 """Multi-turn agent rollouts on the fused worker's own engine.
 
-`AgentRollout` holds the run's engine adapter (any engine with the ``request_queue`` trait: its ``engine``
-takes requests one at a time) and hands it every weight stream, sleep and wake-up unchanged; its
+`AgentRollout` holds the run's engine (any engine with the ``request_queue`` trait: it takes requests one at
+a time) and hands it every weight stream, sleep and wake-up as the engine's own `EngineRollout` does; its
 ``generate`` runs one agent loop per row through `fusedrl.agent.AgentRunner` instead of one batch
 ``generate`` call. Each row's trajectory comes back as:
 
@@ -14,61 +14,43 @@ takes requests one at a time) and hands it every weight stream, sleep and wake-u
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from fusedrl.agent import STAT_NAMES, AgentRunner, ChatRenderer, MultiTurnConfig, ToolSet, TurnSampling
+from fusedrl.agent import STAT_NAMES, AgentRunner, ChatRenderer, ToolSet, TurnSampling
 from fusedrl.batch import RolloutBatch
-from fusedrl.workers.rollout.base import EngineContext, Rollout, SamplingConfig, unpadded_prompts
+from fusedrl.workers.rollout.base import (
+    EngineContext,
+    EngineRollout,
+    Rollout,
+    SamplingConfig,
+    unpadded_prompts,
+)
 
 
-class AgentRollout:
-    """Agent loops on ``inner``'s engine; ``ctx.cfg`` is ``actor_rollout_ref.rollout`` (with ``multi_turn``),
-    ``tools`` extra Python tools."""
+class AgentRollout(EngineRollout):
+    """Agent loops on the engine of ``inner`` (an `EngineRollout` of an engine with a request queue), which
+    this rollout holds and hands every weight stream, sleep and wake-up as ``inner`` would;
+    ``ctx.cfg`` is ``actor_rollout_ref.rollout`` (with ``multi_turn``), ``tools`` extra Python tools."""
 
     def __init__(self, inner: Rollout, ctx: EngineContext, *, tools: Sequence[Any] = ()) -> None:
         from transformers import AutoTokenizer
 
-        self.inner = inner
-        self.engine = inner.engine  # type: ignore[attr-defined]  # a RequestEngine (the request_queue trait)
-        self.eos_token_id = ctx.eos_token_id
-        self.pad_token_id = ctx.pad_token_id
-        self.max_response_length = ctx.max_response_length
-        mt = dataclasses.asdict(ctx.cfg.multi_turn)  # the agent package reads the section as a mapping
-        self.multi_turn = MultiTurnConfig.from_dict(mt)
-        self.tools = ToolSet.from_config(mt, extra=list(tools))
+        super().__init__(
+            inner.engine,  # type: ignore[attr-defined]  # a RequestEngine (the request_queue trait)
+            max_response_length=ctx.max_response_length,
+            eos_token_id=ctx.eos_token_id,
+            pad_token_id=ctx.pad_token_id,
+        )
+        self.multi_turn = ctx.cfg.multi_turn
+        self.tools = ToolSet.from_config(
+            {"tool_config_path": self.multi_turn.tool_config_path}, extra=list(tools)
+        )
         tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)
         self.renderer = ChatRenderer(tokenizer, self.tools.schemas() or None)
         self.runner = AgentRunner(self.engine, self.renderer, self.tools, self.multi_turn)
-
-    # The engine's own moves, unchanged.
-    def update_weights(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        *,
-        reset_prefix_cache: bool = True,
-        partial: bool = False,
-    ) -> None:
-        self.inner.update_weights(named_tensors, reset_prefix_cache=reset_prefix_cache, partial=partial)
-
-    def param_dtype(self) -> torch.dtype:
-        return self.inner.param_dtype()
-
-    @property
-    def weights_discarded(self) -> bool:
-        return self.inner.weights_discarded
-
-    def sleep(self, level: int) -> None:
-        self.inner.sleep(level)
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        self.inner.wake_up(tags)
-
-    def reset_prefix_cache(self) -> None:
-        self.inner.reset_prefix_cache()
 
     def generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
         extra = batch.field_list("extra_info") or [{} for _ in range(batch.num_samples)]
