@@ -114,16 +114,13 @@ def _state(model_dir: str) -> dict[str, torch.Tensor]:
 def versions(engine: Any) -> dict[str, Any]:
     import vllm
 
-    facts = engine.runner_facts()
     return {
         "ok": True,
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name(0) if _cuda() else "cpu",
-        "model_runner": facts["model_runner"],
-        "model_runner_v2": "v2" in facts["model_runner"].lower(),
-        "attention_backend": facts["attention_backend"],
+        **engine.runner_facts(),  # the model runner, whether it is V2, the attention backend
         "aot_compile": os.environ.get("VLLM_USE_AOT_COMPILE", "vLLM's default"),
         "eager": engine.eager,
     }

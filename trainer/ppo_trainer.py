@@ -23,7 +23,6 @@ from omegaconf import DictConfig
 from fusedrl.algorithms import get_adv_estimator, get_adv_traits
 from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
 from fusedrl.algorithms.rollout_correction import correct_advantages
-from fusedrl.auto_defaults import driver_value
 from fusedrl.balance import balance_over_ranks
 from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint, seed_rng
@@ -46,7 +45,6 @@ from fusedrl.trainer.reward_scoring import RewardModelScoring
 from fusedrl.trainer.step_plan import due, sample_seeds
 from fusedrl.trainer.validation import print_generations, validation_metrics
 from fusedrl.workers.rollout.base import SamplingConfig
-from fusedrl.workers.rollout.registry import engine_traits
 from fusedrl.workers.worker_dict import WorkerDict
 
 
@@ -580,11 +578,8 @@ class PPOTrainer(RewardModelScoring):
 
     @property
     def rollout_discards_weights(self) -> bool:
-        """Whether the engines' post-rollout sleep discards their weights (level 2; an unresolved auto too)."""
-        r = self.config.actor_rollout_ref.rollout
-        level = driver_value(self.config, self.groups.auto_settings, "actor_rollout_ref.rollout.sleep_level")
-        traits = engine_traits(r.name)
-        return traits.level2_discards_weights and bool(r.free_cache_engine) and str(level) in ("2", "auto")
+        """Whether the engines' post-rollout sleep discards their weights (`step_plan.rollout_discards_weights`)."""
+        return step_plan.rollout_discards_weights(self.config, self.groups.auto_settings)
 
     def validate(self) -> Metrics:
         """Greedy (``rollout.val_kwargs``) generation on the validation set; mean score per data source."""

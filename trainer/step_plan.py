@@ -37,6 +37,18 @@ def prompt_groups_whole(config: DictConfig, settings: Mapping[str, Any]) -> bool
     return packed in (True, AUTO) and bool(config.actor_rollout_ref.model.share_prompt_prefix)
 
 
+def rollout_discards_weights(config: DictConfig, settings: Mapping[str, Any]) -> bool:
+    """Whether the engines' post-rollout sleep discards their weights, so the next rollout needs a full stream:
+    an engine whose level 2 does (`EngineTraits.level2_discards_weights`), ``free_cache_engine`` on, and
+    ``sleep_level`` 2 as the workers resolved it (``settings``; an unresolved auto counts too)."""
+    from fusedrl.workers.rollout.registry import engine_traits
+
+    r = config.actor_rollout_ref.rollout
+    level = driver_value(config, settings, "actor_rollout_ref.rollout.sleep_level")
+    traits = engine_traits(r.name)
+    return traits.level2_discards_weights and bool(r.free_cache_engine) and str(level) in ("2", "auto")
+
+
 def old_log_probs_reusable(config: DictConfig, *, world: int, num_samples: int, actor_trains: bool) -> bool:
     """Whether the batch is used once, in one optimizer step (``ppo_epochs=1``, every rank's shard fits one
     mini-batch) and nothing reads ``old_log_probs`` before the update: then the update's own forward gives

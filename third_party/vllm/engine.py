@@ -471,11 +471,12 @@ class VLLMEngine:
         """The dtype of the engine's parameters (metadata only, so it may be read while they sleep)."""
         return next(self._model().parameters()).dtype
 
-    def runner_facts(self) -> dict[str, str]:
-        """Which code paths the engine runs: the model runner's class (vLLM 0.32+ picks model runner V2 on a
-        GPU, V1 on CPU) and its attention backend(s), as the worker holds them (for the GPU check)."""
+    def runner_facts(self) -> dict[str, Any]:
+        """Which code paths the engine runs: the model runner's class and whether it is V2 (vLLM 0.32+ picks
+        model runner V2 on a GPU, V1 on CPU), and its attention backend(s), as the worker holds them (for the
+        GPU check)."""
 
-        def facts(worker: Any) -> dict[str, str]:
+        def facts(worker: Any) -> dict[str, Any]:
             runner = worker.model_runner
             backend = next(
                 (
@@ -485,8 +486,10 @@ class VLLMEngine:
                 ),
                 "unknown",
             )
+            name = f"{type(runner).__module__}.{type(runner).__name__}"
             return {
-                "model_runner": f"{type(runner).__module__}.{type(runner).__name__}",
+                "model_runner": name,
+                "model_runner_v2": "v2" in name.lower(),
                 "attention_backend": backend,
             }
 
