@@ -362,9 +362,7 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def driver_value(config: Any, settings: Mapping[str, Any], key: str) -> Any:
-    """``key`` as the workers resolved it (``settings``), else as the driver's config holds it (possibly
-    ``auto``: the workers have not reported, or disagreed)."""
-    from omegaconf import OmegaConf
-
-    return settings[key] if key in settings else OmegaConf.select(config, key)
+def driver_value(value: Any, settings: Mapping[str, Any], key: str) -> Any:
+    """``key`` as the workers resolved it (``settings``), else ``value``, the driver's typed config's
+    (possibly ``auto``: the workers have not reported, or disagreed)."""
+    return settings.get(key, value)

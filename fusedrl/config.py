@@ -145,22 +145,19 @@ def import_plugin(spec: str) -> None:
 
 
 def needed_roles(cfg: DictConfig) -> dict[str, bool]:
-    """Which optional roles the fused workers must build: decided here once, passed to the workers.
+    """Which optional roles the fused workers must build (`fusedrl.algorithms.registry.roles_for`), for the
+    config check; the trainer asks its typed config (`RoleConfigs.needed_roles`)."""
+    import fusedrl.algorithms  # noqa: F401  (registers the built-in estimators)
+    from fusedrl.algorithms.registry import roles_for
 
-    The critic comes from the estimator's declared needs (an unknown estimator, reported by `validate`,
-    needs nothing here)."""
-    from fusedrl.algorithms import get_adv_traits, list_adv_estimators
-
-    est = str(cfg.algorithm.adv_estimator)
-    return {
-        "ref": bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward),
-        "critic": est in list_adv_estimators() and get_adv_traits(est).needs_critic,
-        "reward_model": bool(cfg.reward_model.enable),
-    }
+    alg = cfg.algorithm
+    use_kl = bool(cfg.actor_rollout_ref.actor.use_kl_loss or alg.use_kl_in_reward)
+    return roles_for(str(alg.adv_estimator), use_kl=use_kl, reward_model=bool(cfg.reward_model.enable))
 
 
-def logger_names(cfg: DictConfig) -> list[str]:
-    """``trainer.logger`` as a list (a bare ``trainer.logger=console`` is accepted too)."""
+def logger_names(cfg: Any) -> list[str]:
+    """``trainer.logger`` of a DictConfig or a typed config, as a list (a bare ``trainer.logger=console`` is
+    accepted too)."""
     value = cfg.trainer.logger
     return [str(value)] if isinstance(value, str) else [str(v) for v in value]
 

@@ -54,7 +54,7 @@ def validate(cfg: DictConfig) -> None:
     from fusedrl.algorithms.kl import KL_KINDS
     from fusedrl.algorithms.losses import LOSS_AGG_MODES as AGG_MODES
     from fusedrl.data.dataset import TRUNCATION_MODES
-    from fusedrl.rewards import MANAGER_KINDS
+    from fusedrl.rewards import MANAGER_KINDS, ON_ERROR
 
     problems: list[str] = []
 
@@ -388,7 +388,7 @@ def validate(cfg: DictConfig) -> None:
         rm.reward_manager in MANAGER_KINDS,
         f"`reward_model.reward_manager`={rm.reward_manager!r}: use {', '.join(MANAGER_KINDS)}.",
     )
-    need(rm.on_error in ("raise", "zero"), f"`reward_model.on_error`={rm.on_error!r}: use raise or zero.")
+    need(rm.on_error in ON_ERROR, f"`reward_model.on_error`={rm.on_error!r}: use {' or '.join(ON_ERROR)}.")
     if rm.overlong_buffer.enable:
         need(
             rm.reward_manager == "dapo",

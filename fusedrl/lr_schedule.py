@@ -7,6 +7,7 @@ computes each step's rate and passes it to the update call, so a resumed run (wh
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -45,8 +46,11 @@ def lr_factor(
     return max(min_lr_ratio, min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + wave))
 
 
-def scheduled_lr(optim: Mapping[str, Any], step: int, total_steps: int) -> float:
-    """The rate of one optimizer (``actor_rollout_ref.actor.optim`` or ``critic.optim``) at RL step ``step``."""
+def scheduled_lr(optim: Any, step: int, total_steps: int) -> float:
+    """The rate of one optimizer (``actor_rollout_ref.actor.optim`` or ``critic.optim``: the typed
+    `fusedrl.role_config.OptimConfig`, or a mapping of its keys) at RL step ``step``."""
+    if dataclasses.is_dataclass(optim) and not isinstance(optim, type):
+        optim = dataclasses.asdict(optim)
     style = optim["warmup_style"] if optim["warmup_style"] is not None else optim["lr_scheduler_type"]
     factor = lr_factor(
         step,

@@ -420,6 +420,14 @@ class RoleConfigs:
     agent_tools: tuple[Any, ...]  # tools passed in Python to the trainer (agentic rollouts)
     total_steps: int | None  # the run's planned steps (`model.compile_layers=auto` reads it); None: unknown
 
+    def needed_roles(self) -> dict[str, bool]:
+        """Which optional roles the run builds (``ref``, ``critic``, ``reward_model``: on or off)."""
+        import fusedrl.algorithms  # noqa: F401  (registers the built-in estimators)
+        from fusedrl.algorithms.registry import roles_for
+
+        use_kl = self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+        return roles_for(self.algorithm.adv_estimator, use_kl=use_kl, reward_model=self.reward_model.enable)
+
     def with_slots(self, *, nnodes: int, n_gpus_per_node: int) -> RoleConfigs:
         """The same configs for a pool of another size (its workers' rendezvous and device index)."""
         trainer = dataclasses.replace(self.trainer, nnodes=nnodes, n_gpus_per_node=n_gpus_per_node)
@@ -482,6 +490,18 @@ def build_role_configs(
     return RoleConfigs(
         **sections, tokens=tokens, agent_tools=tuple(agent_tools or ()), total_steps=total_steps
     )
+
+
+def run_config(
+    config: Any, *, tokens: TokenIds | None = None, agent_tools: Any = (), total_steps: int | None = None
+) -> RoleConfigs:
+    """The composed (validated) DictConfig as the typed `RoleConfigs` the driver reads and the workers
+    receive, ``auto`` keys unresolved; ``tokens`` (0, 0) when no tokenizer is at hand (tests)."""
+    from omegaconf import OmegaConf
+
+    plain: Any = OmegaConf.to_container(config, resolve=True)
+    tokens = tokens or TokenIds(eos=0, pad=0)
+    return build_role_configs(plain, tokens=tokens, agent_tools=agent_tools, total_steps=total_steps)
 
 
 def role_configs_from_overrides(

@@ -1,13 +1,15 @@
 """The config figures of docs/architecture.md's before/after table, measured on the source tree.
 
-    .venv/bin/python scripts/config_metrics.py [--cycles]
+    .venv/bin/python scripts/config_metrics.py [--rev COMMIT] [--cycles]
 
-Prints:
+``--rev`` measures the files of a commit (``git show``) instead of the work tree. Prints:
 
 - **config paths the driver reads as strings**: in the driver's modules (`DRIVER_FILES`), reads of a YAML
-  key path from the DictConfig: ``config.<section>...`` / ``cfg.<section>...`` attribute chains on a
-  DictConfig name, ``.get("...")`` / ``OmegaConf.select(..., "a.b")`` / ``driver_value(..., "a.b")`` string
-  lookups. One count per occurrence (a line may hold several).
+  key path from a config (`key_path_reads`, by ``ast``): ``<x>.<section>`` on a name ending in ``config``
+  / ``cfg`` (``self.config.trainer``, ``cfg.data``; a chain counts once), ``["key"]`` / ``.get("key")``
+  on such a name, ``OmegaConf.select(.., "a.b")``, and ``driver_value(config, .., "a.b")``. The functions
+  in `ADAPTERS` (a library caller's partial config into typed sections) are not counted.
+  ``tests/unit/test_driver_reads_typed.py`` holds the driver to 0.
 - **`validate`'s size**: the lines of ``fusedrl.config_checks.validate`` (its ``def`` to its last line).
 - **import cycles**: the import graph of ``fusedrl/``, ``workers/``, ``trainer/`` and ``third_party/`` (the
   last three install as ``fusedrl.workers`` / ``fusedrl.trainer`` / ``fusedrl.third_party``), built with
@@ -21,14 +23,14 @@ Prints:
 from __future__ import annotations
 
 import ast
-import re
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"fusedrl": "fusedrl", "workers": "fusedrl.workers", "trainer": "fusedrl.trainer",
             "third_party": "fusedrl.third_party"}  # fmt: skip
-DRIVER_FILES = [
+DRIVER = [
     "trainer/ppo_trainer.py",
     "trainer/step_plan.py",
     "trainer/health_checks.py",
@@ -37,74 +39,106 @@ DRIVER_FILES = [
     "trainer/reward_scoring.py",
     "trainer/dynamic_sampling.py",
     "trainer/async_trainer.py",
-    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "fusedrl" / "rewards").glob("*.py")),
 ]
-SECTIONS = (
-    "actor_rollout_ref|trainer|data|algorithm|critic|reward_model|custom_reward_function|async_training"
-)
-# A YAML key path read from a DictConfig: ``config.trainer.x`` / ``cfg.data.x``, or a string lookup.
-KEY_PATH_READS = re.compile(
-    rf"\b(?:config|cfg)\.(?:{SECTIONS})\b"
-    r"|\.get\(\s*[\"'][a-z_]+[\"']"
-    r"|OmegaConf\.select\([^,]+,\s*[\"'][a-z_.]+[\"']"
-    r"|driver_value\([^,]+,[^,]+,\s*[\"'][a-z_.]+[\"']"
-)
+# A partial DictConfig / dict from a library caller (no RoleConfigs at hand) into typed sections.
+ADAPTERS = {("fusedrl/rewards/__init__.py", "typed_reward_sections")}
+SECTIONS = {"actor_rollout_ref", "trainer", "data", "algorithm", "critic", "reward_model",
+            "custom_reward_function", "async_training"}  # fmt: skip
 
 
-def key_path_reads(files: list[str] = DRIVER_FILES) -> dict[str, int]:
-    """Occurrences of `KEY_PATH_READS` per driver file (comments and docstrings excluded)."""
-    counts: dict[str, int] = {}
-    for rel in files:
-        path = ROOT / rel
-        if not path.exists():
-            continue
-        n = 0
-        for line in _code_lines(path.read_text()):
-            n += len(KEY_PATH_READS.findall(line))
-        counts[rel] = n
-    return counts
+class Tree:
+    """The source files of the work tree, or of commit ``rev``."""
+
+    def __init__(self, rev: str | None = None) -> None:
+        self.rev = rev
+
+    def files(self, folder: str) -> list[str]:
+        if self.rev is None:
+            return sorted(str(p.relative_to(ROOT)) for p in (ROOT / folder).rglob("*.py"))
+        out = subprocess.run(
+            ["git", "ls-tree", "-r", "--name-only", self.rev, folder], cwd=ROOT, check=True,
+            capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        return sorted(f for f in out.split() if f.endswith(".py"))
+
+    def read(self, rel: str) -> str | None:
+        if self.rev is None:
+            path = ROOT / rel
+            return path.read_text(encoding="utf-8") if path.exists() else None
+        got = subprocess.run(["git", "show", f"{self.rev}:{rel}"], cwd=ROOT, capture_output=True, text=True)
+        return got.stdout if got.returncode == 0 else None
 
 
-def _code_lines(source: str) -> list[str]:
-    """The source's lines with comments and docstrings blanked (string constants that are statements)."""
+def driver_files(tree: Tree) -> list[str]:
+    return [*DRIVER, *(f for f in tree.files("fusedrl/rewards") if f.count("/") == 2)]
+
+
+def _config_like(node: ast.AST) -> bool:
+    last = ast.unparse(node).rsplit(".", 1)[-1].lower()
+    return last.endswith("config") or last.endswith("cfg")
+
+
+def key_path_reads(rel: str, source: str) -> list[str]:
+    """``file:line: expression`` of each config key path read in ``source`` (module docstring)."""
     tree = ast.parse(source)
-    lines = source.splitlines()
+    skip: set[int] = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and (rel, fn.name) in ADAPTERS:
+            skip.update(id(n) for n in ast.walk(fn))
+    found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            for i in range(node.lineno - 1, (node.end_lineno or node.lineno)):
-                lines[i] = ""
-    return [line.split("#", 1)[0] for line in lines]
+        if id(node) in skip:
+            continue
+        bad = False
+        if isinstance(node, ast.Attribute) and node.attr in SECTIONS:
+            bad = _config_like(node.value)  # config.trainer / self.config.algorithm / cfg.data
+        elif isinstance(node, ast.Subscript):
+            key = node.slice
+            bad = isinstance(key, ast.Constant) and isinstance(key.value, str) and _config_like(node.value)
+        elif isinstance(node, ast.Call):
+            args = node.args
+            string_arg = any(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in args)
+            name = ast.unparse(node.func)
+            if name.endswith(".get") and isinstance(node.func, ast.Attribute):
+                bad = string_arg and _config_like(node.func.value)
+            elif name == "OmegaConf.select":
+                bad = string_arg
+            elif name == "driver_value":
+                bad = string_arg and bool(args) and _config_like(args[0])
+        if bad:
+            found.append(f"{rel}:{getattr(node, 'lineno', 0)}: {ast.unparse(node)}")
+    return found
 
 
-def validate_size() -> int:
-    tree = ast.parse((ROOT / "fusedrl" / "config_checks.py").read_text())
+def validate_size(src: Tree) -> int:
+    tree = ast.parse(src.read("fusedrl/config_checks.py") or "")
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == "validate":
             return (node.end_lineno or node.lineno) - node.lineno + 1
     return 0
 
 
-def _modules() -> dict[str, Path]:
-    mods: dict[str, Path] = {}
+def _modules(src: Tree) -> dict[str, str]:
+    mods: dict[str, str] = {}
     for folder, dotted in PACKAGES.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            rel = path.relative_to(ROOT / folder).with_suffix("")
+        for file in src.files(folder):
+            rel = Path(file).relative_to(folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
             if any(p.startswith(".") or p == "config" for p in rel.parts[:-1]):
                 continue
             name = ".".join([dotted, *parts])
             if folder == "fusedrl" and parts and parts[0] in ("workers", "trainer", "third_party"):
                 continue  # not in the source layout; the top-level folders are these packages
-            mods[name] = path
+            mods[name] = file
     return mods
 
 
-def import_graph() -> dict[str, set[str]]:
-    mods = _modules()
+def import_graph(src: Tree) -> dict[str, set[str]]:
+    mods = _modules(src)
     graph: dict[str, set[str]] = {m: set() for m in mods}
-    for name, path in mods.items():
-        is_pkg = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text())):
+    for name, file in mods.items():
+        is_pkg = file.endswith("__init__.py")
+        for node in ast.walk(ast.parse(src.read(file) or "")):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -167,16 +201,19 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    reads = key_path_reads()
-    total = sum(reads.values())
+    rev = argv[argv.index("--rev") + 1] if "--rev" in argv else None
+    src = Tree(rev)
+    print(f"measured on {rev or 'the work tree'}")
+    reads = {rel: key_path_reads(rel, text) for rel in driver_files(src) if (text := src.read(rel))}
+    total = sum(map(len, reads.values()))
     print(
-        f"config paths read as strings by the driver: {total} in {sum(1 for n in reads.values() if n)} files"
+        f"config paths read as strings by the driver: {total} in {sum(1 for r in reads.values() if r)} files"
     )
-    for rel, n in reads.items():
-        if n:
-            print(f"  {rel}: {n}")
-    print(f"validate: {validate_size()} lines")
-    graph = import_graph()
+    for rel, hits in reads.items():
+        if hits:
+            print(f"  {rel}: {len(hits)}")
+    print(f"validate: {validate_size(src)} lines")
+    graph = import_graph(src)
     comps = strongly_connected(graph)
     pairs = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if a in graph.get(b, ())})
     print(

@@ -79,7 +79,7 @@ class AsyncPPOTrainer(PPOTrainer):
 
     def __init__(self, config: DictConfig, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        self.max_staleness = max_staleness(config)
+        self.max_staleness = max_staleness(self.run)
         self.actor_version = 0  # actor updates so far
         self.engine_version = 0  # the actor version whose weights the engine holds
         self.in_flight: InFlight | None = None
@@ -94,7 +94,7 @@ class AsyncPPOTrainer(PPOTrainer):
             self.sync_weights()
         batch.policy_version = torch.full((batch.num_samples,), self.engine_version, dtype=torch.long)  # [B]
         rollout = self.group_for("rollout")
-        tp = int(self.config.actor_rollout_ref.rollout.tensor_model_parallel_size)
+        tp = self.run.rollout.tensor_model_parallel_size
         sampling = self.sampling(False)
         flight = InFlight(step=step, batch=batch, to_send=to_send, submitted_at=time.monotonic())
         wake = rollout.submit_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
@@ -238,7 +238,7 @@ class AsyncPPOTrainer(PPOTrainer):
         if path is None:
             return None
         steps = range(1, self.global_step + 1)
-        self.actor_version = sum(step_plan.actor_trains(self.config, s) for s in steps)
+        self.actor_version = sum(step_plan.actor_trains(self.run, s) for s in steps)
         self.engine_version = self.actor_version  # the engine was re-synced to the restored actor
         self.in_flight = None
         # A saved next batch is one update old: used when the run is one-step-off, else regenerated.

@@ -12,6 +12,7 @@ and docs/quickstart.md; the phases' memory moves are described in docs/architect
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Iterator, Sequence
@@ -26,7 +27,7 @@ from fusedrl.algorithms.rollout_correction import correct_advantages
 from fusedrl.balance import balance_over_ranks
 from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint, seed_rng
-from fusedrl.config import logger_names, needed_roles, to_plain_dict
+from fusedrl.config import logger_names, to_plain_dict
 from fusedrl.controller import WorkerGroup
 from fusedrl.controller.health import resume_hint
 from fusedrl.controller.placement import RoleGroups
@@ -35,7 +36,7 @@ from fusedrl.data.dataset import PromptLoader, tokenizer_pad_id
 from fusedrl.lr_schedule import scheduled_lr
 from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
-from fusedrl.role_config import TokenIds, build_role_configs
+from fusedrl.role_config import RoleConfigs, TokenIds, run_config
 from fusedrl.tracking import Tracker, timer
 from fusedrl.trainer import step_plan
 from fusedrl.trainer.data_setup import prompt_data
@@ -49,7 +50,8 @@ from fusedrl.workers.worker_dict import WorkerDict
 
 
 class PPOTrainer(RewardModelScoring):
-    """GRPO / PPO-family RL over a group of fused workers. See the module docstring for the lifecycle."""
+    """GRPO / PPO-family RL over fused workers (lifecycle: module docstring). It reads ``self.run``, typed
+    (`RoleConfigs`, also the workers'); ``self.config`` (DictConfig) stays for subclasses reading keys."""
 
     def __init__(
         self, config: DictConfig, *, compute_score: Any = None, tools: list[Any] | None = None
@@ -61,35 +63,33 @@ class PPOTrainer(RewardModelScoring):
         self.config = config
         # Multi-turn agent rollouts (docs/agentic.md): tools given in Python join the YAML's.
         self.agent_tools = list(tools or [])
-        multi_turn = config.actor_rollout_ref.rollout.get("multi_turn")
-        self.multi_turn = bool(multi_turn is not None and multi_turn.enable)
-        for module in config.algorithm.custom_modules:
-            import_plugin(str(module))  # idempotent with validate(); needed when validation was skipped
-        self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+        run = run_config(config, agent_tools=self.agent_tools)  # tokens and steps: below
+        self.multi_turn = run.rollout.multi_turn.enable
+        for module in run.algorithm.custom_modules:
+            import_plugin(module)  # idempotent with validate(); needed when validation was skipped
+        self.tokenizer = AutoTokenizer.from_pretrained(run.model.path)
         self.train_dataset, self.train_loader, self.val_dataset = prompt_data(
-            config, self.tokenizer, self.agent_tools if self.multi_turn else None
+            run, self.tokenizer, self.agent_tools if self.multi_turn else None
         )
-        self.reward_fn = build_reward_manager(config, self.tokenizer, compute_score)
-        self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
-        self.adv_traits = get_adv_traits(config.algorithm.adv_estimator)
-        steps_per_epoch = len(self.train_loader)
-        self.total_steps = int(
-            config.trainer.total_training_steps or steps_per_epoch * int(config.trainer.total_epochs)
-        )
+        self.reward_fn = build_reward_manager(run, self.tokenizer, compute_score)
+        self.adv_fn = get_adv_estimator(run.algorithm.adv_estimator)
+        self.adv_traits = get_adv_traits(run.algorithm.adv_estimator)
+        tr, steps_per_epoch = run.trainer, len(self.train_loader)
+        self.total_steps = int(tr.total_training_steps or steps_per_epoch * tr.total_epochs)
+        tokens = TokenIds(eos=int(self.tokenizer.eos_token_id), pad=tokenizer_pad_id(self.tokenizer))
+        self.run: RoleConfigs = dataclasses.replace(run, tokens=tokens, total_steps=self.total_steps)
         self.tracker = Tracker(
-            logger_names(config),
-            run_dir=str(config.trainer.default_local_dir),
-            project_name=str(config.trainer.project_name),
-            experiment_name=str(config.trainer.experiment_name),
+            logger_names(run),
+            run_dir=tr.default_local_dir,
+            project_name=tr.project_name,
+            experiment_name=tr.experiment_name,
             config=to_plain_dict(config),
             total_steps=self.total_steps,
         )
-        kl_ctrl = config.algorithm.kl_ctrl
-        self.kl_ctrl = build_kl_controller(
-            kl_ctrl.type, float(kl_ctrl.kl_coef), kl_ctrl.target_kl, kl_ctrl.horizon
-        )
+        kl = run.algorithm.kl_ctrl
+        self.kl_ctrl = build_kl_controller(kl.type, float(kl.kl_coef), kl.target_kl, kl.horizon)
         self.global_step = 0
-        self.ckpt_root = str(config.trainer.default_local_dir)
+        self.ckpt_root = tr.default_local_dir
         self.groups = RoleGroups()
         # The engines' weights differ from the actor's (after an update, or after a level-2 sleep threw
         # them away) until the next `sync_weights`; `generate` re-syncs first when they do.
@@ -99,7 +99,7 @@ class PPOTrainer(RewardModelScoring):
     # ------------------------------------------------------------------ setup
     def run_roles(self) -> list[str]:
         """The roles this run needs: actor and rollout always, the rest as the config asks."""
-        return ["actor", "rollout", *[role for role, on in needed_roles(self.config).items() if on]]
+        return ["actor", "rollout", *[role for role, on in self.run.needed_roles().items() if on]]
 
     def init_workers(self, role_groups: Sequence[Sequence[str]] | None = None) -> None:
         """Reserve the device slots and start the workers, then build their roles (collective per group).
@@ -109,11 +109,8 @@ class PPOTrainer(RewardModelScoring):
         driver's calls are the same whatever the grouping: each goes to the group holding the role
         (`group_for`). A rollout on a pool of its own gets the weights by broadcast, not in place.
         """
-        tokens = TokenIds(eos=int(self.tokenizer.eos_token_id), pad=tokenizer_pad_id(self.tokenizer))
-        plain, tools, steps = to_plain_dict(self.config), self.agent_tools, self.total_steps
-        worker_config = build_role_configs(plain, tokens=tokens, agent_tools=tools, total_steps=steps)
         self.groups = RoleGroups.start_placed(
-            WorkerDict, self.config, worker_config, self.run_roles(), role_groups
+            WorkerDict, self.config, self.run, self.run_roles(), role_groups
         )
         self.rollout_stale = self.rollout_discards_weights  # the engines slept once built
 
@@ -143,7 +140,7 @@ class PPOTrainer(RewardModelScoring):
 
         SIGTERM / SIGINT stop the run after the step in flight, with a checkpoint of that step, within
         ``trainer.preemption_save_timeout_s``; `Preempted` is raised (``main_ppo`` exits with 75)."""
-        stop = PreemptionGuard(self.config.trainer.preemption_save_timeout_s)
+        stop = PreemptionGuard(self.run.trainer.preemption_save_timeout_s)
         groups = self.worker_groups()
         for group in groups:
             group.preemption = stop
@@ -158,9 +155,9 @@ class PPOTrainer(RewardModelScoring):
 
     def _fit(self, stop: PreemptionGuard) -> Metrics:
         last: Metrics = {}
-        seed_rng(int(self.config.data.seed))  # a resumed run then restores the checkpoint's RNG state
+        seed_rng(self.run.data.seed)  # a resumed run then restores the checkpoint's RNG state
         self.load_checkpoint()
-        if self.config.trainer.val_before_train and self.val_dataset is not None:
+        if self.run.trainer.val_before_train and self.val_dataset is not None:
             self.tracker.log(self.validate(), self.global_step)
         while self.global_step < self.total_steps:
             if stop.requested:  # the signal came before this step started: nothing new to save
@@ -168,13 +165,13 @@ class PPOTrainer(RewardModelScoring):
             self.global_step += 1
             last = self.train_step()
             self.check_health(last)
-            tr, saved = self.config.trainer, None
-            if stop.requested or due(int(tr.save_freq), self.global_step, self.total_steps):
+            tr, saved = self.run.trainer, None
+            if stop.requested or due(tr.save_freq, self.global_step, self.total_steps):
                 with timer("save_checkpoint", last):
                     saved = self.save_checkpoint()
             # Preempted: spend the time budget on stopping, not on validation.
             validate = self.val_dataset is not None and not stop.requested
-            if validate and due(int(tr.test_freq), self.global_step, self.total_steps):
+            if validate and due(tr.test_freq, self.global_step, self.total_steps):
                 with timer("testing", last):  # verl's name for the validation's time
                     last.update(self.validate())
             self.tracker.log(last, self.global_step)
@@ -199,7 +196,7 @@ class PPOTrainer(RewardModelScoring):
                 with timer("ref", metrics):
                     batch = self.compute_ref_log_probs(batch)
             batch = self.await_reward_model_scores(batch, metrics)
-            if self.config.algorithm.use_kl_in_reward:
+            if self.run.algorithm.use_kl_in_reward:
                 batch = self.apply_kl_penalty(batch, metrics)
             if self.use_critic:
                 with timer("values", metrics):
@@ -223,13 +220,13 @@ class PPOTrainer(RewardModelScoring):
     def check_health(self, metrics: Metrics) -> None:
         """Stop the run, with a report, on non-finite updates or a rollout that diverges from the actor
         (`fusedrl.trainer.health_checks.check_step`; dtypes as the workers resolved them)."""
-        bound = rollout_check_bound(self.config, self.groups.auto_settings)
-        check_step(self.config, self.global_step, metrics, bound)
+        bound = rollout_check_bound(self.run, self.groups.auto_settings)
+        check_step(self.run, self.global_step, metrics, bound)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> str:
         """Shards from every worker + the driver's state into a temp folder, then one atomic rename."""
-        tr = self.config.trainer
+        tr = self.run.trainer
         state = {
             "global_step": self.global_step,
             "dataloader": self.train_loader.state_dict(),
@@ -238,7 +235,7 @@ class PPOTrainer(RewardModelScoring):
         keep, extra = tr.max_actor_ckpt_to_keep, self.save_driver_files
         path = save_run_checkpoint(self.ckpt_root, self.global_step, self.workers, state, keep, extra)
         # verl's actor.checkpoint.save_contents=[..., hf_model]: also a Hugging Face folder of the policy.
-        if "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
+        if "hf_model" in self.run.actor.checkpoint.save_contents:
             self.export_hf(os.path.join(path, "huggingface"))
         self.rollout_stale |= self.rollout_discards_weights  # the engines slept while the state was resident
         return path
@@ -248,9 +245,9 @@ class PPOTrainer(RewardModelScoring):
 
     def load_checkpoint(self) -> str | None:
         """Resume per ``trainer.resume_mode``; then re-sync the engine to the restored actor."""
-        tr = self.config.trainer
+        tr = self.run.trainer
         resumed = load_run_checkpoint(
-            self.ckpt_root, str(tr.resume_mode), tr.resume_from_path, self.workers, self.train_loader
+            self.ckpt_root, tr.resume_mode, tr.resume_from_path, self.workers, self.train_loader
         )
         if resumed is None:
             return None
@@ -277,12 +274,11 @@ class PPOTrainer(RewardModelScoring):
     def collect_batch(self, metrics: Metrics) -> RolloutBatch:
         """Generate and score one step's samples. With ``algorithm.filter_groups.enable`` (DAPO's dynamic
         sampling, `GroupCollector`) uninformative groups are dropped and more prompts generated."""
-        fg = self.config.algorithm.filter_groups
-        n = int(self.config.actor_rollout_ref.rollout.n)
+        fg = self.run.algorithm.filter_groups
         collector = GroupCollector(
-            want=int(self.config.data.train_batch_size),
-            n=n,
-            max_rounds=int(fg.max_num_gen_batches),
+            want=self.run.data.train_batch_size,
+            n=self.run.rollout.n,
+            max_rounds=fg.max_num_gen_batches,
             keep=lambda b: self.filter_groups(b, self.filter_metric(b)),
         )
         for round_index in itertools.count():
@@ -307,11 +303,11 @@ class PPOTrainer(RewardModelScoring):
         batch by ``uid``, so a GRPO group split across ranks is fine; each epoch still uses every row once.
         With shared prompts in packed rows (`step_plan.prompt_groups_whole`) a ``uid``'s rows go to one rank
         together."""
-        whole = step_plan.prompt_groups_whole(self.config, self.groups.auto_settings)
+        whole = step_plan.prompt_groups_whole(self.run, self.groups.auto_settings)
         batch, spread = balance_over_ranks(
             batch,
             self.workers.world_size,
-            reorder=bool(self.config.trainer.balance_batch),
+            reorder=self.run.trainer.balance_batch,
             groups_whole=whole,
         )
         metrics["balance/max_over_mean_rank_tokens"] = spread
@@ -320,7 +316,7 @@ class PPOTrainer(RewardModelScoring):
     def filter_metric(self, batch: RolloutBatch) -> torch.Tensor:
         """Per-sample value that ``algorithm.filter_groups.metric`` names: ``[B]`` (`group_metric`)."""
         extras = getattr(self.reward_fn, "last_sample_extras", None)
-        return group_metric(batch, str(self.config.algorithm.filter_groups.metric), extras)
+        return group_metric(batch, self.run.algorithm.filter_groups.metric, extras)
 
     def filter_groups(self, batch: RolloutBatch, metric: torch.Tensor | None = None) -> RolloutBatch:
         """Keep only groups (rows sharing a uid) whose ``metric`` values (default: sequence scores) are not
@@ -331,26 +327,26 @@ class PPOTrainer(RewardModelScoring):
     @property
     def actor_trains_this_step(self) -> bool:
         """False during ``trainer.critic_warmup`` (`step_plan.actor_trains`)."""
-        return step_plan.actor_trains(self.config, self.global_step)
+        return step_plan.actor_trains(self.run, self.global_step)
 
     @property
     def temperature(self) -> float:
-        return float(self.config.actor_rollout_ref.rollout.temperature)
+        return float(self.run.rollout.temperature)
 
     @property
     def actor_sp(self) -> int:  # ranks of one Ulysses group get the same rows (replicas of one shard)
-        return int(self.config.actor_rollout_ref.actor.ulysses_sequence_parallel_size)
+        return self.run.actor.ulysses_sequence_parallel_size
 
     @property
     def use_reference(self) -> bool:
-        return needed_roles(self.config)["ref"]
+        return self.run.needed_roles()["ref"]
 
     @property
     def use_critic(self) -> bool:
-        return needed_roles(self.config)["critic"]
+        return self.run.needed_roles()["critic"]
 
     def sampling(self, validate: bool = False) -> SamplingConfig:
-        return step_plan.sampling(self.config, validate)
+        return step_plan.sampling(self.run, validate)
 
     def generate(
         self, prompts: RolloutBatch, *, validate: bool = False, seed_offset: int = 0
@@ -363,7 +359,7 @@ class PPOTrainer(RewardModelScoring):
         own sampling seed (`step_plan.sample_seeds`), so a resumed run regenerates the same samples.
         """
         batch, to_send = self.generation_request(prompts, validate, seed_offset, self.global_step)
-        tp = int(self.config.actor_rollout_ref.rollout.tensor_model_parallel_size)
+        tp = self.run.rollout.tensor_model_parallel_size
         rollout = self.group_for("rollout")
         if self.rollout_stale:
             self.sync_weights()
@@ -380,9 +376,9 @@ class PPOTrainer(RewardModelScoring):
         self, prompts: RolloutBatch, validate: bool, seed_offset: int, step: int
     ) -> tuple[RolloutBatch, RolloutBatch]:
         """One generation call's rows (prompts ``n`` times, seeds of ``step``) and the fields sent."""
-        r = self.config.actor_rollout_ref.rollout
-        batch = prompts.repeat_samples(int(r.val_kwargs.n) if validate else int(r.n))
-        batch.sample_seeds = sample_seeds(int(r.seed), step, seed_offset, batch.num_samples)
+        r = self.run.rollout
+        batch = prompts.repeat_samples(r.val_kwargs.n if validate else r.n)
+        batch.sample_seeds = sample_seeds(r.seed, step, seed_offset, batch.num_samples)
         # Group ids unique to this generation call, so groups never merge across rounds or epochs.
         batch.uid = [f"{u}@{step}.{seed_offset}" for u in batch.field_list("uid")]
         fields = ["prompts", "prompt_mask", "sample_seeds"]
@@ -397,13 +393,13 @@ class PPOTrainer(RewardModelScoring):
 
     def compute_rewards(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Score responses: the rule / custom reward on the driver, or the fused reward model when enabled."""
-        if self.config.reward_model.enable:  # on a pool of its own: sent in `train_step`, after balancing
+        if self.run.reward_model.enable:  # on a pool of its own: sent in `train_step`, after balancing
             return batch if self.reward_model_overlaps else self.compute_reward_model_scores(batch, metrics)
         scores, reward_metrics = self.score(batch)  # [B, Tr]
         batch.token_level_scores = scores
         batch.token_level_rewards = scores.clone()
         if self.adv_traits.needs_reward_components:  # GDPO: the scorer's named components, per row
-            keys = list(self.config.algorithm.gdpo_reward_keys or [])
+            keys = list(self.run.algorithm.gdpo_reward_keys or [])
             extras = getattr(self.reward_fn, "last_sample_extras", None)
             batch.reward_components = step_plan.reward_components(keys, extras, batch.num_samples)
         metrics.update(reward_metrics)
@@ -425,7 +421,7 @@ class PPOTrainer(RewardModelScoring):
         scores = self.compute_rewards(
             greedy, {}
         ).token_level_scores  # [P * n_val, Tr], same scorer as samples
-        n_val = int(self.config.actor_rollout_ref.rollout.val_kwargs.n)
+        n_val = self.run.rollout.val_kwargs.n
         per_prompt = scores.sum(-1).view(prompts.num_samples, n_val).mean(-1)  # [P]
         n = batch.num_samples // prompts.num_samples
         batch.reward_baselines = per_prompt.repeat_interleave(n).float()  # [B]
@@ -433,14 +429,14 @@ class PPOTrainer(RewardModelScoring):
 
     def apply_kl_penalty(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """``algorithm.use_kl_in_reward``: rewards = scores - beta * KL(actor || ref); beta adapts."""
-        alg = self.config.algorithm
+        alg = self.run.algorithm
         rewards, mean_kl = apply_kl_in_reward(
             batch.token_level_scores,
             batch.old_log_probs,
             batch.ref_log_probs,
             batch.response_mask,
             beta=self.kl_ctrl.value,
-            kind=str(alg.kl_penalty),
+            kind=alg.kl_penalty,
         )
         batch.token_level_rewards = rewards
         metrics["actor/reward_kl_penalty"] = mean_kl
@@ -456,11 +452,15 @@ class PPOTrainer(RewardModelScoring):
         """``algorithm.rollout_correction``: weight / reject the actor's advantages by the rollout-vs-trainer
         log-prob ratio (`fusedrl.algorithms.rollout_correction`); a no-op when both are off, and in bypass mode
         (there pi_old is the rollout policy: the actor's loss measures the current policy against it)."""
-        rc = self.config.algorithm.rollout_correction
+        rc = self.run.algorithm.rollout_correction
         if rc.bypass_mode or (rc.rollout_is is None and rc.rollout_rs is None):
             return batch
         batch.advantages, rc_metrics = correct_advantages(
-            batch.advantages, batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, dict(rc)
+            batch.advantages,
+            batch.old_log_probs,
+            batch.rollout_log_probs,
+            batch.response_mask,
+            dataclasses.asdict(rc),
         )
         metrics.update(rc_metrics)
         return batch
@@ -468,7 +468,7 @@ class PPOTrainer(RewardModelScoring):
     def compute_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
         """``old_log_probs``: the actor's log-probs of the samples before this step's update. In
         ``algorithm.rollout_correction.bypass_mode`` they are the rollout's own (no trainer forward)."""
-        if self.config.algorithm.rollout_correction.bypass_mode:
+        if self.run.algorithm.rollout_correction.bypass_mode:
             batch.old_log_probs = batch.rollout_log_probs.clone()
             return batch
         t = self.temperature
@@ -486,7 +486,7 @@ class PPOTrainer(RewardModelScoring):
     def old_log_probs_from_update(self, batch: RolloutBatch) -> bool:
         """Whether the update's own forward gives ``old_log_probs`` (`step_plan.old_log_probs_reusable`)."""
         return step_plan.old_log_probs_reusable(
-            self.config,
+            self.run,
             world=self.workers.world_size,
             num_samples=batch.num_samples,
             actor_trains=self.actor_trains_this_step,
@@ -505,7 +505,7 @@ class PPOTrainer(RewardModelScoring):
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
         """Critic values ``V(s_t)`` of every response position (PPO with GAE)."""
         inputs = self._model_inputs(batch)
-        critic, sp = self.group_for("critic"), int(self.config.critic.ulysses_sequence_parallel_size)
+        critic, sp = self.group_for("critic"), self.run.critic.ulysses_sequence_parallel_size
         critic.run_all(lambda w: w.load_critic.remote())
         parts = critic.run_split(lambda w, s: w.critic_compute_values.remote(s), inputs, replicas=sp)
         batch.critic_values = critic.gather_tensors(parts, inputs)
@@ -514,8 +514,8 @@ class PPOTrainer(RewardModelScoring):
     def update_critic(self, batch: RolloutBatch) -> Metrics:
         """Regress the critic on the GAE returns (clipped value loss)."""
         inputs = batch.select_fields(*batch.model_input_fields(), "critic_values", "returns")
-        lr = self.scheduled_lr(self.config.critic.optim)
-        critic, sp = self.group_for("critic"), int(self.config.critic.ulysses_sequence_parallel_size)
+        lr = self.scheduled_lr(self.run.critic.optim)
+        critic, sp = self.group_for("critic"), self.run.critic.ulysses_sequence_parallel_size
         critic.run_all(lambda w: w.load_critic.remote(optimizer=True))
         per_rank = critic.run_split(lambda w, s: w.critic_update.remote(s, lr), inputs, replicas=sp)
         critic.run_all(lambda w: w.offload_critic.remote())
@@ -529,7 +529,7 @@ class PPOTrainer(RewardModelScoring):
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
         """A registered pure function of the batch (``algorithm.adv_estimator``; `step_plan.advantage_inputs`)."""
         advantages, returns = self.adv_fn(
-            batch.token_level_rewards, batch.response_mask, **step_plan.advantage_inputs(self.config, batch)
+            batch.token_level_rewards, batch.response_mask, **step_plan.advantage_inputs(self.run, batch)
         )
         batch.advantages = advantages
         batch.returns = returns
@@ -538,12 +538,12 @@ class PPOTrainer(RewardModelScoring):
     def update_actor(self, batch: RolloutBatch) -> Metrics:
         """PPO update of the policy on the fused workers (FSDP2; micro-batches; global loss normaliser)."""
         fields = [*batch.model_input_fields(), "old_log_probs", "advantages"]
-        if self.config.actor_rollout_ref.actor.use_kl_loss:
+        if self.run.actor.use_kl_loss:
             fields.append("ref_log_probs")
         t = self.temperature
         # The actor's schedule starts when it starts training (after trainer.critic_warmup steps).
-        step = self.global_step - 1 - int(self.config.trainer.critic_warmup)
-        lr = scheduled_lr(self.config.actor_rollout_ref.actor.optim, step, self.total_steps)
+        step = self.global_step - 1 - self.run.trainer.critic_warmup
+        lr = scheduled_lr(self.run.actor.optim, step, self.total_steps)
         actor, sp = self.group_for("actor"), self.actor_sp
         # The optimizer state is on the device only for the update.
         actor.run_all(lambda w: w.load_actor.remote(optimizer=True))
@@ -579,7 +579,7 @@ class PPOTrainer(RewardModelScoring):
     @property
     def rollout_discards_weights(self) -> bool:
         """Whether the engines' post-rollout sleep discards their weights (`step_plan.rollout_discards_weights`)."""
-        return step_plan.rollout_discards_weights(self.config, self.groups.auto_settings)
+        return step_plan.rollout_discards_weights(self.run, self.groups.auto_settings)
 
     def validate(self) -> Metrics:
         """Greedy (``rollout.val_kwargs``) generation on the validation set; mean score per data source."""
@@ -587,7 +587,7 @@ class PPOTrainer(RewardModelScoring):
         loader = PromptLoader(self.val_dataset, len(self.val_dataset), shuffle=False, drop_last=False)
         batch = self.generate(next(iter(loader)), validate=True)
         per_sample = self.score(batch)[0].sum(-1)  # [B]
-        count = int(self.config.trainer.log_val_generations)
+        count = self.run.trainer.log_val_generations
         print_generations(self.tokenizer, batch, per_sample, count, self.global_step)
         return validation_metrics(batch, per_sample)
 

@@ -14,17 +14,16 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
-
 from fusedrl.batch import RolloutBatch, on_last_sampled_token
 from fusedrl.controller.worker_group import Submitted, WorkerGroup
 from fusedrl.metrics import Metrics
+from fusedrl.role_config import RoleConfigs
 
 
 class RewardModelScoring:
-    """The reward-model steps of `PPOTrainer` (a mixin: it reads the trainer's config and worker groups)."""
+    """The reward-model steps of `PPOTrainer` (a mixin: it reads the trainer's typed config and worker groups)."""
 
-    config: DictConfig
+    run: RoleConfigs
     adv_traits: Any
     _rm_pending: tuple[Submitted, RolloutBatch, float] | None = None
 
@@ -37,9 +36,9 @@ class RewardModelScoring:
     @property
     def reward_model_overlaps(self) -> bool:
         """Whether the reward model scores on workers of its own while the actor works (module docstring)."""
-        if not self.config.reward_model.enable or self.group_for("reward_model") is self.group_for("actor"):
+        if not self.run.reward_model.enable or self.group_for("reward_model") is self.group_for("actor"):
             return False
-        return not self.config.algorithm.filter_groups.enable and not self.adv_traits.needs_greedy_baseline
+        return not self.run.algorithm.filter_groups.enable and not self.adv_traits.needs_greedy_baseline
 
     def compute_reward_model_scores(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """Sequence scores from the reward-model role, placed on each response's last sampled token."""
@@ -49,7 +48,7 @@ class RewardModelScoring:
     def submit_reward_model_scores(self, batch: RolloutBatch) -> None:
         """Send the batch to the reward-model workers without waiting (rows in their final order)."""
         inputs = self._model_inputs(batch)
-        rm, sp = self.group_for("reward_model"), int(self.config.reward_model.ulysses_sequence_parallel_size)
+        rm, sp = self.group_for("reward_model"), self.run.reward_model.ulysses_sequence_parallel_size
         sent = rm.submit_split(lambda w, s: w.reward_model_compute_scores.remote(s), inputs, replicas=sp)
         self._rm_pending = (sent, inputs, time.monotonic())
 

@@ -1,5 +1,6 @@
-"""Which passes a PPO step runs and with what settings: pure functions of the config and the step, so the
-trainer's loop reads as the sequence of phases and these decisions can be tested without workers."""
+"""Which passes a PPO step runs and with what settings: pure functions of the typed run config
+(`fusedrl.role_config.RoleConfigs`, attributes) and the step, so the trainer's loop reads as the sequence of
+phases and these decisions can be tested without workers."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from fusedrl.algorithms import get_adv_traits
 from fusedrl.algorithms.rollout_correction import is_weights
 from fusedrl.auto_defaults import AUTO, driver_value
 from fusedrl.batch import RolloutBatch
+from fusedrl.role_config import RoleConfigs
 from fusedrl.workers.rollout.base import SamplingConfig
 
 
@@ -22,41 +23,43 @@ def due(freq: int, step: int, total: int) -> bool:
     return freq > 0 and (step % freq == 0 or step == total)
 
 
-def actor_trains(config: DictConfig, step: int) -> bool:
+def actor_trains(run: RoleConfigs, step: int) -> bool:
     """False during ``trainer.critic_warmup``: the first N steps (1-based ``step``) train only the critic."""
-    warmup = int(config.trainer.critic_warmup)
+    warmup = run.trainer.critic_warmup
     return warmup == 0 or step > warmup
 
 
-def prompt_groups_whole(config: DictConfig, settings: Mapping[str, Any]) -> bool:
+def prompt_groups_whole(run: RoleConfigs, settings: Mapping[str, Any]) -> bool:
     """Whether batch balancing keeps a prompt's rows (one ``uid``) on one rank: packed rows that hold the
     prompt once (``model.share_prompt_prefix``). ``use_remove_padding`` as the workers resolved it
     (``settings``: `fusedrl.auto_defaults.announce_resolved`); an ``auto`` no worker resolved counts as packed,
     which is right either way (the groups only balance a little less evenly)."""
-    packed = driver_value(config, settings, "actor_rollout_ref.model.use_remove_padding")
-    return packed in (True, AUTO) and bool(config.actor_rollout_ref.model.share_prompt_prefix)
+    packed = driver_value(
+        run.model.use_remove_padding, settings, "actor_rollout_ref.model.use_remove_padding"
+    )
+    return packed in (True, AUTO) and run.model.share_prompt_prefix
 
 
-def rollout_discards_weights(config: DictConfig, settings: Mapping[str, Any]) -> bool:
+def rollout_discards_weights(run: RoleConfigs, settings: Mapping[str, Any]) -> bool:
     """Whether the engines' post-rollout sleep discards their weights, so the next rollout needs a full stream:
     an engine whose level 2 does (`EngineTraits.level2_discards_weights`), ``free_cache_engine`` on, and
     ``sleep_level`` 2 as the workers resolved it (``settings``; an unresolved auto counts too)."""
     from fusedrl.workers.rollout.registry import engine_traits
 
-    r = config.actor_rollout_ref.rollout
-    level = driver_value(config, settings, "actor_rollout_ref.rollout.sleep_level")
+    r = run.rollout
+    level = driver_value(r.sleep_level, settings, "actor_rollout_ref.rollout.sleep_level")
     traits = engine_traits(r.name)
-    return traits.level2_discards_weights and bool(r.free_cache_engine) and str(level) in ("2", "auto")
+    return traits.level2_discards_weights and r.free_cache_engine and str(level) in ("2", "auto")
 
 
-def old_log_probs_reusable(config: DictConfig, *, world: int, num_samples: int, actor_trains: bool) -> bool:
+def old_log_probs_reusable(run: RoleConfigs, *, world: int, num_samples: int, actor_trains: bool) -> bool:
     """Whether the batch is used once, in one optimizer step (``ppo_epochs=1``, every rank's shard fits one
     mini-batch) and nothing reads ``old_log_probs`` before the update: then the update's own forward gives
     them and the separate pass is skipped (``actor.old_log_prob_from_update``)."""
-    actor = config.actor_rollout_ref.actor
-    if not actor.old_log_prob_from_update or int(actor.ppo_epochs) != 1:
+    actor = run.actor
+    if not actor.old_log_prob_from_update or actor.ppo_epochs != 1:
         return False
-    alg = config.algorithm
+    alg = run.algorithm
     if alg.use_kl_in_reward:
         return False  # the in-reward KL penalty reads them before the advantages
     rc = alg.rollout_correction
@@ -64,9 +67,9 @@ def old_log_probs_reusable(config: DictConfig, *, world: int, num_samples: int, 
         return False  # bypass takes the rollout's log-probs; the correction weights read them first
     if not actor_trains:
         return False  # no actor update this step: nothing would provide them
-    if get_adv_traits(str(alg.adv_estimator)).needs_sum_pi_squared:
+    if get_adv_traits(alg.adv_estimator).needs_sum_pi_squared:
         return False  # the estimator reads them (and Σπ² of the same pass) before the update
-    mini_rows = int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n) // world
+    mini_rows = actor.ppo_mini_batch_size * run.rollout.n // world
     return -(-num_samples // world) <= mini_rows
 
 
@@ -92,12 +95,12 @@ def reward_components(keys: list[str], extras: list[dict] | None, num_samples: i
     return torch.tensor([[float(e.get(key, 0.0)) for key in keys] for e in extras], dtype=torch.float32)
 
 
-def sampling(config: DictConfig, validate: bool) -> SamplingConfig:
+def sampling(run: RoleConfigs, validate: bool) -> SamplingConfig:
     """Training rollouts sample with ``rollout.*``; validation uses ``rollout.val_kwargs``."""
-    r = config.actor_rollout_ref.rollout
+    r = run.rollout
     src = r.val_kwargs if validate else r
     return SamplingConfig(
-        max_tokens=int(config.data.max_response_length),
+        max_tokens=int(run.data.max_response_length),
         temperature=float(src.temperature),
         top_p=float(src.top_p),
         top_k=int(src.top_k),
@@ -112,11 +115,11 @@ def sample_seeds(rollout_seed: int, step: int, round_index: int, num_samples: in
     return (base + torch.arange(num_samples, dtype=torch.long) * 7919) % (2**31 - 1)
 
 
-def advantage_inputs(config: DictConfig, batch: RolloutBatch) -> dict[str, Any]:
+def advantage_inputs(run: RoleConfigs, batch: RolloutBatch) -> dict[str, Any]:
     """Keyword arguments of the ``algorithm.adv_estimator`` call beyond the rewards and the mask: the group
     ids and the algorithm keys every estimator may read, plus what its traits ask for (the optimal token
     baseline: old log-probs, Σπ² and, with ``rollout_correction.rollout_is``, the truncated IS weights)."""
-    alg = config.algorithm
+    alg = run.algorithm
     inputs: dict[str, Any] = {
         "index": batch.field_list("uid"),
         "norm_adv_by_std_in_grpo": bool(alg.norm_adv_by_std_in_grpo),
@@ -125,10 +128,10 @@ def advantage_inputs(config: DictConfig, batch: RolloutBatch) -> dict[str, Any]:
         "values": batch.critic_values,
         "reward_baselines": batch.reward_baselines,
     }
-    traits = get_adv_traits(str(alg.adv_estimator))
+    traits = get_adv_traits(alg.adv_estimator)
     if traits.needs_reward_components:
         inputs["reward_components"] = batch.reward_components
-        weights = alg.get("gdpo_reward_weights")
+        weights = alg.gdpo_reward_weights
         inputs["reward_weights"] = None if weights is None else [float(w) for w in weights]
     if traits.needs_sum_pi_squared:
         inputs["old_log_probs"] = batch.old_log_probs

@@ -158,6 +158,14 @@ def get_policy_loss(name: str) -> Callable[..., Any]:
     return _lookup(_POLICY_LOSSES, name, "policy loss", POLICY_LOSS_KEY, "register_policy_loss")
 
 
+def roles_for(adv_estimator: str, *, use_kl: bool, reward_model: bool) -> dict[str, bool]:
+    """The optional roles a run builds: the reference for a KL term (loss or reward), the critic when the
+    estimator's traits ask for one (an unknown estimator, reported by the config check, needs none), the
+    reward model when enabled. No paper: registry plumbing."""
+    critic = adv_estimator in _ADV_ESTIMATORS and _ADV_TRAITS[adv_estimator].needs_critic
+    return {"ref": bool(use_kl), "critic": critic, "reward_model": bool(reward_model)}
+
+
 def list_adv_estimators() -> list[str]:
     """Sorted names of all registered advantage estimators. No paper: registry plumbing."""
     return sorted(_ADV_ESTIMATORS)

@@ -19,7 +19,7 @@ Built-in data sources: ``arithmetic``; ``openai/gsm8k`` / ``gsm8k``; ``lighteval
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fusedrl.rewards import arithmetic, countdown, gsm8k, math_boxed
@@ -87,13 +87,15 @@ def default_compute_score_batch(
 
 
 MANAGER_KINDS = ("naive", "batch", "dapo")
-_ON_ERROR = ("raise", "zero")
+ON_ERROR = ("raise", "zero")
 
 
 def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..., Any] | None = None) -> Any:
-    """The reward manager named by ``config.reward_model.reward_manager``, configured from ``config``.
+    """The reward manager named by ``reward_model.reward_manager``, configured from ``config``.
 
-    ``config`` is the trainer config (DictConfig or plain dict). Keys read (missing ones take the default):
+    ``config`` is the trainer's typed `fusedrl.role_config.RoleConfigs`, or (library use, tests) a partial
+    trainer config (DictConfig or plain dict) whose missing reward keys take the YAML's defaults
+    (`typed_reward_sections`). Keys read:
 
     - ``reward_model.reward_manager``: ``naive`` | ``batch`` | ``dapo`` (naive)
     - ``reward_model.num_workers``: worker processes for naive/dapo; 0 scores inline, with no time limit (0)
@@ -107,47 +109,20 @@ def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..
     - ``custom_reward_function.path`` / ``.name``: a user's function file and name (null / compute_score)
 
     ``compute_score`` (a callable) overrides ``custom_reward_function``. A bad value raises ValueError
-    naming the key; a bad custom file raises as `load_custom_reward_function` does.
+    naming the key (`reward_problems`); a bad custom file raises as `load_custom_reward_function` does.
     """
-    from omegaconf import DictConfig, OmegaConf
-
     from fusedrl.rewards.manager import BatchRewardManager, DAPORewardManager, NaiveRewardManager
-    from fusedrl.role_config import CustomRewardFunctionConfig, RewardModelConfig, build_section
+    from fusedrl.role_config import RoleConfigs
 
-    cfg = config if isinstance(config, DictConfig) else OmegaConf.create(config or {})
-    raw_kwargs = OmegaConf.select(cfg, "reward_model.reward_kwargs")
-    if raw_kwargs is not None and not isinstance(raw_kwargs, DictConfig):
-        raise ValueError(f"reward_model.reward_kwargs={raw_kwargs!r}: use a mapping of keyword arguments")
-    # A partial config (tests, library use) takes its missing reward keys from the YAML: one set of defaults.
-    merged = OmegaConf.merge(_yaml_reward_defaults(), cfg)
-    assert isinstance(merged, DictConfig)
-    # The two sections as the typed configs the roles get (attributes below, no key lookups with defaults).
-    rm_section: Any = OmegaConf.to_container(merged.reward_model, resolve=True)
-    custom_section: Any = OmegaConf.to_container(merged.custom_reward_function, resolve=True)
-    rm = build_section(RewardModelConfig, rm_section, "reward_model")
-    custom = build_section(CustomRewardFunctionConfig, custom_section, "custom_reward_function")
-
-    kind = str(rm.reward_manager)
-    if kind not in MANAGER_KINDS:
-        raise ValueError(f"reward_model.reward_manager={kind!r}: use one of {list(MANAGER_KINDS)}")
-    on_error = str(rm.on_error)
-    if on_error not in _ON_ERROR:
-        raise ValueError(f"reward_model.on_error={on_error!r}: use one of {list(_ON_ERROR)}")
-    num_workers = rm.num_workers
-    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
-        raise ValueError(f"reward_model.num_workers={num_workers!r}: use an integer >= 0 (0 scores inline)")
-    timeout_s = rm.timeout_s
-    if timeout_s is not None and (
-        isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0
-    ):
-        raise ValueError(
-            f"reward_model.timeout_s={timeout_s!r}: use a number of seconds > 0 (or null: no limit)"
-        )
-    mp_context = str(rm.mp_context)
-    from fusedrl.rewards.pool import START_METHODS
-
-    if mp_context not in START_METHODS:
-        raise ValueError(f"reward_model.mp_context={mp_context!r}: use one of {list(START_METHODS)}")
+    if isinstance(config, RoleConfigs):
+        run = config
+        rm, custom, max_len = run.reward_model, run.custom_reward_function, run.data.max_response_length
+    else:
+        rm, custom, max_len = typed_reward_sections(config)
+    problems = reward_problems(rm)
+    if problems:
+        raise ValueError(problems[0])
+    kind = rm.reward_manager
     reward_kwargs = dict(rm.reward_kwargs or {})
 
     fn = compute_score
@@ -157,17 +132,13 @@ def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..
         fn = file_fn
 
     overlong = rm.overlong_buffer
-    if kind != "dapo" and overlong.enable:
-        raise ValueError(
-            f"reward_model.overlong_buffer.enable=true needs reward_model.reward_manager=dapo (got {kind!r})"
-        )
     if kind == "batch":
-        return BatchRewardManager(tokenizer, fn, on_error=on_error, reward_kwargs=reward_kwargs)
+        return BatchRewardManager(tokenizer, fn, on_error=rm.on_error, reward_kwargs=reward_kwargs)
     common: dict[str, Any] = dict(
-        num_workers=num_workers,
-        timeout_s=timeout_s,
-        on_error=on_error,
-        mp_context=mp_context,
+        num_workers=rm.num_workers,
+        timeout_s=rm.timeout_s,
+        on_error=rm.on_error,
+        mp_context=rm.mp_context,
         reward_kwargs=reward_kwargs,
     )
     if kind == "dapo":
@@ -178,12 +149,67 @@ def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..
             overlong_buffer_len=int(overlong.len),
             overlong_penalty_factor=float(overlong.penalty_factor),
             # L: verl's reward_kwargs.max_resp_len when given, else data.max_response_length (None: the batch's width)
-            max_response_length=overlong.max_resp_len
-            if overlong.max_resp_len is not None
-            else OmegaConf.select(cfg, "data.max_response_length"),
+            max_response_length=overlong.max_resp_len if overlong.max_resp_len is not None else max_len,
             **common,
         )
     return NaiveRewardManager(tokenizer, fn, **common)
+
+
+def reward_problems(rm: Any) -> list[str]:
+    """Every problem of a typed ``reward_model`` section (`fusedrl.role_config.RewardModelConfig`) that the
+    reward manager would refuse, each naming the key and the values it takes."""
+    from fusedrl.rewards.pool import START_METHODS
+
+    problems = []
+    if not isinstance(rm.reward_kwargs, Mapping):
+        problems.append(
+            f"reward_model.reward_kwargs={rm.reward_kwargs!r}: use a mapping of keyword arguments"
+        )
+    if rm.reward_manager not in MANAGER_KINDS:
+        problems.append(
+            f"reward_model.reward_manager={rm.reward_manager!r}: use one of {list(MANAGER_KINDS)}"
+        )
+    if rm.on_error not in ON_ERROR:
+        problems.append(f"reward_model.on_error={rm.on_error!r}: use one of {list(ON_ERROR)}")
+    num_workers = rm.num_workers
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+        problems.append(f"reward_model.num_workers={num_workers!r}: use an integer >= 0 (0 scores inline)")
+    timeout_s = rm.timeout_s
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0
+    ):
+        problems.append(
+            f"reward_model.timeout_s={timeout_s!r}: use a number of seconds > 0 (or null: no limit)"
+        )
+    if rm.mp_context not in START_METHODS:
+        problems.append(f"reward_model.mp_context={rm.mp_context!r}: use one of {list(START_METHODS)}")
+    if rm.reward_manager != "dapo" and rm.overlong_buffer.enable:
+        problems.append(
+            "reward_model.overlong_buffer.enable=true needs reward_model.reward_manager=dapo "
+            f"(got {rm.reward_manager!r})"
+        )
+    return problems
+
+
+def typed_reward_sections(config: Any) -> tuple[Any, Any, int | None]:
+    """A partial trainer config (DictConfig or plain dict; library use, tests) as the typed ``reward_model``
+    and ``custom_reward_function`` sections, missing keys from the YAML (one set of defaults), and
+    ``data.max_response_length`` (None when the config has none)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from fusedrl.role_config import CustomRewardFunctionConfig, RewardModelConfig, build_section
+
+    cfg = config if isinstance(config, DictConfig) else OmegaConf.create(config or {})
+    raw_kwargs = OmegaConf.select(cfg, "reward_model.reward_kwargs")
+    if raw_kwargs is not None and not isinstance(raw_kwargs, DictConfig):
+        raise ValueError(f"reward_model.reward_kwargs={raw_kwargs!r}: use a mapping of keyword arguments")
+    merged = OmegaConf.merge(_yaml_reward_defaults(), cfg)
+    plain: Any = OmegaConf.to_container(merged, resolve=True)
+    rm = build_section(RewardModelConfig, plain["reward_model"], "reward_model")
+    custom = build_section(
+        CustomRewardFunctionConfig, plain["custom_reward_function"], "custom_reward_function"
+    )
+    return rm, custom, OmegaConf.select(cfg, "data.max_response_length")
 
 
 def _yaml_reward_defaults() -> Any:

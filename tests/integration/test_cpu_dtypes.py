@@ -67,7 +67,7 @@ def test_bf16_mixed_precision_trains(tiny_model_dir, arithmetic_data, tmp_path):
         overrides.append("actor_rollout_ref.rollout.dtype=float32")  # training stays bf16
         rollout = "float32"
     with started_trainer(overrides) as trainer:
-        assert rollout_check_bound(trainer.config) == 0.1  # the bf16 bound of `auto`
+        assert rollout_check_bound(trainer.run) == 0.1  # the bf16 bound of `auto`
         (dtypes,) = trainer.workers.run_all(lambda w: w.compute_dtypes.remote())
         assert dtypes == {"actor": "bfloat16", "rollout": rollout}
         if "OMP_NUM_THREADS" not in os.environ:  # one worker trains on every core Ray has (not Ray's 1)
@@ -121,7 +121,7 @@ def test_no_native_bf16_runs_float32_with_one_line(
         assert str(OmegaConf.select(cfg, key)) == "float32"
 
     with runtime.started_trainer(cfg, compute_score=varied_score) as trainer:
-        assert rollout_check_bound(trainer.config) == 1e-3  # float32 on both sides: the tight bound
+        assert rollout_check_bound(trainer.run) == 1e-3  # float32 on both sides: the tight bound
         (dtypes,) = trainer.workers.run_all(lambda w: w.compute_dtypes.remote())
         assert dtypes == {"actor": "float32", "rollout": "float32"}
         metrics = trainer.fit()

@@ -338,6 +338,7 @@ def test_the_driver_reads_auto_conservatively():
     from omegaconf import OmegaConf
 
     from fusedrl.config import load_config
+    from fusedrl.role_config import run_config
     from fusedrl.trainer.health_checks import rollout_check_bound
     from fusedrl.trainer.step_plan import prompt_groups_whole
 
@@ -345,6 +346,7 @@ def test_the_driver_reads_auto_conservatively():
         ["data.train_files=t", f"{ARR}.model.path=/m", f"{ARR}.rollout.dtype=float32"], validate_config=False
     )
     assert OmegaConf.select(cfg, DTYPE_KEYS[0]) == AUTO
+    cfg = run_config(cfg)  # the typed config the driver reads
     assert rollout_check_bound(cfg) == 0.1  # unresolved: the actor may compute in bf16
     assert rollout_check_bound(cfg, {DTYPE_KEYS[0]: None}) == 1e-3  # resolved float32 on both sides
     assert rollout_check_bound(cfg, {DTYPE_KEYS[0]: "bfloat16"}) == 0.1

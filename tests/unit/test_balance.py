@@ -296,6 +296,7 @@ def test_trainer_keeps_a_prompts_samples_on_one_rank_when_packed_rows_share_it(
     counts as packed (keeping a prompt's rows together is right either way)."""
     from types import SimpleNamespace
 
+    from fusedrl.role_config import run_config
     from fusedrl.trainer.ppo_trainer import PPOTrainer
 
     cfg = load_config([*base, f"actor_rollout_ref.model.use_remove_padding={setting}"])
@@ -303,7 +304,9 @@ def test_trainer_keeps_a_prompts_samples_on_one_rank_when_packed_rows_share_it(
     batch = _batch([5, 5, 1, 1, 4, 4, 2, 2], [4, 4, 1, 1, 4, 4, 1, 1])  # uids u0 u0 u1 u1 u2 u2 u3 u3
     settings = {f"actor_rollout_ref.model.{k}": v for k, v in resolved.items()}  # what the workers reported
     trainer = SimpleNamespace(
-        config=cfg, workers=SimpleNamespace(world_size=2), groups=SimpleNamespace(auto_settings=settings)
+        run=run_config(cfg),
+        workers=SimpleNamespace(world_size=2),
+        groups=SimpleNamespace(auto_settings=settings),
     )
     metrics: dict = {}
     out = PPOTrainer.balance_batch(trainer, batch, metrics)

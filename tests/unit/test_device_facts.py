@@ -47,13 +47,14 @@ def _config(*overrides: str):
 
 
 def test_rollout_check_bound_follows_the_workers_engine_dtype(gpu_cluster_cpu_head, monkeypatch):
+    from fusedrl.role_config import run_config
     from fusedrl.trainer.health_checks import auto_rollout_check_tol
 
     fp32_actor = (f"{ARR}.actor.fsdp_config.param_dtype=null", f"{ARR}.rollout.dtype=auto")
     # GPU workers: the auto engine dtype is bf16 there, so the bf16 bound, though this head has no CUDA.
-    assert auto_rollout_check_tol(_config(*fp32_actor)) == 0.1
+    assert auto_rollout_check_tol(run_config(_config(*fp32_actor))) == 0.1
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0})
-    assert auto_rollout_check_tol(_config(*fp32_actor)) == 1e-3  # CPU workers: float32 engines
+    assert auto_rollout_check_tol(run_config(_config(*fp32_actor))) == 1e-3  # CPU workers: float32 engines
 
 
 def test_explicit_bf16_is_kept_when_joining_a_cluster(monkeypatch, capsys):

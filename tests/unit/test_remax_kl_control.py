@@ -69,7 +69,7 @@ def test_adaptive_kl_counts_rows_as_verl_does():
     config = SimpleNamespace(
         algorithm=SimpleNamespace(kl_penalty="kl"), data=SimpleNamespace(train_batch_size=8)
     )
-    fake = SimpleNamespace(config=config, kl_ctrl=build_kl_controller("adaptive", 0.001, 0.1, 10000))
+    fake = SimpleNamespace(run=config, kl_ctrl=build_kl_controller("adaptive", 0.001, 0.1, 10000))
     for _ in range(100):
         batch = RolloutBatch(
             prompts=torch.zeros(rows, 1, dtype=torch.long),

@@ -24,9 +24,10 @@ def _message_count_scorer(data_source, solution_str, ground_truth, extra_info=No
 
 
 def _first_batch(config, tokenizer) -> RolloutBatch:
+    from fusedrl.role_config import run_config
     from fusedrl.trainer.data_setup import prompt_data
 
-    _, loader, _ = prompt_data(config, tokenizer, None)
+    _, loader, _ = prompt_data(run_config(config), tokenizer, None)
     batch = next(iter(loader))
     b = batch.num_samples
     batch.responses = torch.full((b, 4), int(tokenizer.eos_token_id), dtype=torch.long)

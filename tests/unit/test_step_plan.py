@@ -33,9 +33,18 @@ def test_sequence_value_lands_on_the_last_sampled_token():
 
 def _cfg(*overrides):
     from fusedrl.config import load_config
+    from fusedrl.role_config import run_config
 
-    return load_config(
-        ["data.train_files=x", "actor_rollout_ref.rollout.n=2", *overrides], validate_config=False
+    return run_config(
+        load_config(
+            [
+                "data.train_files=x",
+                "actor_rollout_ref.model.path=/m",
+                "actor_rollout_ref.rollout.n=2",
+                *overrides,
+            ],
+            validate_config=False,
+        )
     )
 
 
