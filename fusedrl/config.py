@@ -71,6 +71,13 @@ def trainer_yaml(config_name: str = "ppo_trainer") -> DictConfig:
     return base
 
 
+def _section_of(cfg: DictConfig) -> Callable[[str], Any]:
+    """A `RoleConfigs` section's node by its field name (``actor`` is ``actor_rollout_ref.actor``)."""
+    from fusedrl.micro_batches import yaml_prefix
+
+    return lambda name: OmegaConf.select(cfg, yaml_prefix(name), throw_on_missing=False) or {}
+
+
 def _print_line(line: str) -> None:
     print(line, flush=True)
 
@@ -113,8 +120,10 @@ def load_config(
     except Exception as err:  # Hydra's parse / type errors: report them like every other problem
         raise ConfigError([*unknown, f"command line: {err}".replace("\n", " ")]) from err
     problems = list(unknown)
-    if config_name == "ppo_trainer":
-        problems.extend(verl_compat.apply_global_micro_batches(cfg))
+    if config_name == "ppo_trainer":  # verl's global micro-batches: split per role (derived, not written)
+        from fusedrl.micro_batches import per_rank_micro_batches
+
+        problems.extend(per_rank_micro_batches(_section_of(cfg), cfg.trainer)[1])
     if ignored:
         report(verl_compat.format_no_effect(ignored))
     if validate_config:

@@ -105,7 +105,8 @@ def validate(cfg: DictConfig) -> None:
     n = positive("actor_rollout_ref.rollout.n")
     bsz = positive("data.train_batch_size")
     mini = positive("actor_rollout_ref.actor.ppo_mini_batch_size")
-    positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    if _get(cfg, "actor_rollout_ref.actor.ppo_micro_batch_size") is None:  # else derived from it
+        positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
     for sp_key in (
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
         "critic.ulysses_sequence_parallel_size",

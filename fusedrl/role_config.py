@@ -487,6 +487,19 @@ def build_role_configs(
         for name, cls in _ARR_SECTIONS.items()
     }
     sections.update({name: build_section(cls, config[name], name) for name, cls in _PPO_SECTIONS.items()})
+    # verl's global micro-batch keys, split over each role's data-parallel ranks (`fusedrl.micro_batches`;
+    # the problems were reported by `load_config`, and a size that cannot be split is left as written).
+    from fusedrl.micro_batches import per_rank_micro_batches, yaml_prefix
+
+    def written(name: str) -> Any:
+        node: Any = config
+        for part in yaml_prefix(name).split("."):
+            node = node[part]
+        return node
+
+    sizes, _ = per_rank_micro_batches(written, config["trainer"])
+    for (name, field), size in sizes.items():
+        sections[name] = dataclasses.replace(sections[name], **{field: size})
     return RoleConfigs(
         **sections, tokens=tokens, agent_tools=tuple(agent_tools or ()), total_steps=total_steps
     )

@@ -27,7 +27,7 @@ import fnmatch
 from collections.abc import Callable
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from fusedrl.verl_key_status import NO_EFFECT, REFUSED
 
@@ -403,82 +403,3 @@ def _combine(
 def _key_and_parents(key: str) -> list[str]:
     parts = key.split(".")
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-
-
-# (verl's global micro-batch key, fusedrl's per-worker key it sets): verl divides the global size by the
-# number of data-parallel workers, and so does fusedrl.
-# verl's global micro-batch key -> (the per-rank key it sets, the role whose data-parallel ranks split it, that
-# role's Ulysses key). verl divides by the role's mesh size over its Ulysses size; fusedrl computes the old
-# log-probs (rollout.log_prob_*) with the actor and the reference's sequence parallelism follows the actor's.
-_ACTOR_SP = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
-GLOBAL_MICRO_BATCHES = (
-    (
-        "actor_rollout_ref.actor.ppo_micro_batch_size",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-        "actor",
-        _ACTOR_SP,
-    ),
-    (
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-        "actor",
-        _ACTOR_SP,
-    ),
-    (
-        "actor_rollout_ref.ref.log_prob_micro_batch_size",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-        "ref",
-        _ACTOR_SP,
-    ),
-    (
-        "critic.ppo_micro_batch_size",
-        "critic.ppo_micro_batch_size_per_gpu",
-        "critic",
-        "critic.ulysses_sequence_parallel_size",
-    ),
-    (
-        "critic.forward_micro_batch_size",
-        "critic.forward_micro_batch_size_per_gpu",
-        "critic",
-        "critic.ulysses_sequence_parallel_size",
-    ),
-)
-
-
-def data_parallel_size(cfg: DictConfig, role: str, sp_key: str) -> int | None:
-    """The data-parallel ranks of ``role``: its pool's workers (``trainer.placement``, else nnodes x
-    n_gpus_per_node) over its Ulysses group size; None where the config cannot say (reported elsewhere)."""
-    from fusedrl.placement_config import read_placement
-
-    try:
-        world = read_placement(cfg.trainer, []).world_of(role)
-        sp = int(OmegaConf.select(cfg, sp_key, throw_on_missing=False) or 1)
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return None
-    return world // sp if sp >= 1 and world % sp == 0 else None
-
-
-def apply_global_micro_batches(cfg: DictConfig) -> list[str]:
-    """Set each ``*_per_gpu`` micro-batch size from its global verl key (when given): the global size over
-    the role's data-parallel ranks (`data_parallel_size`), as verl divides it."""
-    problems: list[str] = []
-    for global_key, per_gpu_key, role, sp_key in GLOBAL_MICRO_BATCHES:
-        value = OmegaConf.select(cfg, global_key, throw_on_missing=False)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"`{global_key}`={value!r}: must be an integer >= 1 (or null).")
-            continue
-        ranks = data_parallel_size(cfg, role, sp_key)
-        if ranks is None:
-            continue  # the placement or the Ulysses size is wrong: reported by validate
-        if value % ranks:
-            problems.append(
-                f"`{global_key}`={value}: a global micro-batch is split evenly over the {role}'s {ranks} "
-                f"data-parallel ranks (its pool's workers / `{sp_key}`); use a multiple of {ranks}, or set "
-                f"`{per_gpu_key}` instead."
-            )
-            continue
-        parent, leaf = per_gpu_key.rsplit(".", 1)
-        OmegaConf.select(cfg, parent)[leaf] = value // ranks
-    return problems

@@ -13,7 +13,7 @@ import pytest
 from verl_lines import common_overrides as _common
 from verl_lines import problem_keys, problems_of
 
-from fusedrl.config import load_config
+from fusedrl.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -284,35 +284,40 @@ def test_global_micro_batches_split_over_each_roles_data_parallel_ranks(files):
     """verl divides a global micro-batch by the role's data-parallel ranks: its pool's workers over its
     Ulysses size. Here the actor (and so the old log-probs and the reference) has a pool of 8 with sp 2 (4 data-
     parallel ranks), the critic the default pool of 2 workers with sp 2 (1 rank); trainer.n_gpus_per_node x
-    nnodes (2) is neither."""
-    from omegaconf import OmegaConf
+    nnodes (2) is neither. The per-rank sizes are derived into the typed configs; the composed config keeps
+    what was written."""
+    from fusedrl.micro_batches import data_parallel_size
+    from fusedrl.role_config import run_config
 
-    from fusedrl.verl_compat import apply_global_micro_batches
-
-    cfg = load_config(
-        [
-            *_common(files),
-            "trainer.placement.pools={train: {nnodes: 2, n_gpus_per_node: 4}}",
-            "trainer.placement.roles={actor: train, ref: train, rollout: train}",
-            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-            "critic.ulysses_sequence_parallel_size=2",
-        ],
-        validate_config=False,
+    placed = [
+        *_common(files),
+        "trainer.placement.pools={train: {nnodes: 2, n_gpus_per_node: 4}}",
+        "trainer.placement.roles={actor: train, ref: train, rollout: train}",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "critic.ulysses_sequence_parallel_size=2",
+    ]
+    globals_ = [
+        "actor_rollout_ref.actor.ppo_micro_batch_size=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size=12",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size=4",
+        "critic.ppo_micro_batch_size=6",
+        "critic.forward_micro_batch_size=4",
+    ]
+    cfg = load_config([*placed, *globals_], validate_config=False)
+    written = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+    assert (
+        data_parallel_size(cfg.trainer, "actor", 2) == 4 and data_parallel_size(cfg.trainer, "critic", 2) == 1
     )
-    for key, value in (
-        ("actor_rollout_ref.actor.ppo_micro_batch_size", 8),
-        ("actor_rollout_ref.rollout.log_prob_micro_batch_size", 12),
-        ("actor_rollout_ref.ref.log_prob_micro_batch_size", 4),
-        ("critic.ppo_micro_batch_size", 6),
-    ):
-        OmegaConf.update(cfg, key, value)
-    assert apply_global_micro_batches(cfg) == []
-    arr = cfg.actor_rollout_ref
-    assert arr.actor.ppo_micro_batch_size_per_gpu == 2  # 8 / (8 workers / sp 2)
-    assert arr.rollout.log_prob_micro_batch_size_per_gpu == 3
-    assert arr.ref.log_prob_micro_batch_size_per_gpu == 1
-    assert cfg.critic.ppo_micro_batch_size_per_gpu == 6  # 6 / (the default pool's 2 workers / sp 2)
-    OmegaConf.update(cfg, "actor_rollout_ref.actor.ppo_micro_batch_size", 6)
-    (problem,) = apply_global_micro_batches(cfg)
+    run = run_config(cfg)
+    assert run.actor.ppo_micro_batch_size_per_gpu == 2  # 8 / (8 workers / sp 2)
+    assert run.rollout.log_prob_micro_batch_size_per_gpu == 3  # 12 / 4
+    assert run.ref.log_prob_micro_batch_size_per_gpu == 1  # 4 / 4: the reference on the actor's pool and sp
+    assert run.critic.ppo_micro_batch_size_per_gpu == 6  # 6 / (the default pool's 2 workers / sp 2)
+    assert run.critic.forward_micro_batch_size_per_gpu == 4
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == written  # not rewritten
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size == 8
+    with pytest.raises(ConfigError) as err:
+        load_config([*placed, "actor_rollout_ref.actor.ppo_micro_batch_size=6"], validate_config=False)
+    (problem,) = err.value.problems
     assert problem.startswith("`actor_rollout_ref.actor.ppo_micro_batch_size`=6")
     assert "actor's 4 data-parallel ranks" in problem
