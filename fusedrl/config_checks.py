@@ -20,6 +20,7 @@ from fusedrl.config_sections import (
     token_budget_problems,
 )
 from fusedrl.placement_config import actor_world, placement_problems, rollout_world
+from fusedrl.role_config import ATTN_IMPLEMENTATIONS, ROLLOUT_MODES, SLEEP_LEVELS
 
 
 def _looks_like_hub_id(path: str) -> bool:
@@ -52,7 +53,9 @@ def validate(cfg: DictConfig) -> None:
     """Check a composed config; raise one `ConfigError` listing every problem."""
     from fusedrl.algorithms import get_adv_traits, list_adv_estimators, list_policy_losses
     from fusedrl.algorithms.kl import KL_KINDS
+    from fusedrl.algorithms.kl_control import KL_CONTROLLERS
     from fusedrl.algorithms.losses import LOSS_AGG_MODES as AGG_MODES
+    from fusedrl.checkpoint import RESUME_MODES
     from fusedrl.data.dataset import TRUNCATION_MODES
     from fusedrl.rewards import MANAGER_KINDS, ON_ERROR
 
@@ -223,7 +226,7 @@ def validate(cfg: DictConfig) -> None:
 
     alg = cfg.algorithm
     need(
-        alg.kl_ctrl.type in ("fixed", "adaptive"),
+        alg.kl_ctrl.type in KL_CONTROLLERS,
         f"`algorithm.kl_ctrl.type`={alg.kl_ctrl.type!r}: use fixed or adaptive.",
     )
     need(
@@ -306,12 +309,12 @@ def validate(cfg: DictConfig) -> None:
             f"`actor_rollout_ref.rollout.multi_turn.tool_config_path`: file `{path}` does not exist.",
         )
     need(
-        rollout.mode in ("sync", "async"),
+        rollout.mode in ROLLOUT_MODES,
         f"`actor_rollout_ref.rollout.mode`={rollout.mode!r}: use sync or async (the in-process engine runs "
         "the same way for both).",
     )
     need(
-        rollout.sleep_level in (1, 2, "auto"),
+        rollout.sleep_level in SLEEP_LEVELS,
         f"`actor_rollout_ref.rollout.sleep_level`={rollout.sleep_level!r}: use 1 (keep a host copy of the "
         "engine's weights while asleep), 2 (discard them; they are re-streamed before the next rollout) or "
         "auto (2 on CUDA, 1 under LoRA and on CPU).",
@@ -331,7 +334,7 @@ def validate(cfg: DictConfig) -> None:
         impls.pop("critic.model.attn_implementation")
     for key, impl in impls.items():
         need(
-            impl in ("auto", "sdpa", "eager", "flash_attention_2"),
+            impl in ATTN_IMPLEMENTATIONS,
             f"`{key}`={impl!r}: use auto (flash_attention_2 when available, else sdpa), sdpa, eager or "
             "flash_attention_2.",
         )
@@ -349,7 +352,7 @@ def validate(cfg: DictConfig) -> None:
 
     tr = cfg.trainer
     need(
-        tr.resume_mode in ("auto", "disable", "resume_path"),
+        tr.resume_mode in RESUME_MODES,
         f"`trainer.resume_mode`={tr.resume_mode!r}: use auto, disable or resume_path.",
     )
     tol = tr.rollout_check_tol

@@ -70,6 +70,9 @@ class TokenIds:
 
 
 # ---------------------------------------------------------------------- actor_rollout_ref
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")  # model.attn_implementation
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """``actor_rollout_ref.model``: the policy's checkpoint, its forward, and LoRA (docs/lora.md)."""
@@ -159,6 +162,10 @@ class ValKwargs:
     top_p: float
     top_k: int
     n: int
+
+
+ROLLOUT_MODES = ("sync", "async")  # rollout.mode: the in-process engine runs the same way for both
+SLEEP_LEVELS = (1, 2, "auto")  # rollout.sleep_level
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fusedrl.auto_defaults import announce_resolved
-from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint
+from fusedrl.checkpoint import RESUME_MODES, load_run_checkpoint, save_run_checkpoint
 from fusedrl.config import ConfigError, load_config, logger_names, to_plain_dict
 from fusedrl.config_sections import check_number
 from fusedrl.controller import WorkerGroup
@@ -157,7 +157,7 @@ def validate_sft(cfg: DictConfig) -> None:
         )
     mode = get("trainer.resume_mode")
     need(
-        mode in ("auto", "disable", "resume_path"),
+        mode in RESUME_MODES,
         f"`trainer.resume_mode`={mode!r}: use auto, disable or resume_path.",
     )
     if mode == "resume_path":

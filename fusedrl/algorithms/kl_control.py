@@ -42,6 +42,9 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
+KL_CONTROLLERS = ("fixed", "adaptive")  # algorithm.kl_ctrl.type
+
+
 def build_kl_controller(
     kind: str, kl_coef: float, target_kl: float | None = None, horizon: int | None = None
 ):
@@ -54,7 +57,7 @@ def build_kl_controller(
                 "algorithm.kl_ctrl.type=adaptive needs kl_ctrl.target_kl > 0 and kl_ctrl.horizon > 0"
             )
         return AdaptiveKLController(kl_coef, float(target_kl), int(horizon))
-    raise ValueError(f"algorithm.kl_ctrl.type={kind!r}: use fixed or adaptive")
+    raise ValueError(f"algorithm.kl_ctrl.type={kind!r}: use {' or '.join(KL_CONTROLLERS)}")
 
 
 @torch.no_grad()
