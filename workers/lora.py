@@ -73,6 +73,15 @@ def add_lora(model: nn.Module, model_cfg: ModelConfig) -> nn.Module:
             f"actor_rollout_ref.model.target_modules={model_cfg.target_modules!r} adapted no module; "
             f"the model's linear modules are: {', '.join(available)}"
         )
+    on_experts = sorted(base_name(n) for n, m in lora_layers(peft_model).items() if _adapts_parameter(m))
+    if on_experts:
+        key, value = ("lora_adapter_path", path) if path else ("target_modules", model_cfg.target_modules)
+        raise ValueError(
+            f"actor_rollout_ref.model.{key}={value!r} puts LoRA adapters on a mixture of experts' expert "
+            f"parameters ({', '.join(on_experts)}: PEFT adapts the 3D tensors directly), which the merged "
+            "weight stream cannot send yet; adapt the attention and the router instead, e.g. "
+            "target_modules=[q_proj,k_proj,v_proj,o_proj,gate]"
+        )
     on_tied = sorted(
         base_name(n)
         for n, m in lora_layers(peft_model).items()
@@ -84,6 +93,14 @@ def add_lora(model: nn.Module, model_cfg: ModelConfig) -> nn.Module:
             tied_target_message(f"actor_rollout_ref.model.{key}", value, on_tied, model_cfg.path)
         )
     return peft_model
+
+
+def _adapts_parameter(layer: nn.Module) -> bool:
+    """A PEFT layer on a mixture of experts' stacked expert tensors (a ``ParamWrapper`` over a 3D parameter;
+    one over a router's 2D weight merges like a linear layer)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return isinstance(layer, ParamWrapper) and int(getattr(layer, "num_experts", 1)) > 1
 
 
 def _tied_embedding_modules(model: nn.Module) -> set[int]:
