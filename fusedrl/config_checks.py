@@ -49,28 +49,40 @@ def _get(cfg: DictConfig, key: str) -> Any:
     return OmegaConf.select(cfg, key, throw_on_missing=False)
 
 
-def validate(cfg: DictConfig) -> None:
-    """Check a composed config; raise one `ConfigError` listing every problem."""
-    from fusedrl.algorithms import get_adv_traits, list_adv_estimators, list_policy_losses
-    from fusedrl.algorithms.kl import KL_KINDS
-    from fusedrl.algorithms.kl_control import KL_CONTROLLERS
-    from fusedrl.algorithms.losses import LOSS_AGG_MODES as AGG_MODES
-    from fusedrl.checkpoint import RESUME_MODES
-    from fusedrl.data.dataset import TRUNCATION_MODES
-    from fusedrl.rewards import MANAGER_KINDS, ON_ERROR
+class Checks:
+    """The config being checked and the problems found so far. Each section's checks append to ``problems``;
+    a number read by several sections is checked (and a problem reported) once."""
 
-    problems: list[str] = []
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.problems: list[str] = []
+        self._numbers: dict[tuple[str, type], Any] = {}
 
-    def need(cond: bool, msg: str) -> bool:
+    def need(self, cond: bool, msg: str) -> bool:
         """Record ``msg`` when ``cond`` fails; returns ``cond`` so dependent checks can follow it."""
         if not cond:
-            problems.append(msg)
+            self.problems.append(msg)
         return cond
 
-    for key in _missing_keys(cfg):
-        problems.append(f"`{key}`: required, not set. Pass `{key}=...` on the command line.")
+    def number(self, key: str, kind: type = int) -> Any:
+        """``cfg[key]`` as ``kind``, or None (and one problem) when it is not one (2.5 is no integer)."""
+        if (key, kind) not in self._numbers:
+            self._numbers[(key, kind)] = check_number(_get(self.cfg, key), key, self.problems, kind)
+        return self._numbers[(key, kind)]
 
-    # --- paths
+    def positive(self, key: str) -> int | None:
+        value = self.number(key)
+        if value is not None and value < 1:
+            problem = f"`{key}`={value}: must be >= 1."
+            if problem not in self.problems:
+                self.problems.append(problem)
+            return None
+        return value
+
+
+def _paths(c: Checks) -> None:
+    """Data files and the model folder exist (or the model is a hub id)."""
+    cfg, need = c.cfg, c.need
     files = _get(cfg, "data.train_files")
     if files is not None and not OmegaConf.is_missing(cfg.data, "train_files"):
         for f in [files] if isinstance(files, str) else list(files):
@@ -91,18 +103,13 @@ def validate(cfg: DictConfig) -> None:
             "`python -m fusedrl.utils.tiny_model --out DIR`.",
         )
 
-    def number(key: str, kind: type = int) -> Any:
-        """``cfg[key]`` as ``kind``, or None (and one problem) when it is not one (2.5 is no integer)."""
-        return check_number(_get(cfg, key), key, problems, kind)
 
-    def positive(key: str) -> int | None:
-        value = number(key)
-        if value is not None and value < 1:
-            problems.append(f"`{key}`={value}: must be >= 1.")
-            return None
-        return value
+def _batch_sizes(c: Checks) -> None:
+    """Batch sizes, worker counts, Ulysses sizes and lengths: each positive, and the batch arithmetic
+    (checked only when every number in it is valid); ``data.truncation``."""
+    cfg, need, positive = c.cfg, c.need, c.positive
+    from fusedrl.data.dataset import TRUNCATION_MODES
 
-    # --- batch-size arithmetic (checked only when every number in it is valid)
     slots, nnodes = positive("trainer.n_gpus_per_node"), positive("trainer.nnodes")
     positive("trainer.total_epochs")
     n = positive("actor_rollout_ref.rollout.n")
@@ -147,7 +154,11 @@ def validate(cfg: DictConfig) -> None:
         "`data.filter_overlong_prompts=true` to drop over-long prompts instead).",
     )
 
-    # --- user plugins: modules imported for their registrations, by dotted path or file path
+
+def _plugins(c: Checks) -> None:
+    """``algorithm.custom_modules`` import (they may register estimators and losses the checks below
+    look up); the reward model's folder when it is enabled."""
+    cfg, problems, need = c.cfg, c.problems, c.need
     for module in list(cfg.algorithm.get("custom_modules") or []):
         try:
             import_plugin(str(module))
@@ -160,12 +171,18 @@ def validate(cfg: DictConfig) -> None:
             f"`reward_model.model.path`={rm_path!r}: not a Hugging Face model folder (reward_model.enable=true).",
         )
 
-    # --- algorithm names
+
+def _estimator(c: Checks) -> None:
+    """``algorithm.adv_estimator``: known, and what its traits ask of the rest of the config."""
+    cfg, problems, need = c.cfg, c.problems, c.need
+    from fusedrl.algorithms import get_adv_traits, list_adv_estimators
+
     est = cfg.algorithm.adv_estimator
     need(
         est in list_adv_estimators(),
         f"`algorithm.adv_estimator`={est!r}: unknown. Known: {', '.join(list_adv_estimators())}.",
     )
+    n = c.positive("actor_rollout_ref.rollout.n")  # checked by `_batch_sizes`
     # GRPO / RLOO with n=1 run as in verl: a one-sample group has baseline 0 (and std 1), so the
     # advantage is the raw score.
     min_group = get_adv_traits(est).min_group_size if est in list_adv_estimators() else 1
@@ -198,6 +215,15 @@ def validate(cfg: DictConfig) -> None:
             f"`algorithm.adv_estimator`={est}: reads the actor's old log-probs and sum_pi_squared, which "
             "`algorithm.rollout_correction.bypass_mode`=true skips; set bypass_mode=false.",
         )
+
+
+def _actor(c: Checks) -> None:
+    """``actor_rollout_ref.actor``: the policy loss, its aggregation and KL kind, the learning rate."""
+    cfg, need, number = c.cfg, c.need, c.number
+    from fusedrl.algorithms import list_policy_losses
+    from fusedrl.algorithms.kl import KL_KINDS
+    from fusedrl.algorithms.losses import LOSS_AGG_MODES as AGG_MODES
+
     actor = cfg.actor_rollout_ref.actor
     mode = actor.policy_loss.loss_mode
     need(
@@ -224,6 +250,14 @@ def validate(cfg: DictConfig) -> None:
     lr = number("actor_rollout_ref.actor.optim.lr", float)
     need(lr is None or lr > 0, f"`actor_rollout_ref.actor.optim.lr`={lr}: must be > 0.")
 
+
+def _algorithm(c: Checks) -> None:
+    """``algorithm``: KL control and penalty, dynamic sampling, rollout correction; the checkpoint contents,
+    the optimizers' schedules and the trainer's step counts."""
+    cfg, problems, need, number, positive = c.cfg, c.problems, c.need, c.number, c.positive
+    from fusedrl.algorithms.kl import KL_KINDS
+    from fusedrl.algorithms.kl_control import KL_CONTROLLERS
+
     alg = cfg.algorithm
     need(
         alg.kl_ctrl.type in KL_CONTROLLERS,
@@ -242,6 +276,7 @@ def validate(cfg: DictConfig) -> None:
     rollout_correction_problems(cfg, problems)
     checkpoint_contents_problems(cfg, problems)
     gen = positive("data.gen_batch_size") if alg.filter_groups.enable else None  # read by DAPO only
+    bsz = positive("data.train_batch_size")  # checked by `_batch_sizes`
     if gen is not None and bsz is not None:
         need(
             gen >= bsz,
@@ -260,7 +295,11 @@ def validate(cfg: DictConfig) -> None:
             "`algorithm.kl_ctrl`: adaptive needs target_kl > 0 and horizon > 0.",
         )
 
-    # --- rollout
+
+def _rollout(c: Checks) -> None:
+    """``actor_rollout_ref.rollout``: the engine and what it can do (tensor parallelism, agent loops,
+    sleeping), the attention implementations, the sampling temperature."""
+    cfg, problems, need, number = c.cfg, c.problems, c.need, c.number
     rollout = cfg.actor_rollout_ref.rollout
     from fusedrl.workers.rollout.registry import EngineTraits, engine_spec, engines_with, requirement_fails
 
@@ -321,7 +360,7 @@ def validate(cfg: DictConfig) -> None:
     )
     if engine.shares_actor_module:
         need(
-            not actor.fsdp_config.param_offload,
+            not cfg.actor_rollout_ref.actor.fsdp_config.param_offload,
             f"`actor_rollout_ref.actor.fsdp_config.param_offload`=true with `rollout.name={rollout.name}`: that "
             "engine generates with the actor's own parameters, so they cannot leave the device during rollout. "
             "Use rollout.name=vllm or set param_offload=false.",
@@ -349,6 +388,12 @@ def validate(cfg: DictConfig) -> None:
         f"`actor_rollout_ref.rollout.name`={rollout.name} but `import {engine.requires}` fails here ({failure}). "
         "Run `make install` or use `rollout.name=hf`.",
     )
+
+
+def _trainer(c: Checks) -> None:
+    """``trainer``: resuming, the rollout check, time limits, the checkpoint folder, the loggers."""
+    cfg, problems, need, number = c.cfg, c.problems, c.need, c.number
+    from fusedrl.checkpoint import RESUME_MODES
 
     tr = cfg.trainer
     need(
@@ -387,6 +432,13 @@ def validate(cfg: DictConfig) -> None:
             name in KNOWN_LOGGERS,
             f"`trainer.logger`: unknown logger {name!r}. Known: {', '.join(KNOWN_LOGGERS)}.",
         )
+
+
+def _reward_model(c: Checks) -> None:
+    """``reward_model``: the manager and its overlong buffer."""
+    cfg, need, number = c.cfg, c.need, c.number
+    from fusedrl.rewards import MANAGER_KINDS, ON_ERROR
+
     rm = cfg.reward_model
     need(
         rm.reward_manager in MANAGER_KINDS,
@@ -407,6 +459,13 @@ def validate(cfg: DictConfig) -> None:
             f"`reward_model.overlong_buffer.len`={buffer_len}: the overlong buffer is the last len tokens of "
             "max_resp_len; use max_resp_len >= len.",
         )
+
+
+def _across_sections(c: Checks) -> None:
+    """Checks of their own modules: Ray, the custom reward file, token budgets, ``auto`` keys, layer
+    compilation, the model's architecture, the chat template, LoRA, placement, async training, the bf16
+    policy."""
+    cfg, problems, need = c.cfg, c.problems, c.need
     from fusedrl.ray_config import ray_init_problems
 
     ray_init = _get(cfg, "trainer.ray_init")
@@ -443,5 +502,28 @@ def validate(cfg: DictConfig) -> None:
         f"`trainer.emulated_bf16`={policy!r}: must be one of {', '.join(POLICIES)}.",
     )
 
-    if problems:
-        raise ConfigError(problems)
+
+SECTION_CHECKS = (
+    _paths,
+    _batch_sizes,
+    _plugins,
+    _estimator,
+    _actor,
+    _algorithm,
+    _rollout,
+    _trainer,
+    _reward_model,
+    _across_sections,
+)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check a composed config; raise one `ConfigError` listing every problem (every section's)."""
+    c = Checks(cfg)
+    c.problems.extend(
+        f"`{key}`: required, not set. Pass `{key}=...` on the command line." for key in _missing_keys(cfg)
+    )
+    for check in SECTION_CHECKS:
+        check(c)
+    if c.problems:
+        raise ConfigError(c.problems)
