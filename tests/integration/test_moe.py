@@ -104,6 +104,7 @@ def _engine_body(port: int, args: str, out: str) -> None:
             f"actor_rollout_ref.model.path={model_dir}",
             f"actor_rollout_ref.rollout.dtype={dtype}",
             "actor_rollout_ref.rollout.cpu_kv_cache_gb=0.0625",
+            "actor_rollout_ref.rollout.emulate_sleep=true",  # a level-2 sleep NaN-fills the engine's weights
         ]
     )
     ctx = EngineContext(
@@ -145,6 +146,10 @@ def _engine_body(port: int, args: str, out: str) -> None:
     r["differ_changed"] = sorted(n for n, t in state().items() if not torch.equal(t, built[n]))
     rollout.update_weights(iter(weights.items()))
     r["same_after_back"] = sorted(n for n, t in state().items() if not torch.equal(t, built[n]))
+    rollout.sleep(2)  # the weights are discarded (NaN): a full stream must rewrite every expert
+    rollout.wake_up(["weights", "kv_cache"])
+    rollout.update_weights(iter(weights.items()))
+    r["same_after_level2"] = sorted(n for n, t in state().items() if not torch.equal(t, built[n]))
     missing = {n: t for n, t in weights.items() if n != "model.layers.1.mlp.experts.down_proj"}
     try:
         rollout.update_weights(iter(missing.items()))
@@ -174,6 +179,7 @@ def test_engine_stream_of_fused_experts_is_exact(tiny_moe_dir, tmp_path, dtype):
     assert any(".w13_weight" in n for n in r["differ_changed"])
     assert any(".w2_weight" in n for n in r["differ_changed"])
     assert r["same_after_back"] == []
+    assert r["same_after_level2"] == []
     assert "model.layers.1.mlp.experts.0.down_proj.weight" in r["incomplete"]
     assert "model.layers.0.mlp.experts" not in r["incomplete"]
 
