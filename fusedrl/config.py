@@ -11,47 +11,37 @@ import difflib
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "trainer" / "config"
+from fusedrl.config_base import (
+    CONFIG_DIR,
+    ConfigError,
+    all_keys,
+    config_dir,
+    import_plugin,
+    logger_names,
+    needed_roles,
+    to_plain_dict,
+    trainer_yaml,
+)
 
-
-class ConfigError(ValueError):
-    """All problems of a config, one per line."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{len(self.problems)} config problem(s):\n{lines}")
-
-
-def _config_dir() -> Path:
-    # Installed layout: fusedrl/trainer/config; source layout: trainer/config next to fusedrl/.
-    try:
-        import fusedrl.trainer as trainer_pkg
-
-        return Path(trainer_pkg.__file__).resolve().parent / "config"
-    except ImportError:  # pragma: no cover
-        return CONFIG_DIR
-
-
-def _all_keys(cfg: Any, prefix: str = "") -> list[str]:
-    keys: list[str] = []
-    if isinstance(cfg, DictConfig):
-        for k in cfg:
-            full = f"{prefix}{k!s}"
-            keys.append(full)
-            node = cfg._get_node(k)
-            if isinstance(node, DictConfig):
-                keys.extend(_all_keys(node, full + "."))
-    return keys
+__all__ = [
+    "CONFIG_DIR",
+    "ConfigError",
+    "cli_main",
+    "import_plugin",
+    "load_config",
+    "logger_names",
+    "needed_roles",
+    "to_plain_dict",
+    "trainer_yaml",
+]
 
 
 def _unknown_override_keys(base: DictConfig, overrides: Sequence[str]) -> list[str]:
-    known = set(_all_keys(base))
+    known = set(all_keys(base))
     problems = []
     for ov in overrides:
         if ov.startswith(("+", "~", "hydra.")) or "=" not in ov:
@@ -62,13 +52,6 @@ def _unknown_override_keys(base: DictConfig, overrides: Sequence[str]) -> list[s
             hint = f" Did you mean `{close[0]}`?" if close else " Add it with `+key=value` if it is new."
             problems.append(f"`{key}`: unknown key.{hint}")
     return problems
-
-
-def trainer_yaml(config_name: str = "ppo_trainer") -> DictConfig:
-    """The YAML's keys and defaults, without overrides (not validated; ``???`` left missing)."""
-    base = OmegaConf.load(os.path.join(str(_config_dir()), f"{config_name}.yaml"))
-    assert isinstance(base, DictConfig)
-    return base
 
 
 def _section_of(cfg: DictConfig) -> Callable[[str], Any]:
@@ -99,13 +82,13 @@ def load_config(
 
     from fusedrl import verl_compat
 
-    config_dir = str(_config_dir())
+    folder = str(config_dir())
     pre_problems: list[str] = []
     ignored: list[tuple[str, str]] = []
     overrides = list(overrides)
     if config_name == "ppo_trainer":
         overrides, pre_problems = verl_compat.config_name_flags(overrides)
-    base = OmegaConf.load(os.path.join(config_dir, f"{config_name}.yaml"))
+    base = OmegaConf.load(os.path.join(folder, f"{config_name}.yaml"))
     assert isinstance(base, DictConfig)
     if config_name == "ppo_trainer":
         overrides, ignored, verl_problems = verl_compat.map_overrides(base, overrides)
@@ -115,7 +98,7 @@ def load_config(
     usable = [ov for ov in overrides if ov.split("=", 1)[0] not in bad_keys]
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=config_dir, version_base=None):
+        with initialize_config_dir(config_dir=folder, version_base=None):
             cfg = compose(config_name=config_name, overrides=usable)
     except Exception as err:  # Hydra's parse / type errors: report them like every other problem
         raise ConfigError([*unknown, f"command line: {err}".replace("\n", " ")]) from err
@@ -143,32 +126,6 @@ def load_config(
     if problems:
         raise ConfigError(problems)
     return cfg
-
-
-def import_plugin(spec: str) -> None:
-    """Import a user module for the estimators / losses it registers: ``pkg.module`` or ``/path/file.py``
-    (once per module; two files with the same name in different folders are two modules)."""
-    from fusedrl.plugins import load_module
-
-    load_module(spec)
-
-
-def needed_roles(cfg: DictConfig) -> dict[str, bool]:
-    """Which optional roles the fused workers must build (`fusedrl.algorithms.registry.roles_for`), for the
-    config check; the trainer asks its typed config (`RoleConfigs.needed_roles`)."""
-    import fusedrl.algorithms  # noqa: F401  (registers the built-in estimators)
-    from fusedrl.algorithms.registry import roles_for
-
-    alg = cfg.algorithm
-    use_kl = bool(cfg.actor_rollout_ref.actor.use_kl_loss or alg.use_kl_in_reward)
-    return roles_for(str(alg.adv_estimator), use_kl=use_kl, reward_model=bool(cfg.reward_model.enable))
-
-
-def logger_names(cfg: Any) -> list[str]:
-    """``trainer.logger`` of a DictConfig or a typed config, as a list (a bare ``trainer.logger=console`` is
-    accepted too)."""
-    value = cfg.trainer.logger
-    return [str(value)] if isinstance(value, str) else [str(v) for v in value]
 
 
 def cli_main(
@@ -201,10 +158,3 @@ def cli_main(
         print(f"{prog}: {err}", file=sys.stderr, flush=True)
         return err.exit_code
     return 0
-
-
-def to_plain_dict(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config as plain Python containers (what crosses into the workers)."""
-    out = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(out, dict)
-    return out  # type: ignore[return-value]

@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from fusedrl.config import ConfigError, import_plugin, logger_names, needed_roles
+from fusedrl.config_base import ConfigError, import_plugin, logger_names, needed_roles
 from fusedrl.config_sections import (
     FILTER_METRICS,
     auto_key_problems,

@@ -135,7 +135,7 @@ _TOKEN_BUDGETS = (
 
 def token_budget_problems(cfg: DictConfig) -> list[str]:
     """Dynamic batch size: every token budget in use must hold one whole sequence (prompt + response)."""
-    from fusedrl.config import needed_roles
+    from fusedrl.config_base import needed_roles
 
     roles = needed_roles(cfg)
     try:

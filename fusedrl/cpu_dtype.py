@@ -63,7 +63,7 @@ def apply_cpu_dtype_policy(
 ) -> list[str]:
     """Act on bf16 settings where the device has no native bf16 (see the module docstring); returns the
     keys switched to float32. ``detect`` defaults to `fusedrl.utils.hardware.native_bf16`."""
-    from fusedrl.config import ConfigError
+    from fusedrl.config_base import ConfigError
     from fusedrl.utils.hardware import native_bf16
 
     keys = bf16_dtype_keys(cfg)
@@ -112,7 +112,7 @@ ROLLOUT_DTYPE_KEY = "actor_rollout_ref.rollout.dtype"
 def _refuse_capped_vllm_bf16(cfg: DictConfig, keys: list[str]) -> None:
     """`ConfigError` where bf16 is kept for a vLLM engine that would abort on this machine
     (`fusedrl.utils.hardware.capped_amx_bf16`), before Ray starts rather than as a dead worker."""
-    from fusedrl.config import ConfigError
+    from fusedrl.config_base import ConfigError
     from fusedrl.utils.hardware import capped_amx_bf16
     from fusedrl.workers.rollout.registry import engine_names, engine_traits
 

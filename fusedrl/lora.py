@@ -79,7 +79,7 @@ def base_name(name: str) -> str:
 
 def lora_problems(cfg: Any) -> list[str]:
     """Config problems of the LoRA keys, each naming the key and the fix (``cfg`` is the whole config)."""
-    from fusedrl.config import needed_roles
+    from fusedrl.config_base import needed_roles
 
     model = cfg.actor_rollout_ref.model
     key = "actor_rollout_ref.model"

@@ -91,9 +91,9 @@ COMBINED_STATUS: dict[str, tuple[str, str]] = {
 
 def verl_keys() -> list[str]:
     """Every leaf key of verl's ``ppo_trainer`` config (from ``verl_ppo_trainer_keys.txt``)."""
-    from fusedrl.config import _config_dir
+    from fusedrl.config_base import config_dir
 
-    path = Path(_config_dir()) / "verl_ppo_trainer_keys.txt"
+    path = Path(config_dir()) / "verl_ppo_trainer_keys.txt"
     return [
         line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")
     ]
@@ -101,9 +101,9 @@ def verl_keys() -> list[str]:
 
 def verl_revision() -> str:
     """The verl commit ``verl_ppo_trainer_keys.txt`` was written from (its header says)."""
-    from fusedrl.config import _config_dir
+    from fusedrl.config_base import config_dir
 
-    for line in (Path(_config_dir()) / "verl_ppo_trainer_keys.txt").read_text().splitlines():
+    for line in (Path(config_dir()) / "verl_ppo_trainer_keys.txt").read_text().splitlines():
         if line.startswith("# verl commit "):
             return line[len("# verl commit ") :].split(", written")[0]
     return "unknown"
@@ -262,9 +262,9 @@ def map_overrides(
 ) -> tuple[list[str], list[tuple[str, str]], list[str]]:
     """Map a verl command line onto fusedrl's keys: ``(overrides to compose, (key, why it has no effect)
     pairs, problems)``. See `fusedrl.verl_compat` for the classification."""
-    from fusedrl.config import _all_keys
+    from fusedrl.config_base import all_keys
 
-    known = set(_all_keys(base))
+    known = set(all_keys(base))
     kept: list[str] = []
     ignored: list[tuple[str, str]] = []
     problems: list[str] = []

@@ -14,8 +14,8 @@
 - **import cycles**: the import graph of ``fusedrl/``, ``workers/``, ``trainer/`` and ``third_party/`` (the
   last three install as ``fusedrl.workers`` / ``fusedrl.trainer`` / ``fusedrl.third_party``), built with
   ``ast`` from every ``import`` statement, the ones inside functions and ``if TYPE_CHECKING`` blocks
-  included. An edge goes to the module named (``from a.b import c`` reaches ``a.b``, and ``a.b.c`` when
-  that is a module); the implicit import of parent packages is not an edge. Reported: the strongly
+  included. An edge goes to the module named (``from a.b import c`` reaches ``a.b.c`` when that is a
+  module, and ``a.b`` when a name is not); the implicit import of parent packages is not an edge. Reported: the strongly
   connected components with more than one module (each holds at least one cycle), their sizes, and the
   mutual pairs (two modules importing each other). ``--cycles`` lists the components' modules.
 """
@@ -148,7 +148,12 @@ def import_graph(src: Tree) -> dict[str, set[str]]:
                     pkg = name.split(".") if is_pkg else name.split(".")[:-1]
                     pkg = pkg[: len(pkg) - (node.level - 1)]
                     base = ".".join([*pkg, base] if base else pkg)
-                targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+                # ``from a.b import c``: a.b.c when it is a module (a.b is then only its parent package,
+                # imported implicitly, as for ``import a.b.c``), else a.b.
+                subs = [f"{base}.{a.name}" for a in node.names]
+                targets = [t for t in subs if t in mods] or [base]
+                if any(t not in mods for t in subs):
+                    targets.append(base)
             for t in targets:
                 if t in mods and t != name:
                     graph[name].add(t)

@@ -216,7 +216,7 @@ def _yaml_reward_defaults() -> Any:
     """The ``reward_model`` and ``custom_reward_function`` sections of the trainer YAML."""
     from omegaconf import OmegaConf
 
-    from fusedrl.config import trainer_yaml
+    from fusedrl.config_base import trainer_yaml
 
     base = trainer_yaml()
     return OmegaConf.create(
