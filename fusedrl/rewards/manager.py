@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from fusedrl.batch import RolloutBatch
-from fusedrl.rewards import default_compute_score, default_compute_score_batch
 from fusedrl.rewards.pool import START_METHODS, Outcome, RemoteError, ScoringPool, call_inline
+from fusedrl.rewards.rules import default_compute_score, default_compute_score_batch
 
 logger = logging.getLogger(__name__)
 
