@@ -109,9 +109,7 @@ class PPOTrainer(RewardModelScoring):
         driver's calls are the same whatever the grouping: each goes to the group holding the role
         (`group_for`). A rollout on a pool of its own gets the weights by broadcast, not in place.
         """
-        self.groups = RoleGroups.start_placed(
-            WorkerDict, self.config, self.run, self.run_roles(), role_groups
-        )
+        self.groups = RoleGroups.start_placed(WorkerDict, self.run, self.run_roles(), role_groups)
         self.rollout_stale = self.rollout_discards_weights  # the engines slept once built
 
     def group_for(self, role: str) -> WorkerGroup:

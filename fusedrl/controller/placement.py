@@ -7,6 +7,7 @@ broadcast route (`fusedrl.controller.weight_sync.BroadcastRoute`) instead of the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -127,16 +128,16 @@ class RoleGroups:
     def start_placed(
         cls,
         worker_cls: type,
-        config: Any,
         worker_config: RoleConfigs,
         needed: Sequence[str],
         role_groups: Sequence[Sequence[str]] | None = None,
     ) -> RoleGroups:
-        """Every group of `plan_groups` on its pool (``config.trainer.placement``); when the rollout is on
+        """Every group of `plan_groups` on its pool (``trainer.placement`` of the typed ``worker_config``, which
+        every worker receives); when the rollout is on
         another pool than the actor, the broadcast weight-sync route is connected too. The CPU slots of all
         pools share the free cores evenly. Each pool's workers see its own ``nnodes`` / ``n_gpus_per_node``
         (their rendezvous host and local device index)."""
-        placement = read_placement(config.trainer)
+        placement = read_placement(dataclasses.asdict(worker_config.trainer))
         plan = plan_groups(placement, needed, role_groups)
         cpus = cpus_for_cpu_slots(placement.total_slots(needed))
         pools = {name: resource_pool(placement.pools[name], cpus) for name in placement.used_pools(needed)}
@@ -160,7 +161,7 @@ class RoleGroups:
         if "rollout" in by_role and by_role["rollout"] is not by_role["actor"]:
             # Pools may land on different nodes: then the sync store listens on the node's address.
             multi_node = _alive_nodes() > 1
-            bucket_mb = float(config.trainer.placement.weight_sync_bucket_mb)
+            bucket_mb = float(worker_config.trainer.placement.weight_sync_bucket_mb)
             groups.weight_route = BroadcastRoute(by_role["actor"], by_role["rollout"], bucket_mb, multi_node)
             groups.weight_route.connect()
         return groups
