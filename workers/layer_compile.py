@@ -18,6 +18,12 @@ loops (reference pass 2.2x slower). Packed rows carry their attention layout as 
 (`fusedrl.workers.packing.pack_batch` with ``layout=True``) so that no sequence boundary is read as a
 Python number inside the compiled code.
 
+A second run of the same work starts warm. Inductor's cache (per instruction set,
+`fusedrl.utils.hardware.isolate_inductor_cache`) keeps the compiled kernels; dynamo's profile of which sizes
+changed (its profile-guided dynamic shapes, kept on disk only for a named job) is kept under a job name made
+from the model's config and the layout of the passes (`remember_dynamic_shapes`), so the second run compiles
+each graph once, dynamic from its first call, instead of static then dynamic.
+
 On CPU Inductor needs a C++ compiler; without one the layers stay eager and one line says so.
 
 Weight gradients of half-precision linears on CPU (`RowMajorGradLinear`). Autograd computes a linear's
@@ -34,7 +40,10 @@ costs what it saves) and GPUs keep PyTorch's own linear.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 
 import torch
 from torch import nn
@@ -74,6 +83,27 @@ def compile_layers(model: nn.Module) -> bool:
         layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
     setattr(model, _MARK, True)
     return True
+
+
+def remember_dynamic_shapes(model_path: str, **layout: object) -> str | None:
+    """Name this process's compile job after the work, so dynamo keeps its record of which input sizes
+    change between calls across runs (``torch.compiler.config.job_id``; without a name it keeps none) and a
+    later run of the same work compiles the dynamic graph at its first call. The name hashes the model's
+    ``config.json`` (a model of other sizes must not inherit a dimension marked dynamic) and ``layout`` (what
+    shapes the passes: packed rows, Ulysses size, world size). A name the user set
+    (``TORCH_COMPILE_JOB_ID``) is kept. Call before anything in the process compiles (the engine compiles at
+    its start). Returns the name in use."""
+    config = torch.compiler.config
+    if config.job_id is not None:
+        return config.job_id
+    try:
+        with open(os.path.join(model_path, "config.json"), "rb") as f:
+            model_key = hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        model_key = model_path
+    key = json.dumps({"model": model_key, "torch": torch.__version__, **layout}, sort_keys=True, default=str)
+    config.job_id = "fusedrl-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    return config.job_id
 
 
 _EXACT_STRIDES = getattr(torch.Tag, "needs_exact_strides", torch.Tag.needs_fixed_stride_order)

@@ -124,6 +124,16 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         self._join(master_addr, master_port, **dict(self.engine_traits.worker_env))
         self._resolve_auto_defaults(self.roles)  # `auto` keys for this device, before any role reads them
         cfg = self.config
+        if cfg.model.compile_layers:
+            from fusedrl.workers.layer_compile import remember_dynamic_shapes
+
+            remember_dynamic_shapes(
+                str(cfg.model.path),
+                packed=bool(cfg.model.use_remove_padding),
+                sp=int(cfg.actor.ulysses_sequence_parallel_size),
+                world_size=self.world_size,
+                roles=sorted(self.roles),
+            )
         seed = int(cfg.rollout.seed)
         # Identical init on every rank (FSDP2 shards the same weights), and Python's and numpy's generators
         # seeded too: a worker without an engine (vLLM seeds them) would otherwise start them from OS entropy,

@@ -256,3 +256,58 @@ def test_no_compiler_leaves_layers_eager(monkeypatch, caplog):
     assert "'no-such-c++-compiler' is not on PATH" in caplog.text
     assert not has_compiled_layers(model)
     assert model.model.layers[0].forward == forward  # untouched
+
+
+_PGO_RUN = """
+import sys, torch
+from fusedrl.workers.layer_compile import remember_dynamic_shapes
+job = remember_dynamic_shapes(sys.argv[1], packed=True, sp=1)
+f = torch.compile(lambda x: (x * 2).sum(), backend="eager")
+for n in map(int, sys.argv[2].split(",")):
+    f(torch.ones(n))
+from torch._dynamo.utils import counters
+print(job, counters["stats"]["unique_graphs"])
+"""
+
+
+def test_a_second_run_of_the_same_work_compiles_dynamic_at_once(tmp_path):
+    """`remember_dynamic_shapes` names the compile job after the model and layout, so dynamo's record of the
+    sizes that changed outlives the process: a second run compiles one dynamic graph where the first compiled
+    a static one, then a dynamic one; a model of other sizes does not inherit the record."""
+    import os
+    import subprocess
+    import sys
+
+    def model(name: str, hidden: int) -> str:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"hidden_size": hidden}))
+        return str(d)
+
+    a, b = model("a", 64), model("b", 128)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TORCH_COMPILE_JOB_ID", None)
+
+    def run(path: str, sizes: str) -> tuple[str, int]:
+        out = subprocess.run(
+            [sys.executable, "-c", _PGO_RUN, path, sizes], env=env, capture_output=True, text=True, check=True
+        ).stdout.split()
+        return out[-2], int(out[-1])
+
+    job_a, first = run(a, "3,5")
+    assert first == 2  # static at the first call, dynamic at the second size
+    assert run(a, "7,9") == (job_a, 1)  # the record of run 1: dynamic from the first call
+    job_b, other = run(b, "7,9")
+    assert job_b != job_a and other == 2
+
+
+def test_remember_dynamic_shapes_keeps_a_job_name_the_user_set(monkeypatch, tmp_path):
+    from fusedrl.workers.layer_compile import remember_dynamic_shapes
+
+    monkeypatch.setattr(torch.compiler.config, "job_id", "mine")
+    assert remember_dynamic_shapes(str(tmp_path), packed=False) == "mine"
+    monkeypatch.setattr(torch.compiler.config, "job_id", None)
+    named = remember_dynamic_shapes(str(tmp_path), packed=False)
+    assert named.startswith("fusedrl-") and torch.compiler.config.job_id == named
+    monkeypatch.setattr(torch.compiler.config, "job_id", None)
+    assert remember_dynamic_shapes(str(tmp_path), packed=True) != named
