@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -126,6 +127,44 @@ def copy_hf_side_files(src_model_dir: str, out_dir: str, dtype: torch.dtype | No
     return copied
 
 
+_STACKED_EXPERTS = re.compile(r"^(?P<block>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def _source_tensor_names(model_dir: str) -> frozenset[str]:
+    """The tensor names of the source checkpoint's safetensors files (empty when there are none)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    if os.path.isdir(model_dir):
+        for fname in sorted(os.listdir(model_dir)):
+            if fname.endswith(".safetensors"):
+                with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
+                    names.update(f.keys())
+    return frozenset(names)
+
+
+def _checkpoint_layout(
+    name: str, tensor: torch.Tensor, source: frozenset[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` as the source checkpoint stores it. transformers 5 holds a mixture of experts' experts
+    stacked (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first; ``mlp.experts.down_proj`` [E, H, I]) and
+    ``save_pretrained`` writes them one expert at a time (``mlp.experts.{e}.gate_proj.weight`` ...): when the
+    source checkpoint does, so does the export (copies of one expert's slices); anything else passes through."""
+    m = _STACKED_EXPERTS.match(name)
+    if m is None or tensor.dim() != 3 or f"{m['block']}.0.down_proj.weight" not in source:
+        yield name, tensor
+        return
+    block, experts = m["block"], tensor.shape[0]
+    if m["proj"] == "down_proj":
+        for e in range(experts):
+            yield f"{block}.{e}.down_proj.weight", tensor[e].clone()
+        return
+    half = tensor.shape[1] // 2
+    for e in range(experts):
+        yield f"{block}.{e}.gate_proj.weight", tensor[e, :half].clone()
+        yield f"{block}.{e}.up_proj.weight", tensor[e, half:].clone()
+
+
 def export_hf(
     model: nn.Module,
     out_dir: str,
@@ -147,9 +186,11 @@ def export_hf(
     names = list(model.state_dict().keys())
     aliases = {base_name(a) for a in tied_aliases(model, names)}
     writer = HFShardWriter(out_dir, max_shard_bytes, dtype) if rank == 0 else None
+    source = _source_tensor_names(src_model_dir) if rank == 0 else frozenset()
     for name, tensor in stream_full_tensors(model) if tensors is None else tensors:
         if writer is not None and name not in aliases:
-            writer.add(name, tensor)
+            for out_name, out in _checkpoint_layout(name, tensor, source):
+                writer.add(out_name, out)
         del tensor
     if writer is None:
         return []
