@@ -201,6 +201,10 @@ class RoleGroups:
         """Each worker group once, in start order."""
         return list({id(g): g for g in self.by_role.values()}.values())
 
+    def tensor_crossings(self) -> int:
+        """Tensors that crossed Ray between the driver and every group so far (`TensorTraffic.crossings`)."""
+        return sum(group.traffic.crossings for group in self.unique())
+
     def shutdown(self) -> None:
         for group in self.unique():
             group.shutdown()

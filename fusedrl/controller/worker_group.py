@@ -18,10 +18,11 @@ actor/rollout worker); each group is its own torch.distributed world.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -45,6 +46,39 @@ class WorkerDiedError(RuntimeError):
 
 class WorkerTimeoutError(WorkerDiedError):
     """A fused worker did not answer a call within ``trainer.step_timeout_s``; the group has been stopped."""
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors a call's argument or answer holds (a batch's fields, tuples, lists, dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, RolloutBatch):
+        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in tensors_in(item)]
+    return []
+
+
+@dataclass
+class TensorTraffic:
+    """Tensors that crossed Ray between the driver and a group's workers, either way. ``crossings``: one per
+    tensor field per call (a batch's ``responses`` sent to every rank of one call is one crossing, answers
+    likewise); ``by_call``: the same by worker method, ``"<method> out"`` / ``"<method> back"``; ``bytes``:
+    what every rank's shards and answers held. Tests and benchmarks read it."""
+
+    crossings: int = 0
+    bytes: int = 0
+    by_call: dict[str, int] = field(default_factory=dict)
+
+    def add(self, per_rank: Sequence[Any], call: str) -> None:
+        """Count one call's arguments (or answers), ``per_rank[r]`` being rank ``r``'s."""
+        count = len(tensors_in(per_rank[0])) if per_rank else 0
+        if count:
+            self.crossings += count
+            self.by_call[call] = self.by_call.get(call, 0) + count
+            self.bytes += sum(t.numel() * t.element_size() for p in per_rank for t in tensors_in(p))
 
 
 class CallRecorder:
@@ -165,6 +199,7 @@ class WorkerGroup:
         self.reports: dict[int, dict[str, Any]] = {}  # rank -> its last `health_report`
         self._report_refs: dict[int, ray.ObjectRef] = {}
         self._last_poll = 0.0
+        self.traffic = TensorTraffic()
         pg = pool.pg if pool.pg is not None else pool.create()
         # The health methods run on a thread of their own, so a busy or hung worker still answers them.
         remote_cls: Any = (
@@ -247,7 +282,9 @@ class WorkerGroup:
             waited = time.monotonic() - start
             if self.step_timeout_s is not None and waited > self.step_timeout_s:
                 self._timed_out([ranks[refs.index(r)] for r in pending], phase, waited)
-        return ray.get(list(refs))
+        results = ray.get(list(refs))
+        self.traffic.add(results, f"{phase} back")
+        return results
 
     def _check_preemption(self, phase: str) -> None:
         """After a SIGTERM whose time budget ran out: stop the workers and raise `Preempted`."""
@@ -356,7 +393,9 @@ class WorkerGroup:
         shards, _ = split_for_ranks(batch, self.world_size // replicas)
         recorders = [CallRecorder(w) for w in self.workers]
         refs = [call(w, shards[r // replicas]) for r, w in enumerate(recorders)]
-        return Submitted(refs=refs, phase=recorders[0].method if recorders else "?", replicas=replicas)
+        phase = recorders[0].method if recorders else "?"
+        self.traffic.add([shards[r // replicas] for r in range(self.world_size)], f"{phase} out")
+        return Submitted(refs=refs, phase=phase, replicas=replicas)
 
     def submit_all(self, call: Callable[[Any], ray.ObjectRef]) -> Submitted:
         """`run_all` without waiting (see `submit_split`)."""
@@ -375,7 +414,9 @@ class WorkerGroup:
             raise ValueError(f"{len(shards)} shards for {self.world_size} workers")
         recorders = [CallRecorder(w) for w in self.workers]
         refs = [call(w, shard) for w, shard in zip(recorders, shards)]
-        return self._get(refs, list(range(len(refs))), recorders[0].method if recorders else "?")
+        phase = recorders[0].method if recorders else "?"
+        self.traffic.add(shards, f"{phase} out")
+        return self._get(refs, list(range(len(refs))), phase)
 
     @staticmethod
     def split_pad(batch: RolloutBatch, num_shards: int) -> int:

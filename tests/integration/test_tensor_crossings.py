@@ -1,0 +1,67 @@
+"""Tensors that cross Ray between the driver and the workers in one GRPO step (issue 39, item 3).
+
+`WorkerGroup.traffic` counts one crossing per tensor field per call, either way (a field sent to every rank of
+one call is one crossing); `RoleGroups.tensor_crossings` sums the groups. The step here is GRPO with a
+reference (KL loss) on the fake engine, sleeping at level 2 after each rollout, with the update's own forward
+giving the old log-probs (one mini-batch). The count is what the driver moves today, phase by phase; the
+issue's target is <= 3 (responses staying on the workers that made them).
+"""
+
+from __future__ import annotations
+
+import pytest
+from support import started_trainer
+
+pytestmark = pytest.mark.integration
+
+# The crossings of that step, by worker call (docs/architecture.md, "Tensor crossings per step"): the
+# rollout's answer echoes its request (prompts, prompt_mask, sample_seeds) beside responses, response_mask
+# and rollout_log_probs; the reference and the update get the model inputs (prompts, prompt_mask, responses,
+# response_mask) again, the update also advantages and ref_log_probs, and gives old_log_probs back.
+EXPECTED = {
+    "rollout_generate out": 3,
+    "rollout_generate back": 6,
+    "ref_compute_log_prob out": 4,
+    "ref_compute_log_prob back": 1,
+    "actor_update_old_from_forward out": 6,
+    "actor_update_old_from_forward back": 1,
+}
+
+
+def test_tensor_crossings_per_grpo_step(tiny_model_dir, arithmetic_data, tmp_path):
+    overrides = [
+        f"data.train_files={arithmetic_data[0]}",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=256",
+        "data.max_response_length=8",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.name=fake",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.free_cache_engine=true",
+        "actor_rollout_ref.rollout.sleep_level=2",
+        "actor_rollout_ref.actor.fsdp_config.param_dtype=null",
+        "actor_rollout_ref.ref.fsdp_config.param_dtype=null",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "trainer.n_gpus_per_node=1",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=0",
+        f"trainer.default_local_dir={tmp_path}",
+    ]
+    with started_trainer(overrides) as trainer:
+        per_step = []
+        for trainer.global_step in (1, 2):
+            before = trainer.groups.tensor_crossings()
+            calls_before = dict(trainer.workers.traffic.by_call)
+            metrics = trainer.train_step()
+            per_step.append(trainer.groups.tensor_crossings() - before)
+        traffic = trainer.workers.traffic
+        step2 = {k: v - calls_before.get(k, 0) for k, v in traffic.by_call.items()}
+    assert metrics["actor/old_log_prob_from_update"] == 1.0
+    # Step 1 re-streams first (the engine slept once built): weight streams move no tensor through the driver.
+    assert per_step == [sum(EXPECTED.values())] * 2, per_step  # 21
+    assert {k: v for k, v in step2.items() if v} == EXPECTED
+    assert traffic.bytes > 0
