@@ -170,11 +170,35 @@ def _body(port: int, args: str, out: str) -> None:
             engine.submit(f"r{i}", p, replace(params, seed=seed))
         done: dict = {}
         while engine.num_unfinished() > 0:
-            done.update({rid: ids for rid, ids, _, _ in engine.step()})
+            done.update({rid: (ids, lps) for rid, ids, lps, _ in engine.step()})
         r["queue_equal"] = [
-            done[f"r{i}"] == again.responses[i, : int(again.response_mask[i].sum())].tolist()
+            done[f"r{i}"][0] == again.responses[i, : int(again.response_mask[i].sum())].tolist()
             for i in range(3)
         ]
+        # Paused half-way: what each request sampled so far, the start of what it samples when left alone
+        # (the same seeds), and it leaves the engine; resumed as a new request on prompt + those tokens.
+        long = replace(params, ignore_eos=True)
+        for i, (p, seed) in enumerate(zip(prompts, (11, 12, 13))):
+            engine.submit(f"p{i}", p, replace(long, seed=seed))
+        for _ in range(3):
+            engine.step()
+        paused = {rid: (ids, lps) for rid, ids, lps in engine.pause()}
+        r["paused_unfinished"] = engine.num_unfinished()
+        r["paused_lengths"] = [len(paused[f"p{i}"][0]) for i in range(3)]
+        r["paused_prefix"] = [
+            paused[f"p{i}"][0][: len(done[f"r{i}"][0])] == done[f"r{i}"][0][: len(paused[f"p{i}"][0])]
+            for i in range(3)
+        ]
+        r["paused_lp_gap"] = max(
+            abs(a - b) for i in range(3) for a, b in zip(paused[f"p{i}"][1], done[f"r{i}"][1], strict=False)
+        )
+        for i, p in enumerate(prompts):
+            ids = paused[f"p{i}"][0]
+            engine.submit(f"q{i}", p + ids, replace(long, seed=31 + i, max_tokens=TR - len(ids)))
+        resumed: dict = {}
+        while engine.num_unfinished() > 0:
+            resumed.update({rid: ids for rid, ids, _, _ in engine.step()})
+        r["resumed_lengths"] = [len(paused[f"p{i}"][0]) + len(resumed[f"q{i}"]) for i in range(3)]
     torch.save(r, out)
     os._exit(0)  # skip engine teardown (vLLM destroys the process group) and atexit hooks
 
@@ -199,6 +223,10 @@ def test_engine_contract(name, tiny_model_dir, tmp_path):
     assert r["after_sleep_equal"]
     if traits.request_queue:
         assert all(r["queue_equal"]), r
+        assert r["paused_unfinished"] == 0, r
+        assert all(1 <= n <= 3 for n in r["paused_lengths"]), r  # one token per engine step at most
+        assert all(r["paused_prefix"]) and r["paused_lp_gap"] < 1e-5, r
+        assert r["resumed_lengths"] == [TR] * 3, r  # resumed with the rest of the budget, no EOS stop
 
 
 def test_fake_engine_trains_through_the_driver(tiny_model_dir, arithmetic_data, tmp_path):

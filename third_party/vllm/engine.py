@@ -312,7 +312,8 @@ class VLLMEngine:
             torch.distributed.barrier()  # every rank has mapped every segment of its group
             _unlink_own_cpu_shm()
         self.cfg = cfg
-        self._pending: dict[str, str] = {}  # vLLM's internal request id -> the caller's id
+        self._pending: dict[str, str] = {}  # the caller's id of a queued request -> vLLM's internal id
+        self._latest: dict[str, Any] = {}  # caller's id -> the newest output of an unfinished request
         self.awake: set[str] = {"weights", "kv_cache"}  # what is allocated now
         # The weights were thrown away (level-2 sleep) and hold no values until the next reload.
         self.weights_discarded = False
@@ -358,7 +359,7 @@ class VLLMEngine:
         internal = engine.add_request(
             request_id, TokensPrompt(prompt_token_ids=list(prompt_token_ids)), _sampling_params(params)
         )
-        self._pending[str(internal)] = request_id
+        self._pending[request_id] = str(internal)
 
     def step(self) -> list[tuple[str, list[int], list[float], str]]:
         """Run one engine iteration. Returns the requests that finished in it as
@@ -366,12 +367,39 @@ class VLLMEngine:
         token was sampled, and is included) or ``"length"`` (``max_tokens`` reached)."""
         finished = []
         for out in self.llm.llm_engine.step():
+            # vLLM's outputs carry the caller's id (its internal id only where it was the same)
+            request_id = self._caller_id(str(out.request_id))
             if not out.finished:
+                self._latest[request_id] = out  # cumulative: what `pause` hands back
                 continue
-            request_id = self._pending.pop(str(out.request_id), str(out.request_id))
+            self._latest.pop(request_id, None)
+            self._pending.pop(request_id, None)
             ids, lps, reason = _completion(out)
             finished.append((request_id, ids, lps, reason))
         return finished
+
+    def _caller_id(self, output_id: str) -> str:
+        if output_id in self._pending:
+            return output_id
+        return next((r for r, i in self._pending.items() if i == output_id), output_id)
+
+    def pause(self, request_ids: Sequence[str] | None = None) -> list[tuple[str, list[int], list[float]]]:
+        """Stop queued requests (``request_ids``, or every one) before they finish and hand back what each
+        sampled so far, ``(request_id, token_ids, log_probs)``; they leave the engine (partial rollout
+        resumes one by submitting its prompt and these tokens as a new request)."""
+        chosen = list(self._pending) if request_ids is None else list(request_ids)
+        missing = [r for r in chosen if r not in self._pending]
+        if missing:
+            raise KeyError(f"pause: not queued: {sorted(missing)}")
+        if chosen:
+            self.llm.llm_engine.abort_request([self._pending[r] for r in chosen], internal=True)
+        paused = []
+        for request_id in chosen:
+            del self._pending[request_id]
+            out = self._latest.pop(request_id, None)
+            ids, lps = _completion(out)[:2] if out is not None else ([], [])
+            paused.append((request_id, ids, lps))
+        return paused
 
     def num_unfinished(self) -> int:
         """Requests queued by `submit` that have not finished yet."""

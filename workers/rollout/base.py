@@ -114,7 +114,7 @@ class Rollout(Protocol):
 
 class RequestEngine(Protocol):
     """An engine that takes requests one at a time (the ``request_queue`` trait; a rollout's ``engine``):
-    the agent loops queue each turn and collect finished ones. ``step`` advances every queued request and
+    the agent loops queue each turn and collect finished ones; a request can be paused half-way. ``step`` advances every queued request and
     returns those that finished: ``(request_id, token_ids, log_probs, finish_reason)``, ``finish_reason``
     ``"stop"`` (a stop token, included) or ``"length"``."""
 
@@ -123,6 +123,12 @@ class RequestEngine(Protocol):
     def step(self) -> list[tuple[str, list[int], list[float], str]]: ...
 
     def num_unfinished(self) -> int: ...
+
+    def pause(self, request_ids: Sequence[str] | None = None) -> list[tuple[str, list[int], list[float]]]:
+        """Stop unfinished requests (these, or all) and return ``(request_id, token_ids, log_probs)`` of
+        what each sampled so far; they leave the engine. A request resumes as a new one whose prompt
+        ends with those tokens (partial rollout)."""
+        ...
 
 
 def unpadded_prompts(batch: RolloutBatch) -> list[list[int]]:

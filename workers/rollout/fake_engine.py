@@ -16,12 +16,27 @@ load, not for training speed. It is registered in `fusedrl.workers.rollout.regis
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from fusedrl.workers.rollout.base import EngineContext, EngineRollout, SampleParams, rollout_dtype
 
 _TAGS = ("weights", "kv_cache")
+
+
+@dataclass
+class _Request:
+    """One sequence being sampled: its prompt, sampling, generator, token budget, cache and tokens so far."""
+
+    prompt: list[int]
+    params: SampleParams
+    gen: torch.Generator
+    budget: int
+    past: Any = None
+    ids: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
 
 
 def _processed_log_probs(logits: torch.Tensor, params: SampleParams) -> torch.Tensor:
@@ -54,7 +69,7 @@ class FakeEngine:
         self.awake = set(_TAGS)
         self.weights_discarded = False
         self.num_prefix_cache_resets = 0
-        self._queue: dict[str, tuple[list[int], SampleParams]] = {}
+        self._queue: dict[str, _Request] = {}
         self._requests = 0
 
     # ------------------------------------------------------------------ generation
@@ -66,29 +81,36 @@ class FakeEngine:
         if self.weights_discarded:
             raise RuntimeError(f"{what}: a level-2 sleep discarded the weights; stream them all first")
 
-    @torch.no_grad()
-    def _sample(self, prompt: list[int], params: SampleParams) -> tuple[list[int], list[float], str]:
+    def _start(self, prompt: list[int], params: SampleParams) -> _Request:
         seed = params.seed if params.seed is not None else self.seed + self._requests
         self._requests += 1
-        gen = torch.Generator().manual_seed(int(seed))
-        budget = min(params.max_tokens, self.max_model_len - len(prompt))
-        x, past = torch.tensor([prompt], device=self.device), None  # [1, Tp], then [1, 1]
-        ids: list[int] = []
-        lps: list[float] = []
-        for _ in range(max(budget, 0)):
-            out = self.model(input_ids=x, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logp = _processed_log_probs(out.logits[0, -1].cpu(), params)  # [V]
-            if params.temperature > 0:
-                token = int(torch.multinomial(logp.exp(), 1, generator=gen))
-            else:
-                token = int(logp.argmax())
-            ids.append(token)
-            lps.append(float(logp[token]))
-            if token in params.stop_token_ids and not params.ignore_eos:
-                return ids, lps, "stop"
-            x = torch.tensor([[token]], device=self.device)
-        return ids, lps, "length"
+        budget = max(min(params.max_tokens, self.max_model_len - len(prompt)), 0)
+        return _Request(prompt, params, torch.Generator().manual_seed(int(seed)), budget)
+
+    @torch.no_grad()
+    def _advance(self, r: _Request) -> str | None:
+        """Sample ``r``'s next token; its finish reason when that ends it (None: it goes on)."""
+        if len(r.ids) >= r.budget:
+            return "length"
+        x = torch.tensor([r.prompt if r.past is None else r.ids[-1:]], device=self.device)  # [1, T]
+        out = self.model(input_ids=x, past_key_values=r.past, use_cache=True)
+        r.past = out.past_key_values
+        logp = _processed_log_probs(out.logits[0, -1].cpu(), r.params)  # [V]
+        if r.params.temperature > 0:
+            token = int(torch.multinomial(logp.exp(), 1, generator=r.gen))
+        else:
+            token = int(logp.argmax())
+        r.ids.append(token)
+        r.lps.append(float(logp[token]))
+        if token in r.params.stop_token_ids and not r.params.ignore_eos:
+            return "stop"
+        return "length" if len(r.ids) >= r.budget else None
+
+    def _sample(self, prompt: list[int], params: SampleParams) -> tuple[list[int], list[float], str]:
+        r = self._start(prompt, params)
+        while (reason := self._advance(r)) is None:
+            pass
+        return r.ids, r.lps, reason
 
     def generate(
         self,
@@ -107,12 +129,26 @@ class FakeEngine:
     # ------------------------------------------------------------------ request queue (agent loops)
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SampleParams) -> None:
         self._ready("submit")
-        self._queue[request_id] = (list(prompt_token_ids), params)
+        self._queue[request_id] = self._start(list(prompt_token_ids), params)
 
     def step(self) -> list[tuple[str, list[int], list[float], str]]:
-        """Finish every queued request (one sequence at a time) and return them."""
-        queued, self._queue = self._queue, {}
-        return [(rid, *self._sample(prompt, params)) for rid, (prompt, params) in queued.items()]
+        """One token for every queued request, as vLLM's iteration; returns those that finished."""
+        self._ready("step")
+        finished = []
+        for rid, r in list(self._queue.items()):
+            reason = self._advance(r)
+            if reason is not None:
+                del self._queue[rid]
+                finished.append((rid, r.ids, r.lps, reason))
+        return finished
+
+    def pause(self, request_ids: Sequence[str] | None = None) -> list[tuple[str, list[int], list[float]]]:
+        """Stop queued requests (``request_ids``, or every one) and hand back what each sampled so far."""
+        chosen = list(self._queue) if request_ids is None else list(request_ids)
+        missing = [rid for rid in chosen if rid not in self._queue]
+        if missing:
+            raise KeyError(f"pause: not queued: {sorted(missing)}")
+        return [(rid, (r := self._queue.pop(rid)).ids, r.lps) for rid in chosen]
 
     def num_unfinished(self) -> int:
         return len(self._queue)
