@@ -60,7 +60,11 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
         reward_components: [B, K] float32 or None, the row's named reward components
                         (``algorithm.gdpo_reward_keys`` of a dict-returning scorer; GDPO).
         policy_version: [B] int64 or None, the actor version (number of its updates) whose weights
-                        generated the row (async training, ``trainer/async_trainer.py``).
+                        generated the row (async training, ``trainer/async_trainer.py``; partial rollout:
+                        the oldest version in the row).
+        token_versions: [B, Tr] int64 or None, the actor version that sampled each response token
+                        (partial rollout, ``workers/rollout/partial.py``: a row resumed across steps mixes
+                        versions); 0 on padding.
     Per-sample non-tensor values:
         uid:            list[str], the prompt's id; the n samples of one prompt share it (GRPO groups).
         data_source:    list[str], picks the scoring function.
@@ -87,6 +91,7 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
     reward_baselines: torch.Tensor | None = None
     reward_components: torch.Tensor | None = None
     policy_version: torch.Tensor | None = None
+    token_versions: torch.Tensor | None = None
     uid: Any = None
     data_source: Any = None
     ground_truth: Any = None
