@@ -1,77 +1,21 @@
 """Partial rollout (`fusedrl.workers.rollout.partial.PartialRollout`) on a scripted request engine whose
-response lengths are known, so every pause, resume, per-token version and returned group is hand-checked.
-
-The scripted engine: a prompt ``[L, P, ...]`` of ``P`` tokens asks for a response of ``L`` tokens in all;
-tokens already past ``P`` (a resumed request) count as sampled. Each `step` samples one token for every
-queued request: token ``100 + position``, log-prob ``-(position + 1) / 100``; it stops (EOS) at ``L``.
+response lengths are known (`benchmarks.partial_rollout_model.ScriptedEngine`: a prompt ``[L, P, ...]`` of
+``P`` tokens asks for ``L`` response tokens; each step samples token ``100 + position`` with log-prob
+``-(position + 1) / 100`` for every queued request, EOS at ``L``), so every pause, resume, per-token
+version and returned group is hand-checked; and the model of the gain built on it.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
+from benchmarks.partial_rollout_model import ScriptedEngine, scripted_batch, simulate
 from fusedrl.batch import RolloutBatch
-from fusedrl.workers.rollout.base import SampleParams, SamplingConfig
+from fusedrl.workers.rollout.base import SamplingConfig
 from fusedrl.workers.rollout.partial import PartialRollout
 
 EOS, PAD, TR = 2, 0, 16
-
-
-class ScriptedEngine:
-    def __init__(self) -> None:
-        self.queue: dict[str, list] = {}  # id -> [prompt, params, new ids]
-        self.submitted: list[tuple[str, list[int], SampleParams]] = []
-        self.steps = 0
-
-    def submit(self, request_id: str, prompt: list[int], params: SampleParams) -> None:
-        self.submitted.append((request_id, list(prompt), params))
-        self.queue[request_id] = [list(prompt), params, []]
-
-    def _pos(self, prompt: list[int], new: list[int]) -> int:
-        return len(prompt) - prompt[1] + len(new)  # response tokens sampled so far
-
-    def step(self):
-        self.steps += 1
-        done = []
-        for rid, (prompt, params, new) in list(self.queue.items()):
-            pos = self._pos(prompt, new)
-            new.append(EOS if pos + 1 == prompt[0] else 100 + pos)
-            if new[-1] == EOS or len(new) == params.max_tokens:
-                del self.queue[rid]
-                lps = [-(self._pos(prompt, []) + k + 1) / 100 for k in range(len(new))]
-                done.append((rid, new, lps, "stop" if new[-1] == EOS else "length"))
-        return done
-
-    def pause(self, request_ids=None):
-        ids = list(self.queue) if request_ids is None else list(request_ids)
-        out = []
-        for rid in ids:
-            prompt, _, new = self.queue.pop(rid)
-            out.append((rid, new, [-(self._pos(prompt, []) + k + 1) / 100 for k in range(len(new))]))
-        return out
-
-    def num_unfinished(self) -> int:
-        return len(self.queue)
-
-
-def _batch(lengths: list[int], seed0: int = 0) -> RolloutBatch:
-    """One row per length (groups of n consecutive rows), prompts [L, 3, 7] left-padded to 5."""
-    b = len(lengths)
-    prompts = torch.zeros(b, 5, dtype=torch.long)  # [B, Tp]
-    mask = torch.zeros(b, 5, dtype=torch.long)  # [B, Tp]
-    for i, length in enumerate(lengths):
-        prompts[i, 2:] = torch.tensor([length, 3, 7])
-        mask[i, 2:] = 1
-    batch = RolloutBatch.from_prompts(
-        prompts,
-        mask,
-        uid=[f"u{i}" for i in range(b)],
-        data_source=["x"] * b,
-        ground_truth=[str(x) for x in lengths],
-    )
-    batch.sample_seeds = torch.arange(seed0, seed0 + b)
-    return batch
+_batch = scripted_batch
 
 
 def _rollout(n: int = 2, max_resumes: int = 3) -> PartialRollout:
@@ -156,3 +100,22 @@ def test_the_budget_counts_tokens_sampled_before_a_pause():
     out = pr.generate_partial(_batch([1, 1]), sampling, version=1, quota=2)
     # the long rows stop at the 6-token budget (2 before the pause + 4 after), not 2 + 6
     assert sorted(int(m.sum()) for m in out.response_mask) == [1, 1, 6, 6]
+
+
+def test_the_modelled_gain_comes_from_the_tail_and_an_iterations_fixed_cost():
+    common = dict(steps=8, groups=4, n=2, median=16, max_len=256, max_resumes=3, fixed=1.0, per_request=0.0)
+    sync = simulate(sigma=1.0, extra=0, **common)
+    partial = simulate(sigma=1.0, extra=4, **common)
+    assert sync["age_max"] == 0 and partial["age_max"] >= 1
+    assert partial["tokens_per_time"] > 1.3 * sync["tokens_per_time"]
+    # responses of one length: partial gains only what the larger batch gives a synchronous step
+    even, wide = (
+        simulate(sigma=0.0, extra=4, **common),
+        simulate(sigma=0.0, extra=0, **{**common, "groups": 8}),
+    )
+    assert even["tokens_per_time"] == pytest.approx(wide["tokens_per_time"])
+    # an engine whose iterations cost only per running request gains nothing: sync trains every token it
+    # pays for, partial pays too for the tokens still in flight when the run ends
+    per_token = {**common, "fixed": 0.0, "per_request": 1.0}
+    assert simulate(sigma=1.0, extra=0, **per_token)["tokens_per_time"] == pytest.approx(1.0)
+    assert simulate(sigma=1.0, extra=4, **per_token)["tokens_per_time"] < 1.0
