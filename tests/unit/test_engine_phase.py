@@ -1,0 +1,47 @@
+"""`workers.phase.EnginePhase`: the rollout engine's phase, moves recorded once, repeats harmless, an
+illegal move refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from fusedrl.workers.phase import EnginePhase, IllegalMove
+
+pytestmark = pytest.mark.unit
+
+
+def test_level2_sleep_needs_a_full_stream():
+    p = EnginePhase()
+    assert not p.needs_stream and not p.asleep
+    assert p.sleep(discards_weights=True)
+    assert not p.sleep(discards_weights=True)  # repeated: no change, not recorded
+    assert p.asleep and p.weights == "discarded" and p.needs_stream
+    p.wake()
+    with pytest.raises(IllegalMove, match="only a full stream"):
+        p.streamed(full=False)  # LoRA modules alone cannot restore discarded weights
+    assert p.weights == "discarded"
+    p.streamed(full=True)
+    assert not p.needs_stream
+    assert list(p.moves) == [
+        "sleep -> asleep, weights discarded",
+        "wake -> awake, weights discarded",
+        "stream -> awake, weights current",
+    ]
+
+
+def test_update_makes_weights_stale_and_a_partial_stream_refreshes_them():
+    p = EnginePhase()
+    p.sleep(discards_weights=False)  # level 1 keeps the weights
+    assert not p.needs_stream
+    assert p.actor_changed() and not p.actor_changed()
+    assert p.weights == "stale"
+    p.wake()
+    p.streamed(full=False)
+    assert p.weights == "current"
+
+
+def test_an_update_after_a_discard_keeps_it_discarded():
+    p = EnginePhase()
+    p.sleep(discards_weights=True)
+    assert not p.actor_changed()
+    assert p.weights == "discarded"
