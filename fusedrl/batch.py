@@ -15,7 +15,7 @@ config.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -194,6 +194,14 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
             raise ValueError(f"update_from: {other.num_samples} rows vs {self.num_samples}")
         for name in names:
             setattr(self, name, getattr(other, name))
+        return self
+
+    def set_fields(self, values: Mapping[str, torch.Tensor]) -> RolloutBatch:
+        """Set each named field to its ``[B, ...]`` value (same rows, same order), in place."""
+        for name, value in values.items():
+            if value.shape[0] != self.num_samples:
+                raise ValueError(f"set_fields: {name} has {value.shape[0]} rows vs {self.num_samples}")
+            setattr(self, name, value)
         return self
 
 

@@ -98,7 +98,10 @@ class AsyncPPOTrainer(PPOTrainer):
         sampling = self.sampling(False)
         flight = InFlight(step=step, batch=batch, to_send=to_send, submitted_at=time.monotonic())
         wake = rollout.submit_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
-        gen = rollout.submit_split(lambda w, s: w.rollout_generate.remote(s, sampling), to_send, replicas=tp)
+        fields = self.response_fields
+        gen = rollout.submit_split(
+            lambda w, s: w.rollout_generate_fields.remote(s, sampling, fields), to_send, replicas=tp
+        )
         sleep = rollout.submit_all(lambda w: w.rollout_sleep.remote())
         flight.calls = [wake, gen, sleep]
         for ref in gen.refs:
@@ -126,9 +129,7 @@ class AsyncPPOTrainer(PPOTrainer):
         waited = time.monotonic()
         if rollout is self.group_for("actor"):  # a fused engine: the actor's parameters come back
             rollout.run_all(lambda w: w.load_actor.remote())
-        flight.result = flight.batch.update_from(
-            rollout.gather_batches(shards, flight.to_send), *self.response_fields
-        )
+        flight.result = flight.batch.set_fields(rollout.gather_fields(shards, flight.to_send))
         with self._lock:  # the answer callbacks run on Ray's thread; one may not have run yet
             answered = list(flight.done_at)
         complete = len(answered) == len(flight.calls[1].refs)

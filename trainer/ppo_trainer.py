@@ -362,13 +362,14 @@ class PPOTrainer(RewardModelScoring):
         if self.rollout_stale:
             self.sync_weights()
         rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
+        sampling, fields = self.sampling(validate), self.response_fields
         shards = rollout.run_split(
-            lambda w, shard: w.rollout_generate.remote(shard, self.sampling(validate)), to_send, replicas=tp
+            lambda w, shard: w.rollout_generate_fields.remote(shard, sampling, fields), to_send, replicas=tp
         )
         rollout.run_all(lambda w: w.rollout_sleep.remote())
         self.rollout_stale = self.rollout_discards_weights
         self.group_for("actor").run_all(lambda w: w.load_actor.remote())
-        return batch.update_from(rollout.gather_batches(shards, to_send), *self.response_fields)
+        return batch.set_fields(rollout.gather_fields(shards, to_send))
 
     def generation_request(
         self, prompts: RolloutBatch, validate: bool, seed_offset: int, step: int

@@ -103,6 +103,7 @@ class WeightSyncEndpoint:
     rollout: Any
     rank: int
     events: Any
+    phase: Any  # the engine's `workers.phase.EnginePhase`
     _sync_group: Any = None
     _sync_plan: list[list[Entry]] | None = None
     _sync_dtype: torch.dtype | None = None
@@ -225,5 +226,6 @@ class WeightSyncEndpoint:
         # The broadcast is collective: every bucket must be received even if a loader stopped early.
         for _ in received:
             pass
+        self.phase.streamed(full=True)
         self.events.append("rollout.update_weights")
         return {"sync/receive_s": time.perf_counter() - t0, "sync/receive_wire_s": wire[0]}

@@ -55,6 +55,7 @@ from fusedrl.workers.memory import (
     peak_rss_gb,
     rss_gb,
 )
+from fusedrl.workers.phase import EnginePhase
 from fusedrl.workers.reward_model import RewardModelRole
 from fusedrl.workers.rollout.base import EngineContext, Rollout, SamplingConfig
 from fusedrl.workers.rollout.registry import EngineTraits, engine_spec
@@ -103,7 +104,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         self.ref_mem: Offloader | None = None
         self.critic_mem: Offloader | None = None
         self.last_rollout_memory: dict[str, float] = {}
-        self.rollout_asleep = False  # the engine released its memory (until the next wake-up)
+        self.phase = EnginePhase()  # the engine asleep or not, its weights current, stale or discarded
 
     # ------------------------------------------------------------------ setup
     def bind_cpus(self, cpus: Sequence[int]) -> list[int]:
@@ -198,14 +199,14 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
     def _sleep_engine(self) -> None:
         """The engine releases its memory (``rollout.free_cache_engine``) at ``rollout.sleep_level``."""
         rcfg = self.config.rollout
-        if self.rollout is None or self.rollout_asleep or not rcfg.free_cache_engine:
+        if self.rollout is None or self.phase.asleep or not rcfg.free_cache_engine:
             return
         if not self.engine_traits.can_sleep:
             return
         level = int(rcfg.sleep_level)
         self.events.append(f"rollout.sleep(level={level})")
         self.rollout.sleep(level)
-        self.rollout_asleep = True
+        self.phase.sleep(discards_weights=self.rollout.weights_discarded)
         empty_cache()
 
     def _build_offloaders(self) -> None:
@@ -289,6 +290,16 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         return role
 
     # ------------------------------------------------------------------ memory moves
+    def rollout_phase(self) -> dict[str, Any]:
+        """The engine's phase (`workers.phase.EnginePhase`): asleep, weights, needs_stream, the moves."""
+        p = self.phase
+        return {
+            "asleep": p.asleep,
+            "weights": p.weights,
+            "needs_stream": p.needs_stream,
+            "moves": list(p.moves),
+        }
+
     def rollout_wake_up(self, tags: list[str]) -> None:
         """The engine maps ``tags`` (``weights``, ``kv_cache``) back in; a no-op where it never slept."""
         if self.rollout is None:
@@ -296,7 +307,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         for tag in tags:
             self.events.append(f"rollout.wake_up({tag})")
         self.rollout.wake_up(list(tags))
-        self.rollout_asleep = False
+        self.phase.wake()
 
     def rollout_sleep(self) -> None:
         """After a rollout: the engine sleeps (``free_cache_engine``, level ``sleep_level``: 2 throws the
@@ -361,6 +372,14 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         self.events.append("rollout.generate")
         return rollout.generate(_to_device(batch), sampling).cpu()
 
+    def rollout_generate_fields(
+        self, batch: RolloutBatch, sampling: SamplingConfig, fields: Sequence[str]
+    ) -> dict[str, torch.Tensor]:
+        """`rollout_generate`, answering only the named fields (what the driver adds to its batch: the
+        request's prompts and seeds do not travel back)."""
+        out = self.rollout_generate(batch, sampling)
+        return {name: getattr(out, name) for name in fields}
+
     # ------------------------------------------------------------------ log-probs
     def actor_compute_log_prob(
         self, batch: RolloutBatch, temperature: float, with_sum_pi_squared: bool = False
@@ -397,6 +416,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         actor = self._need(self.actor, "actor", "actor_update")
         t0 = time.perf_counter()
         metrics = actor.update(_to_device(batch), temperature=temperature, lr=lr)
+        self.phase.actor_changed()  # the engine's weights (if it is here) are the previous policy's
         metrics["timing_s/update_actor_inner"] = time.perf_counter() - t0
         metrics.update(memory_metrics("update"))
         metrics.update(self.last_rollout_memory)
@@ -448,6 +468,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         actor = self._need(self.actor, "actor", "update_weights")
         self._need(self.rollout, "rollout", "update_weights (a rollout on another pool: send_weights)")
         if self.engine_traits.shares_actor_module:
+            self.phase.streamed(full=True)  # the engine runs on the actor's own module
             return {"timing_s/sync_weights_inner": 0.0, **memory_metrics("sync")}
         t0 = time.perf_counter()
         stats = StreamStats()
@@ -459,6 +480,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
             reset_prefix_cache=reset_prefix_cache,
             partial=not full,
         )
+        self.phase.streamed(full=full)
         self.events.append("rollout.update_weights" if full else "rollout.update_weights(lora_modules)")
         return {
             "timing_s/sync_weights_inner": time.perf_counter() - t0,
@@ -500,6 +522,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
                 trainable_only=self.actor.lora,
             )
             self.actor.stepper.num_skipped = int(extra.get("num_skipped_steps", 0))
+            self.phase.actor_changed()
             if self.critic is not None:
                 load_fsdp_state(
                     self.critic.model, self.critic.optimizer, shard_prefix(ckpt_dir, self.rank, "critic")

@@ -426,6 +426,12 @@ class WorkerGroup:
         """Per-shard batch results back into one batch in the original row order."""
         return gather_from_ranks(shards, self.split_pad(batch, len(shards)))
 
+    def gather_fields(
+        self, parts: Sequence[dict[str, torch.Tensor]], batch: RolloutBatch
+    ) -> dict[str, torch.Tensor]:
+        """Per-shard ``{field: [b, ...]}`` answers back into ``{field: [B, ...]}`` in the original row order."""
+        return {name: self.gather_tensors([p[name] for p in parts], batch) for name in parts[0]}
+
     def gather_tensors(self, parts: Sequence[torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
         """Per-shard ``[b, ...]`` tensors back into ``[B, ...]`` in the original row order."""
         full = torch.cat(list(parts), dim=0)

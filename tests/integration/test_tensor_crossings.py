@@ -15,12 +15,12 @@ from support import started_trainer
 pytestmark = pytest.mark.integration
 
 # The crossings of that step, by worker call (docs/architecture.md, "Tensor crossings per step"): the
-# rollout's answer echoes its request (prompts, prompt_mask, sample_seeds) beside responses, response_mask
-# and rollout_log_probs; the reference and the update get the model inputs (prompts, prompt_mask, responses,
+# rollout answers responses, response_mask and rollout_log_probs only (its answer echoed the request's
+# prompts, prompt_mask and sample_seeds too before `rollout_generate_fields`: 21); the reference and the update get the model inputs (prompts, prompt_mask, responses,
 # response_mask) again, the update also advantages and ref_log_probs, and gives old_log_probs back.
 EXPECTED = {
-    "rollout_generate out": 3,
-    "rollout_generate back": 6,
+    "rollout_generate_fields out": 3,
+    "rollout_generate_fields back": 3,
     "ref_compute_log_prob out": 4,
     "ref_compute_log_prob back": 1,
     "actor_update_old_from_forward out": 6,
@@ -58,10 +58,18 @@ def test_tensor_crossings_per_grpo_step(tiny_model_dir, arithmetic_data, tmp_pat
             calls_before = dict(trainer.workers.traffic.by_call)
             metrics = trainer.train_step()
             per_step.append(trainer.groups.tensor_crossings() - before)
+            (phase,) = trainer.workers.run_all(lambda w: w.rollout_phase.remote())
+            assert phase["needs_stream"] == trainer.rollout_stale  # the worker's phase agrees with the driver
         traffic = trainer.workers.traffic
         step2 = {k: v - calls_before.get(k, 0) for k, v in traffic.by_call.items()}
     assert metrics["actor/old_log_prob_from_update"] == 1.0
     # Step 1 re-streams first (the engine slept once built): weight streams move no tensor through the driver.
-    assert per_step == [sum(EXPECTED.values())] * 2, per_step  # 21
+    assert per_step == [sum(EXPECTED.values())] * 2, per_step  # 18
     assert {k: v for k, v in step2.items() if v} == EXPECTED
     assert traffic.bytes > 0
+    # Each step: the engine slept at level 2, the update found its weights discarded, the sync restored them.
+    assert phase["moves"][-3:] == [
+        "sleep -> asleep, weights discarded",
+        "wake -> awake, weights discarded",
+        "stream -> awake, weights current",
+    ], phase
