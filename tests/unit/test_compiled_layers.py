@@ -301,13 +301,15 @@ def test_a_second_run_of_the_same_work_compiles_dynamic_at_once(tmp_path):
     assert job_b != job_a and other == 2
 
 
-def test_remember_dynamic_shapes_keeps_a_job_name_the_user_set(monkeypatch, tmp_path):
+def test_remember_dynamic_shapes_keeps_a_job_name_the_user_set(tmp_path):
     from fusedrl.workers.layer_compile import remember_dynamic_shapes
 
-    monkeypatch.setattr(torch.compiler.config, "job_id", "mine")
-    assert remember_dynamic_shapes(str(tmp_path), packed=False) == "mine"
-    monkeypatch.setattr(torch.compiler.config, "job_id", None)
-    named = remember_dynamic_shapes(str(tmp_path), packed=False)
-    assert named.startswith("fusedrl-") and torch.compiler.config.job_id == named
-    monkeypatch.setattr(torch.compiler.config, "job_id", None)
-    assert remember_dynamic_shapes(str(tmp_path), packed=True) != named
+    config = torch.compiler.config
+    with config.patch(job_id="mine"):  # (a config module: monkeypatch would delete the entry on undo)
+        assert remember_dynamic_shapes(str(tmp_path), packed=False) == "mine"
+    with config.patch(job_id=None):
+        named = remember_dynamic_shapes(str(tmp_path), packed=False)
+        assert named.startswith("fusedrl-") and config.job_id == named
+    with config.patch(job_id=None):
+        assert remember_dynamic_shapes(str(tmp_path), packed=True) != named
+    assert config.job_id is None
