@@ -22,7 +22,7 @@ import argparse
 import json
 import os
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 PAD_TOKEN = "<|endoftext|>"
@@ -240,22 +240,40 @@ def build_tiny_model(
     corpus: Iterable[str] | None = None,
 ) -> str:
     """Write tokenizer + randomly initialised Qwen2ForCausalLM (safetensors) to ``out_dir``; return it."""
+    from transformers import Qwen2ForCausalLM
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+
+    def config(vocab_size: int, pad_id: int, eos_id: int):
+        return make_config(preset, vocab_size, pad_id=pad_id, eos_id=eos_id, dtype=dtype)
+
+    return save_random_model(out_dir, Qwen2ForCausalLM, config, seed=seed, dtype=dtype, corpus=corpus)
+
+
+def save_random_model(
+    out_dir: str | os.PathLike,
+    model_class: Any,
+    config: Callable[[int, int, int], Any],
+    *,
+    seed: int,
+    dtype: str,
+    corpus: Iterable[str] | None = None,
+) -> str:
+    """The tiny tokenizer and a random-init ``model_class`` of ``config(vocab_size, pad_id, eos_id)``, seeded,
+    in ``dtype``, saved to ``out_dir`` (safetensors, generation config); returns ``out_dir``."""
     import torch
-    from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers import GenerationConfig
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     out_dir = os.fspath(out_dir)
     tokenizer = build_tokenizer(out_dir, corpus=corpus)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-    vocab_size = _round_up(len(tokenizer), VOCAB_MULTIPLE)
-    config = make_config(preset, vocab_size, pad_id=pad_id, eos_id=eos_id, dtype=dtype)
-
+    cfg = config(_round_up(len(tokenizer), VOCAB_MULTIPLE), pad_id, eos_id)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = model_class(cfg)
     model.to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(out_dir)
@@ -278,16 +296,22 @@ def count_parameters(model_dir: str | os.PathLike) -> int:
     return total
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cli(argv: list[str] | None, presets: Iterable[str], default: str, build: Callable[..., str]) -> None:
+    """``--out DIR [--preset P] [--seed S] [--dtype D]``: build a model with ``build`` and print its folder and
+    parameter count (the tiny models' command lines)."""
+    p = argparse.ArgumentParser(description="Build a random-init model with the tiny tokenizer, offline.")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--preset", default=default, choices=sorted(presets))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=_DTYPES)
     args = p.parse_args(argv)
-    path = build_tiny_model(args.out, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    path = build(args.out, preset=args.preset, seed=args.seed, dtype=args.dtype)
     print(path)
     print(f"parameters: {count_parameters(path)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli(argv, PRESETS, "tiny", build_tiny_model)
 
 
 if __name__ == "__main__":

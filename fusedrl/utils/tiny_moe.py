@@ -15,20 +15,11 @@ CLI::
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Iterable
 from typing import Any
 
-from fusedrl.utils.tiny_model import (
-    IM_END,
-    MODEL_MAX_LENGTH,
-    PAD_TOKEN,
-    VOCAB_MULTIPLE,
-    _round_up,
-    build_tokenizer,
-    count_parameters,
-)
+from fusedrl.utils.tiny_model import MODEL_MAX_LENGTH, cli, save_random_model
 
 # head_dim 32 (a head size vLLM's CPU attention accepts; Qwen3 states it explicitly). Parameter counts for a
 # 512-token vocabulary.
@@ -46,8 +37,6 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
         head_dim=32,
     ),
 }
-
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def make_moe_config(
@@ -92,37 +81,18 @@ def build_tiny_moe_model(
 ) -> str:
     """Write tokenizer + randomly initialised Qwen3MoeForCausalLM (safetensors) to ``out_dir``; return it.
     ``overrides``: config fields that replace the preset's (``moe_intermediate_size=64``)."""
-    import torch
-    from transformers import GenerationConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-    out_dir = os.fspath(out_dir)
-    tokenizer = build_tokenizer(out_dir, corpus=corpus)
-    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-    vocab_size = _round_up(len(tokenizer), VOCAB_MULTIPLE)
-    config = make_moe_config(
-        preset, vocab_size, pad_id=pad_id, eos_id=eos_id, dtype=dtype, overrides=overrides
-    )
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config)
-    model.to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
-    model.save_pretrained(out_dir)
-    return out_dir
+    def config(vocab_size: int, pad_id: int, eos_id: int):
+        return make_moe_config(
+            preset, vocab_size, pad_id=pad_id, eos_id=eos_id, dtype=dtype, overrides=overrides
+        )
+
+    return save_random_model(out_dir, Qwen3MoeForCausalLM, config, seed=seed, dtype=dtype, corpus=corpus)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--preset", default="moe_tiny", choices=sorted(MOE_PRESETS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=_DTYPES)
-    args = p.parse_args(argv)
-    path = build_tiny_moe_model(args.out, preset=args.preset, seed=args.seed, dtype=args.dtype)
-    print(path)
-    print(f"parameters: {count_parameters(path)}")
+    cli(argv, MOE_PRESETS, "moe_tiny", build_tiny_moe_model)
 
 
 if __name__ == "__main__":
