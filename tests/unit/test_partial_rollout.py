@@ -8,6 +8,7 @@ version and returned group is hand-checked; and the model of the gain built on i
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks.partial_rollout_model import ScriptedEngine, scripted_batch, simulate
 from fusedrl.batch import RolloutBatch
@@ -119,3 +120,28 @@ def test_the_modelled_gain_comes_from_the_tail_and_an_iterations_fixed_cost():
     per_token = {**common, "fixed": 0.0, "per_request": 1.0}
     assert simulate(sigma=1.0, extra=0, **per_token)["tokens_per_time"] == pytest.approx(1.0)
     assert simulate(sigma=1.0, extra=4, **per_token)["tokens_per_time"] < 1.0
+
+
+def test_a_run_resumed_from_the_saved_state_continues_the_paused_requests_exactly():
+    import pickle
+
+    sampling = SamplingConfig(max_tokens=TR)
+    steps = [([2, 3, 9, 10, 3, 2], 2), ([4, 4], 1), ([12, 12], 1), ([1, 1], 1)]
+
+    def run(pr: PartialRollout, todo) -> list:
+        outs = []
+        for k, (lengths, quota) in todo:
+            out = pr.generate_partial(_batch(lengths, seed0=10 * k), sampling, version=k, quota=quota)
+            outs.append((out.responses, out.rollout_log_probs, out.token_versions, out.ground_truth, out.uid))
+        return outs
+
+    whole = run(_rollout(), enumerate(steps))
+    first = _rollout()
+    head = run(first, enumerate(steps[:2]))
+    saved = pickle.loads(pickle.dumps(first.state()))  # what a checkpoint keeps
+    assert saved["groups"] and saved["groups"][0][0]["ids"]  # paused requests are in it
+    resumed = _rollout()  # a new process: a new engine, nothing queued
+    resumed.load_state(saved)
+    tail = run(resumed, list(enumerate(steps))[2:])
+    for a, b in zip(whole, head + tail, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3], strict=True)) and a[3:] == b[3:]

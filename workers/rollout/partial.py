@@ -137,6 +137,48 @@ class PartialRollout(EngineRollout):
         self.carried = [g for g in groups if not any(g is t for t in taken)]
         return self._rows(taken)
 
+    def state(self) -> dict:
+        """The carried groups as plain values (tensors, lists, ints), for a checkpoint: a run resumed from
+        it continues the paused requests as the uninterrupted run does (`load_state`). The engine holds
+        nothing between calls: every carried request was paused, and resumes from these tokens."""
+        return {
+            "groups": [
+                [
+                    {
+                        "row": s.row.to_dict(),
+                        "prompt": s.prompt,
+                        "seed": s.seed,
+                        "ids": s.ids,
+                        "log_probs": s.log_probs,
+                        "versions": s.versions,
+                        "resumes": s.resumes,
+                        "done": s.done,
+                    }
+                    for s in group
+                ]
+                for group in self.carried
+            ]
+        }
+
+    def load_state(self, state: dict) -> None:
+        """Carry the groups of `state` (what a checkpoint saved), replacing any carried now."""
+        self.carried = [
+            [
+                _Sample(
+                    RolloutBatch.from_dict(d["row"], batch_size=[1]),
+                    list(d["prompt"]),
+                    int(d["seed"]),
+                    list(d["ids"]),
+                    list(d["log_probs"]),
+                    list(d["versions"]),
+                    int(d["resumes"]),
+                    bool(d["done"]),
+                )
+                for d in group
+            ]
+            for group in state["groups"]
+        ]
+
     @staticmethod
     def _extend(s: _Sample, ids: list[int], lps: list[float], version: int) -> None:
         s.ids += list(ids)
