@@ -178,3 +178,29 @@ def update_without_sync(trainer, prompts) -> None:
     batch = trainer.compute_advantages(batch)
     trainer.update_actor(batch)
     trainer.rollout_stale = False  # a choreography that forgets the sync (generate would re-sync first)
+
+
+def two_step_grpo() -> list[str]:
+    """Two GRPO steps of 4 prompts x 4 samples (16 tokens) on 2 fused workers, float32 on both sides, a KL
+    loss to the reference, level-1 sleeps: the end-to-end runs that check syncs, updates and checkpoints."""
+    return [
+        "data.train_batch_size=4",
+        "data.max_prompt_length=256",
+        "data.max_response_length=16",
+        "actor_rollout_ref.rollout.n=4",
+        "algorithm.adv_estimator=grpo",
+        "trainer.val_before_train=false",
+        "actor_rollout_ref.rollout.temperature=0.8",
+        "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,
+        "actor_rollout_ref.rollout.free_cache_engine=true",
+        "actor_rollout_ref.rollout.sleep_level=1",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=2e-3",
+        "actor_rollout_ref.actor.optim.weight_decay=0.0",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.01",
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=2",
+    ]

@@ -15,12 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 from support import (
-    FLOAT32_TRAINING,
     padded_batch,
     single_rank_group,
     spawned_result,
     started_trainer,
     sync_gap,
+    two_step_grpo,
     update_without_sync,
 )
 
@@ -217,25 +217,7 @@ def trainer(tiny_moe_dir, arithmetic_data, tmp_path_factory):
         [
             f"data.train_files={train}",
             f"actor_rollout_ref.model.path={tiny_moe_dir}",
-            "data.train_batch_size=4",
-            "data.max_prompt_length=256",
-            "data.max_response_length=16",
-            "actor_rollout_ref.rollout.n=4",
-            "algorithm.adv_estimator=grpo",
-            "trainer.val_before_train=false",
-            "actor_rollout_ref.rollout.temperature=0.8",
-            "actor_rollout_ref.rollout.dtype=float32",
-            *FLOAT32_TRAINING,
-            "actor_rollout_ref.rollout.free_cache_engine=true",
-            "actor_rollout_ref.rollout.sleep_level=1",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-            "actor_rollout_ref.actor.optim.lr=2e-3",
-            "actor_rollout_ref.actor.optim.weight_decay=0.0",
-            "actor_rollout_ref.actor.use_kl_loss=true",
-            "actor_rollout_ref.actor.kl_loss_coef=0.01",
-            "trainer.n_gpus_per_node=2",
-            "trainer.total_training_steps=2",
+            *two_step_grpo(),  # float32 on both sides: the comparisons' tolerances assume it
             "trainer.save_freq=2",
             f"trainer.default_local_dir={tmp_path_factory.mktemp('moe_run')}",
         ]
