@@ -367,8 +367,7 @@ class VLLMEngine:
         token was sampled, and is included) or ``"length"`` (``max_tokens`` reached)."""
         finished = []
         for out in self.llm.llm_engine.step():
-            # vLLM's outputs carry the caller's id (its internal id only where it was the same)
-            request_id = self._caller_id(str(out.request_id))
+            request_id = str(out.request_id)  # vLLM's outputs carry the caller's id
             if not out.finished:
                 self._latest[request_id] = out  # cumulative: what `pause` hands back
                 continue
@@ -377,11 +376,6 @@ class VLLMEngine:
             ids, lps, reason = _completion(out)
             finished.append((request_id, ids, lps, reason))
         return finished
-
-    def _caller_id(self, output_id: str) -> str:
-        if output_id in self._pending:
-            return output_id
-        return next((r for r, i in self._pending.items() if i == output_id), output_id)
 
     def pause(self, request_ids: Sequence[str] | None = None) -> list[tuple[str, list[int], list[float]]]:
         """Stop queued requests (``request_ids``, or every one) before they finish and hand back what each
