@@ -204,3 +204,46 @@ def two_step_grpo() -> list[str]:
         "trainer.n_gpus_per_node=2",
         "trainer.total_training_steps=2",
     ]
+
+
+def model_log_probs(model, batch) -> torch.Tensor:
+    """``model``'s log-probs (temperature 1, computed in float32) of each row's sampled tokens, one sequence
+    at a time, 0 after them. [B, Tr]"""
+    out = torch.zeros(batch.responses.shape)
+    for i in range(batch.num_samples):
+        prompt = batch.prompts[i][batch.prompt_mask[i].bool()].tolist()
+        n = int(batch.response_mask[i].sum())
+        tokens = batch.responses[i, :n].tolist()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[
+                0, len(prompt) - 1 : -1
+            ]  # [n, V]
+        out[i, :n] = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    return out
+
+
+def fake_engine_grpo(model_dir: str, train_file: str, out_dir) -> list[str]:
+    """Two GRPO steps with a KL loss on 1 fused worker with the ``fake`` engine sleeping at level 2 after
+    every rollout (2 prompts x 4 samples, 8 tokens, float32)."""
+    return [
+        f"data.train_files={train_file}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=256",
+        "data.max_response_length=8",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.name=fake",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.free_cache_engine=true",
+        "actor_rollout_ref.rollout.sleep_level=2",
+        "actor_rollout_ref.actor.fsdp_config.param_dtype=null",
+        "actor_rollout_ref.ref.fsdp_config.param_dtype=null",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "trainer.n_gpus_per_node=1",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=0",
+        f"trainer.default_local_dir={out_dir}",
+    ]

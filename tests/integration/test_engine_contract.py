@@ -22,7 +22,7 @@ import os
 
 import pytest
 import torch
-from support import padded_batch, spawned_result, started_trainer
+from support import fake_engine_grpo, model_log_probs, padded_batch, spawned_result, started_trainer
 
 from fusedrl.workers.rollout.registry import engine_names, engine_traits
 
@@ -40,21 +40,6 @@ def _states(model_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return weights, {n: (t * 0.5 if ".mlp." in n else t) for n, t in weights.items()}
-
-
-def _model_log_probs(model, batch) -> torch.Tensor:
-    """The float32 model's log-probs (temperature 1) of each row's sampled tokens, 0 after them. [B, Tr]"""
-    out = torch.zeros(batch.responses.shape)
-    for i in range(batch.num_samples):
-        prompt = batch.prompts[i][batch.prompt_mask[i].bool()].tolist()
-        n = int(batch.response_mask[i].sum())
-        tokens = batch.responses[i, :n].tolist()
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[
-                0, len(prompt) - 1 : -1
-            ]  # [n, V]
-        out[i, :n] = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
-    return out
 
 
 def _greedy(model, prompt: list[int], steps: int, eos: int) -> list[int]:
@@ -134,7 +119,7 @@ def _body(port: int, args: str, out: str) -> None:
     r["masks_prefix"] = bool((first.response_mask.cummin(dim=1).values == first.response_mask).all())
     r["again_equal"] = torch.equal(sample().responses, first.responses)
     r["other_seeds_differ"] = not torch.equal(sample((21, 22, 23)).responses, first.responses)
-    r["gap"] = float((first.rollout_log_probs - _model_log_probs(actor, first)).abs().max())
+    r["gap"] = float((first.rollout_log_probs - model_log_probs(actor, first)).abs().max())
     g = rollout.generate(base.clone(), greedy)
     prompts = [base.prompts[i][base.prompt_mask[i].bool()].tolist() for i in range(base.num_samples)]
     r["greedy_equal"] = [
@@ -144,9 +129,9 @@ def _body(port: int, args: str, out: str) -> None:
     follow(changed)
     actor.load_state_dict(changed)  # the reference model for the checks below
     moved = sample()
-    r["gap_after_update"] = float((moved.rollout_log_probs - _model_log_probs(actor, moved)).abs().max())
+    r["gap_after_update"] = float((moved.rollout_log_probs - model_log_probs(actor, moved)).abs().max())
     actor.load_state_dict(weights)  # the old weights would score those samples differently
-    r["gap_to_old_weights"] = float((moved.rollout_log_probs - _model_log_probs(actor, moved)).abs().max())
+    r["gap_to_old_weights"] = float((moved.rollout_log_probs - model_log_probs(actor, moved)).abs().max())
     actor.load_state_dict(changed)
 
     rollout.sleep(2)
@@ -160,7 +145,7 @@ def _body(port: int, args: str, out: str) -> None:
             r["partial_refused"] = True
         follow(changed)
     again = sample()
-    r["gap_after_sleep"] = float((again.rollout_log_probs - _model_log_probs(actor, again)).abs().max())
+    r["gap_after_sleep"] = float((again.rollout_log_probs - model_log_probs(actor, again)).abs().max())
     r["after_sleep_equal"] = torch.equal(again.responses, moved.responses)
 
     if spec.traits.request_queue:
@@ -233,28 +218,9 @@ def test_fake_engine_trains_through_the_driver(tiny_model_dir, arithmetic_data, 
     """GRPO with KL on the fake engine, the engine sleeping at level 2 after every rollout: the driver must
     wake it and re-stream (the fake refuses to sample otherwise), and the rollout check holds at step 2."""
     overrides = [
-        f"data.train_files={arithmetic_data[0]}",
-        f"actor_rollout_ref.model.path={tiny_model_dir}",
-        "data.train_batch_size=2",
-        "data.max_prompt_length=256",
-        "data.max_response_length=8",
-        "algorithm.adv_estimator=grpo",
-        "actor_rollout_ref.rollout.name=fake",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.rollout.dtype=float32",
-        "actor_rollout_ref.rollout.free_cache_engine=true",
-        "actor_rollout_ref.rollout.sleep_level=2",
-        "actor_rollout_ref.actor.fsdp_config.param_dtype=null",
-        "actor_rollout_ref.ref.fsdp_config.param_dtype=null",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        *fake_engine_grpo(tiny_model_dir, arithmetic_data[0], tmp_path),
         "actor_rollout_ref.actor.optim.lr=1e-2",
-        "actor_rollout_ref.actor.use_kl_loss=true",
-        "trainer.n_gpus_per_node=1",
-        "trainer.total_training_steps=2",
         "trainer.rollout_check_tol=auto",
-        "trainer.save_freq=0",
-        f"trainer.default_local_dir={tmp_path}",
     ]
     with started_trainer(overrides) as trainer:
         metrics = [trainer.train_step() for trainer.global_step in (1, 2)]

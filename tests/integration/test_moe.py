@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support import (
+    model_log_probs,
     padded_batch,
     single_rank_group,
     spawned_result,
@@ -39,21 +40,6 @@ def tiny_moe_dir(tmp_path_factory) -> str:
     from fusedrl.utils.tiny_moe import build_tiny_moe_model
 
     return build_tiny_moe_model(str(tmp_path_factory.mktemp("tiny_moe")), seed=0)
-
-
-def _hf_log_probs(model, batch) -> torch.Tensor:
-    """The model's log-probs (temperature 1) of each row's sampled tokens, 0 after them. [B, Tr]"""
-    out = torch.zeros(batch.responses.shape)
-    for i in range(batch.num_samples):
-        prompt = batch.prompts[i][batch.prompt_mask[i].bool()].tolist()
-        n = int(batch.response_mask[i].sum())
-        tokens = batch.responses[i, :n].tolist()
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[
-                0, len(prompt) - 1 : -1
-            ]  # [n, V]
-        out[i, :n] = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
-    return out
 
 
 def _routing_differs(engine, hf, prompt: list[int]) -> float:
@@ -129,7 +115,7 @@ def _engine_body(port: int, args: str, out: str) -> None:
     def gap() -> float:
         batch = rollout.generate(base.clone(), sampling)
         mask = batch.response_mask.bool()
-        return float((batch.rollout_log_probs - _hf_log_probs(hf, batch)).abs()[mask].max())
+        return float((batch.rollout_log_probs - model_log_probs(hf, batch)).abs()[mask].max())
 
     def state() -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in engine.model_state().items()}

@@ -10,7 +10,7 @@ issue's target is <= 3 (responses staying on the workers that made them).
 from __future__ import annotations
 
 import pytest
-from support import started_trainer
+from support import fake_engine_grpo, started_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -29,28 +29,7 @@ EXPECTED = {
 
 
 def test_tensor_crossings_per_grpo_step(tiny_model_dir, arithmetic_data, tmp_path):
-    overrides = [
-        f"data.train_files={arithmetic_data[0]}",
-        f"actor_rollout_ref.model.path={tiny_model_dir}",
-        "data.train_batch_size=2",
-        "data.max_prompt_length=256",
-        "data.max_response_length=8",
-        "algorithm.adv_estimator=grpo",
-        "actor_rollout_ref.rollout.name=fake",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.rollout.dtype=float32",
-        "actor_rollout_ref.rollout.free_cache_engine=true",
-        "actor_rollout_ref.rollout.sleep_level=2",
-        "actor_rollout_ref.actor.fsdp_config.param_dtype=null",
-        "actor_rollout_ref.ref.fsdp_config.param_dtype=null",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.actor.use_kl_loss=true",
-        "trainer.n_gpus_per_node=1",
-        "trainer.total_training_steps=2",
-        "trainer.save_freq=0",
-        f"trainer.default_local_dir={tmp_path}",
-    ]
+    overrides = fake_engine_grpo(tiny_model_dir, arithmetic_data[0], tmp_path)
     with started_trainer(overrides) as trainer:
         per_step = []
         for trainer.global_step in (1, 2):
