@@ -435,21 +435,15 @@ def _trainer(c: Checks) -> None:
 
 
 def _reward_model(c: Checks) -> None:
-    """``reward_model``: the manager and its overlong buffer."""
+    """``reward_model``: what the reward manager would refuse (`fusedrl.rewards.reward_problems`: the manager,
+    on_error, the scoring pool, the overlong buffer's manager), and the overlong buffer's lengths."""
     cfg, need, number = c.cfg, c.need, c.number
-    from fusedrl.rewards import MANAGER_KINDS, ON_ERROR
+    from fusedrl.rewards import reward_problems
+    from fusedrl.role_config import RewardModelConfig, build_section
 
     rm = cfg.reward_model
-    need(
-        rm.reward_manager in MANAGER_KINDS,
-        f"`reward_model.reward_manager`={rm.reward_manager!r}: use {', '.join(MANAGER_KINDS)}.",
-    )
-    need(rm.on_error in ON_ERROR, f"`reward_model.on_error`={rm.on_error!r}: use {' or '.join(ON_ERROR)}.")
-    if rm.overlong_buffer.enable:
-        need(
-            rm.reward_manager == "dapo",
-            "`reward_model.overlong_buffer.enable`=true needs `reward_model.reward_manager=dapo`.",
-        )
+    section = OmegaConf.to_container(rm, resolve=True)
+    c.problems.extend(reward_problems(build_section(RewardModelConfig, section, "reward_model")))  # type: ignore[arg-type]
     if rm.overlong_buffer.enable and rm.overlong_buffer.max_resp_len is not None:
         resp_len = number("reward_model.overlong_buffer.max_resp_len")
         buffer_len = _get(cfg, "reward_model.overlong_buffer.len")

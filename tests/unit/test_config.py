@@ -452,3 +452,24 @@ def test_gdpo_keys_with_plus_as_verl_writes_them(base):
     )
     assert list(cfg.algorithm.gdpo_reward_keys) == ["accuracy_reward", "format_reward"]
     assert cfg.critic.loss_scale_factor is None  # follows the actor's
+
+
+def test_reward_section_problems_are_reported_before_ray_starts(tmp_path):
+    """What the reward manager would refuse (its kind, the scoring pool's size and start method, the overlong
+    buffer without DAPO) is reported by the config check with everything else, each naming its key."""
+    model, train = tmp_path / "model", tmp_path / "train.parquet"
+    model.mkdir()
+    train.write_bytes(b"")
+    problems = problems_of(
+        [
+            f"data.train_files={train}",
+            f"actor_rollout_ref.model.path={model}",
+            "reward_model.reward_manager=nope",
+            "reward_model.num_workers=-1",
+            "reward_model.mp_context=thread",
+            "reward_model.overlong_buffer.enable=true",
+        ]
+    )
+    for key in ("reward_model.reward_manager", "reward_model.num_workers", "reward_model.mp_context"):
+        assert sum(key in p for p in problems) >= 1, (key, problems)
+    assert any("overlong_buffer.enable=true" in p for p in problems), problems
