@@ -1,0 +1,167 @@
+"""Expert parallelism (`fusedrl.workers.expert_parallel`): EP=2 gives EP=1's losses and gradients.
+
+Two spawned processes join a real gloo group (pytest's own process never joins one). Both load the tiny
+random Qwen3-MoE (2 layers, 8 experts, top-2) in float32 from the same folder; rank ``r`` takes its own batch
+of 2 x 10 tokens. EP=1 is the plain model on both batches (the data-parallel mean of the two losses); EP=2
+swaps every experts module for `ExpertParallelExperts` (rank 0 holds experts 0-3, rank 1 experts 4-7), each
+rank computes its own batch's loss and backpropagates it, and the other parameters' gradients are averaged
+over the group as FSDP2 would. Checked with the model's own routing and with routing forced (by
+`fusedrl.workers.routing_replay`) so that every token of both ranks goes to rank 0's experts: rank 1 then
+sends everything away and computes its experts on no rows.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from support import free_port
+
+# Both sides run the same float32 ops on the same rows; only the order of a token's top-2 sum differs (summed
+# per token here, accumulated expert by expert in transformers) and the matmul shapes (rows from two ranks
+# per expert call), so CPU kernels may round differently: relative error ~1e-7 per op, compounded through 2
+# layers and a 512-token softmax. Losses (~6): atol 5e-6, ten float32 steps at 6 (seen: 0 or one step,
+# 4.8e-7). Gradients: 1e-5 of the largest entry of each parameter (seen: 4.3e-7). An expert sent to the wrong
+# rank, a dropped or doubled gradient or a missing 1/ep average moves values by > 1e-2 of the largest entry
+# (without the average the expert gradients are twice EP=1's).
+LOSS_ATOL = 5e-6
+GRAD_RTOL = 1e-5
+TOKENS = (2, 10)
+
+
+def _batch(rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10 + rank)
+    return torch.randint(3, 400, TOKENS, generator=gen)  # [2, 10]
+
+
+def _forced(model) -> torch.Tensor:
+    """Expert ids [tokens, layers, 2] that send token ``t`` to experts ``t % 4`` and ``(t + 1) % 4``."""
+    n = TOKENS[0] * TOKENS[1]
+    t = torch.arange(n)
+    ids = torch.stack([t % 4, (t + 1) % 4], dim=-1)  # [T, 2]
+    return ids[:, None, :].expand(n, model.config.num_hidden_layers, 2).contiguous()
+
+
+def _loss(model, ids: torch.Tensor, forced: bool) -> torch.Tensor:
+    from fusedrl.workers.routing_replay import replay_routing
+
+    if not forced:
+        return model(input_ids=ids, labels=ids).loss
+    with replay_routing(model, _forced(model)):
+        return model(input_ids=ids, labels=ids).loss
+
+
+def _full_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _run(rank: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from fusedrl.workers.expert_parallel import ExpertParallelExperts, shard_experts
+    from fusedrl.workers.fsdp import stream_full_tensors
+
+    results: dict = {}
+    for forced in (False, True):
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        losses = [_loss(ref, _batch(r), forced) for r in range(2)]
+        (sum(losses) / 2).backward()  # EP=1: the data-parallel mean over the two ranks' batches
+        ep1 = {"losses": [float(x) for x in losses], "grads": _full_grads(ref)}
+        original = {n: t.clone() for n, t in ref.state_dict().items()}
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        replaced = shard_experts(model, dist.group.WORLD)
+        loss = _loss(model, _batch(rank), forced)
+        loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad
+            if isinstance(g, torch.distributed.tensor.DTensor):
+                grads[name] = g.to_local().clone()  # this rank's experts, already the group's average
+            else:
+                g = g.clone()
+                dist.all_reduce(g)
+                grads[name] = g / 2  # FSDP2's average over the data-parallel group
+        streamed = dict(stream_full_tensors(model))
+        modules = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+        results["forced" if forced else "own"] = {
+            "ep1": ep1,
+            "loss": float(loss),
+            "grads": grads,
+            "replaced": replaced,
+            "dispatch": [m.last_dispatch for m in modules],
+            "stream_equal": sorted(streamed) == sorted(original)
+            and all(torch.equal(streamed[n], original[n]) for n in original),
+        }
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+
+
+def _entry(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        _run(rank, model_dir, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    from fusedrl.utils.tiny_moe import build_tiny_moe_model
+
+    model_dir = build_tiny_moe_model(str(tmp_path_factory.mktemp("tiny_moe")), seed=0)
+    out = tmp_path_factory.mktemp("expert_parallel")
+    mp.spawn(_entry, args=(2, free_port(), model_dir, str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("routing", ["own", "forced"])
+def test_ep2_losses_equal_ep1(ranks, routing):
+    for rank, result in enumerate(ranks):
+        r = result[routing]
+        assert r["replaced"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+        assert abs(r["loss"] - r["ep1"]["losses"][rank]) <= LOSS_ATOL, (rank, r["loss"], r["ep1"]["losses"])
+
+
+@pytest.mark.parametrize("routing", ["own", "forced"])
+def test_ep2_gradients_equal_ep1_expert_router_and_attention(ranks, routing):
+    for rank, result in enumerate(ranks):
+        r = result[routing]
+        ref = r["ep1"]["grads"]
+        assert r["grads"].keys() == ref.keys()
+        for name, want in ref.items():
+            got = r["grads"][name]
+            if "experts" in name:
+                assert got.shape[0] == want.shape[0] // 2, name  # this rank holds half the experts
+                want = want[rank * 4 : (rank + 1) * 4]
+            scale = float(want.abs().max())
+            if routing == "forced" and "experts" in name and rank == 1:
+                assert scale == 0.0 and torch.all(got == 0), name  # no token reached experts 4-7
+                continue
+            assert scale > 0, name  # a real gradient
+            err = float((got - want).abs().max())
+            assert err <= GRAD_RTOL * scale, (rank, name, err, scale)
+
+
+def test_tokens_cross_ranks(ranks):
+    """The comparison exercises the exchange: with the model's routing each rank sends rows to the other;
+    forced onto experts 0-3, rank 1 sends all of its rows to rank 0 and none to itself."""
+    rows = TOKENS[0] * TOKENS[1] * 2  # tokens x top-2
+    for rank in range(2):
+        for sent in ranks[rank]["own"]["dispatch"]:
+            assert sum(sent) == rows and sent[1 - rank] > 0
+        for sent in ranks[rank]["forced"]["dispatch"]:
+            assert sent == [rows, 0]
+
+
+def test_the_weight_stream_sees_the_full_experts(ranks):
+    """`stream_full_tensors` gathers the sharded experts back to the checkpoint's full tensors."""
+    for result in ranks:
+        assert result["own"]["stream_equal"] and result["forced"]["stream_equal"]
