@@ -159,7 +159,10 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.rollout.engine_kwargs.*", _SAME_ENGINE),
     ("actor_rollout_ref.rollout.multi_stage_wake_up", "wake-up is staged already (weights, then KV cache)"),
     ("actor_rollout_ref.rollout.data_parallel_size", "one engine per tensor-parallel group of workers"),
-    ("actor_rollout_ref.rollout.expert_parallel_size", "no expert parallelism"),
+    (
+        "actor_rollout_ref.rollout.expert_parallel_size",
+        "1 only: the engine has no expert parallelism (other values are refused)",
+    ),
     ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "no pipeline parallelism"),
     ("actor_rollout_ref.rollout.over_sample_rate", "every requested sample is generated"),
     (
@@ -261,6 +264,10 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     # --- verl main's keys (2026-08)
     ("*.qat.*", _QAT),
     ("*.qat", _QAT),
+    (
+        "*turbo_config.distributed.expert_parallel_size",
+        "1 only: experts are FSDP2-sharded with their decoder layer (other values are refused)",
+    ),
     ("*.fsdp_config.turbo_config.*", _TURBO),
     ("*pad_to_length*", _PAD),
     ("*entropy_from_logits_chunk_size", "entropy is computed in one pass per micro-batch"),
@@ -337,8 +344,27 @@ def _nonzero(v: str) -> bool:
     return _set(v) and v not in ("0", "0.0", "false")
 
 
+def _not_one(v: str) -> bool:
+    return _set(v) and v != "1"
+
+
 # (glob over dotted keys, the values refused, when (for the docs), problem text). The first match decides.
 REFUSED: tuple[tuple[str, Callable[[str], bool], str, str], ...] = (
+    (
+        "*turbo_config.distributed.expert_parallel_size",
+        _not_one,
+        "other than 1",
+        "expert parallelism is not wired into fusedrl's FSDP2 wrap of the roles (the module exists, "
+        "fusedrl.workers.expert_parallel; docs/moe.md): a decoder layer's experts are FSDP2-sharded with the "
+        "rest of the layer over every rank. Drop the key or set 1.",
+    ),
+    (
+        "actor_rollout_ref.rollout.expert_parallel_size",
+        _not_one,
+        "other than 1",
+        "the engine has no expert parallelism: vLLM runs the MoE layers tensor-parallel over "
+        "actor_rollout_ref.rollout.tensor_model_parallel_size. Drop the key or set 1.",
+    ),
     (
         "actor_rollout_ref.rollout.multi_turn.interaction_config_path",
         _set,

@@ -165,3 +165,19 @@ def test_the_weight_stream_sees_the_full_experts(ranks):
     """`stream_full_tensors` gathers the sharded experts back to the checkpoint's full tensors."""
     for result in ranks:
         assert result["own"]["stream_equal"] and result["forced"]["stream_equal"]
+
+
+def test_verl_expert_parallel_keys_load_at_1_and_are_refused_otherwise():
+    """verl's expert-parallel sizes (the FSDP-turbo engine's and the rollout's) load at 1, fusedrl's layout;
+    any other size is a problem naming the key and the fix, reported with the others before Ray starts."""
+    from fusedrl.config import ConfigError, load_config
+
+    turbo = "actor_rollout_ref.{}.fsdp_config.turbo_config.distributed.expert_parallel_size"
+    keys = [turbo.format("actor"), turbo.format("ref"), "actor_rollout_ref.rollout.expert_parallel_size"]
+    load_config([f"{k}=1" for k in keys], validate_config=False)
+    with pytest.raises(ConfigError) as err:
+        load_config([f"{k}=8" for k in keys], validate_config=False)
+    problems = err.value.problems
+    assert [p.split("`")[1] for p in problems] == keys
+    assert all("Drop the key or set 1" in p for p in problems)
+    assert "fusedrl.workers.expert_parallel" in problems[0]
