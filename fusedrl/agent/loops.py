@@ -145,7 +145,7 @@ class EnvironmentLoop(AgentLoop):
         env = self.env_class(ctx.env_config)
         try:
             # reset / step run on the tool threads, off the loop that steps the engine: a slow environment
-            # holds back its own trajectory only, and one past the timeout ends it (`env_timeouts`).
+            # holds back its own trajectory only, and one past multi_turn.env_timeout_s ends it (`env_timeouts`).
             finished, _ = await ctx.call_env(traj, env.reset, row)
             while finished and traj.remaining > 0:
                 text, stopped = await assistant_turn(traj, ctx)

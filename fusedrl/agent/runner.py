@@ -11,8 +11,8 @@ a loop that batches each turn across trajectories would.
 
 Tools run on a thread pool: a call that raises becomes an error observation; one that runs past
 ``tool_timeout_s`` is abandoned (its thread cannot be killed and finishes in the background) and becomes a
-timeout observation. Environments' ``reset`` / ``step`` / ``close`` run on the same threads under the same
-timeout (one past it ends its trajectory). Engine interface (`fusedrl.workers.rollout.base.RequestEngine`): ``submit(request_id,
+timeout observation. Environments' ``reset`` / ``step`` / ``close`` run on the same threads under
+``env_timeout_s`` (one past it ends its trajectory, with a warning naming the environment and the key). Engine interface (`fusedrl.workers.rollout.base.RequestEngine`): ``submit(request_id,
 prompt_ids, params)``, ``step() -> [(request_id, ids, log_probs, finish_reason)]``, ``num_unfinished()``.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from fusedrl.agent.trajectory import Trajectory
 TRUNCATE_SIDES = ("left", "right", "middle")
 TOOL_CALL_FORMATS = ("hermes",)  # verl's multi_turn.format names; fusedrl.agent.parse_hermes parses these
 SCHEDULES = ("continuous", "turn_sync")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +56,7 @@ class MultiTurnConfig:
     tool_response_truncate_side: str = "middle"
     format: str = "hermes"
     tool_timeout_s: float = 30.0
+    env_timeout_s: float = 30.0
     tool_workers: int = 16
     tokenization_check: str = "off"
     schedule: str = "continuous"
@@ -95,6 +99,7 @@ class MultiTurnConfig:
             ("schedule", self.schedule in SCHEDULES, "use continuous or turn_sync"),
             ("max_parallel_calls", int(self.max_parallel_calls) >= 1, "must be >= 1"),
             ("tool_timeout_s", float(self.tool_timeout_s) > 0, "must be > 0"),
+            ("env_timeout_s", float(self.env_timeout_s) > 0, "must be > 0"),
             ("max_tool_response_length", int(self.max_tool_response_length) >= 1, "must be >= 1"),
             ("tool_workers", int(self.tool_workers) >= 1, "must be >= 1"),
         ]
@@ -143,6 +148,7 @@ class AgentRunner:
         self.max_user_turns = cfg.max_user_turns
         self.env_config = dict(cfg.env_config or {})
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._env_timeouts_logged: set[str] = set()  # environment methods already reported in this run
 
     # ------------------------------------------------------------------ public
     def run(
@@ -150,6 +156,7 @@ class AgentRunner:
     ) -> list[Trajectory]:
         """One trajectory per row (``row["seed"]`` seeds its turns). Blocks until all are done."""
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.cfg.tool_workers)
+        self._env_timeouts_logged = set()
         try:
             return asyncio.run(self._run_all(rows, sampling, max_response_length))
         finally:
@@ -313,17 +320,31 @@ class AgentRunner:
         return str(result)
 
     async def call_env(self, traj: Trajectory, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
-        """``fn(*args)`` (an environment's reset / step / close) on the tool threads: ``(True, result)``, or
-        ``(False, None)`` when it ran past ``tool_timeout_s`` (abandoned, like a tool call; counted in
-        ``env_timeouts``). An environment's exception is raised: it is the task's bug, not the model's."""
+        """``fn(*args)`` (an environment's reset / step / close) on the tool threads, never on this loop, which
+        steps the engine: ``(True, result)``, or ``(False, None)`` when it ran past ``env_timeout_s`` (abandoned
+        like a tool call, counted in ``env_timeouts``, and logged once per environment method and run). An
+        environment's exception is raised: it is the task's bug, not the model's move."""
         assert self._pool is not None
+        limit = float(self.cfg.env_timeout_s)
         try:
             result = await asyncio.wait_for(
-                asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args)),
-                self.cfg.tool_timeout_s,
+                asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args)), limit
             )
         except asyncio.TimeoutError:
             traj.stats["env_timeouts"] += 1
+            owner = getattr(fn, "__self__", None)
+            what = f"{type(owner).__name__}.{getattr(fn, '__name__', 'call')}" if owner else repr(fn)
+            if what not in self._env_timeouts_logged:
+                self._env_timeouts_logged.add(what)
+                log.warning(
+                    "environment %s() of row %d ran past actor_rollout_ref.rollout.multi_turn.env_timeout_s="
+                    "%g s: the call is abandoned and the trajectory ends there (counted in agent/env_timeouts; "
+                    "further timeouts of this method in this rollout are only counted). Raise the key or make "
+                    "the environment faster.",
+                    what,
+                    traj.index,
+                    limit,
+                )
             return False, None
         return True, result
 

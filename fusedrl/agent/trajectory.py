@@ -17,7 +17,7 @@ STAT_NAMES = (
     "observation_tokens",
     "truncated_responses",  # tool responses cut to max_tool_response_length
     "hit_length_limit",  # the trajectory ran into data.max_response_length
-    "env_timeouts",  # an environment's reset / step / close ran past tool_timeout_s (the trajectory ended)
+    "env_timeouts",  # an environment's reset / step / close ran past env_timeout_s (the trajectory ended)
 )
 
 
