@@ -83,17 +83,25 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class ExpertParallelExperts(nn.Module):
-    """A stacked-experts module whose experts are spread over ``group``: this rank holds its ``E / ep`` of them
+    """A stacked-experts module whose experts are spread over ``mesh``: this rank holds its ``E / ep`` of them
     (`DTensor` parameters ``gate_up_proj`` / ``down_proj``, ``Shard(0)``) and runs every rank's tokens
     routed to them. Called as the module it replaces: ``(hidden [T, H], top_k_index [T, k], top_k_weights
-    [T, k]) -> [T, H]``. ``last_dispatch``: the rows this rank sent to each rank in its last forward."""
+    [T, k]) -> [T, H]``. ``last_dispatch``: the rows this rank sent to each rank in its last forward.
+
+    ``mesh``: a one-dimensional mesh of the expert-parallel ranks. Given FSDP2's data-parallel mesh itself, the
+    experts lie exactly as FSDP2 would have sharded them (dim 0 over the same ranks), so the optimizer state,
+    checkpoints and the weight stream see the same tensors; FSDP2 must then leave them alone
+    (`fsdp_ignored_params`)."""
 
     gate_up_proj: nn.Parameter  # DTensor [E, 2I, H], this rank's [E/ep, 2I, H]
     down_proj: nn.Parameter  # DTensor [E, H, I], this rank's [E/ep, H, I]
     act_fn: Callable[[torch.Tensor], torch.Tensor]
 
-    def __init__(self, experts: nn.Module, group: Any) -> None:
+    def __init__(self, experts: nn.Module, mesh: DeviceMesh) -> None:
         super().__init__()
+        if mesh.ndim != 1:
+            raise ValueError(f"expert parallelism takes a one-dimensional mesh, not {mesh}")
+        group = mesh.get_group()
         self.group = group
         self.ep = dist.get_world_size(group)
         full_gate_up = cast(torch.Tensor, experts.gate_up_proj)
@@ -106,7 +114,6 @@ class ExpertParallelExperts(nn.Module):
         self.local = self.num_experts // self.ep
         self.act_fn = cast(Callable[[torch.Tensor], torch.Tensor], experts.act_fn)
         self.grad_scale = 1.0 / self.ep
-        mesh = DeviceMesh.from_group(group, full_gate_up.device.type)
         first = dist.get_rank(group) * self.local
         for name in ("gate_up_proj", "down_proj"):
             full = cast(torch.Tensor, getattr(experts, name)).detach()
@@ -141,7 +148,8 @@ class ExpertParallelExperts(nn.Module):
     def _experts(self, x: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
         """Each local expert's SwiGLU on its rows of ``x`` [N, H]. Every expert runs, on no rows too, so the
         weights are always in the graph and every rank joins the backward's all-to-all."""
-        mine = [cast(DTensor, p).to_local() for p in (self.gate_up_proj, self.down_proj)]
+        # in the computation's dtype (FSDP2's mixed precision casts the other parameters; these it ignores)
+        mine = [cast(DTensor, p).to_local().to(x.dtype) for p in (self.gate_up_proj, self.down_proj)]
         gate_up = _ScaleGrad.apply(mine[0], self.grad_scale)  # [E/ep, 2I, H]
         down = _ScaleGrad.apply(mine[1], self.grad_scale)  # [E/ep, H, I]
         out = torch.zeros_like(x)  # [N, H]
@@ -153,16 +161,29 @@ class ExpertParallelExperts(nn.Module):
         return out
 
 
-def shard_experts(model: nn.Module, group: Any = None) -> list[str]:
-    """Replace every stacked-experts module of ``model`` by an `ExpertParallelExperts` over ``group`` (the
-    default group when None), in place; returns the replaced modules' names. Every rank of the group must
+def shard_experts(model: nn.Module, mesh: DeviceMesh | None = None) -> list[str]:
+    """Replace every stacked-experts module of ``model`` by an `ExpertParallelExperts` over ``mesh`` (a 1-D
+    mesh of every rank when None), in place; returns the replaced modules' names. Every rank of the mesh must
     call it, with the same (full) weights."""
-    group = group if group is not None else dist.group.WORLD
+    if mesh is None:
+        world = dist.group.WORLD
+        mesh = DeviceMesh.from_group(world, "cuda" if torch.cuda.is_available() else "cpu")
     replaced = stacked_experts(model)
     if not replaced:
         raise ValueError(f"{type(model).__name__}: no stacked experts (gate_up_proj / down_proj) to shard")
     for name, experts in replaced:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, attr, ExpertParallelExperts(experts, group))
+        setattr(parent, attr, ExpertParallelExperts(experts, mesh))
     return [name for name, _ in replaced]
+
+
+def fsdp_ignored_params(module: nn.Module) -> set[nn.Parameter]:
+    """The expert-parallel parameters inside ``module``: ``fully_shard(..., ignored_params=...)`` of a unit
+    that holds them, so FSDP2 neither gathers them nor reduces their gradients (already averaged)."""
+    return {
+        p
+        for m in module.modules()
+        if isinstance(m, ExpertParallelExperts)
+        for p in (m.gate_up_proj, m.down_proj)
+    }

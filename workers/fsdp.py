@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from fusedrl.workers.expert_parallel import fsdp_ignored_params
 from fusedrl.workers.shm_collectives import ShmCollectives, for_group, install_on_fsdp
 
 DTYPES = {
@@ -125,14 +126,27 @@ def apply_fsdp2(
     reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2: one unit per decoder layer, then the root. Units reshard
-    after forward (memory first); `gathered_for_pass` keeps them gathered for a whole pass where that pays."""
+    after forward (memory first); `gathered_for_pass` keeps them gathered for a whole pass where that pays.
+    Experts already spread by `fusedrl.workers.expert_parallel.shard_experts` are left to it."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+        fully_shard(
+            layer,
+            mesh=mesh,
+            mp_policy=mp,
+            reshard_after_forward=True,
+            ignored_params=fsdp_ignored_params(layer) or None,
+        )
     # A PEFT model's root unit is the wrapped model: its own forward runs under generate() too (PEFT's
     # generate skips the wrapper's forward), and the wrapper forwards FSDP's methods to it.
     root = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
-    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(
+        root,
+        mesh=mesh,
+        mp_policy=mp,
+        reshard_after_forward=True,
+        ignored_params=fsdp_ignored_params(root) or None,
+    )
     # CPU ranks on one host gather and reduce through shared memory instead of gloo's TCP loopback.
     install_on_fsdp(fsdp_units(model))
     return model

@@ -74,7 +74,7 @@ def _run(rank: int, model_dir: str, out: str) -> None:
         original = {n: t.clone() for n, t in ref.state_dict().items()}
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        replaced = shard_experts(model, dist.group.WORLD)
+        replaced = shard_experts(model)
         loss = _loss(model, _batch(rank), forced)
         loss.backward()
         grads = {}
@@ -100,6 +100,35 @@ def _run(rank: int, model_dir: str, out: str) -> None:
     torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
+def _fsdp_step(model_dir: str, rank: int, expert_parallel: bool) -> dict:
+    """One clipped SGD step of FSDP2 on this rank's batch: with the experts spread over FSDP2's own mesh
+    (`shard_experts` before `apply_fsdp2`), or FSDP2 alone. Returns the loss, the clipped norm, the full
+    gradients and the full parameters after the step."""
+    from transformers import AutoModelForCausalLM
+
+    from fusedrl.workers.expert_parallel import ExpertParallelExperts, shard_experts
+    from fusedrl.workers.fsdp import apply_fsdp2, build_mesh
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    mesh = build_mesh()
+    if expert_parallel:
+        shard_experts(model, mesh)
+    apply_fsdp2(model, mesh)
+    loss = _loss(model, _batch(rank), forced=False)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    dispatch = [m.last_dispatch for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    return {"loss": float(loss), "norm": float(norm), "grads": grads, "params": params, "dispatch": dispatch}
+
+
+def _run_fsdp(rank: int, model_dir: str, out: str) -> None:
+    results = {"ep2": _fsdp_step(model_dir, rank, True), "ep1": _fsdp_step(model_dir, rank, False)}
+    torch.save(results, Path(out) / f"fsdp_rank{rank}.pt")
+
+
 def _entry(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -108,6 +137,7 @@ def _entry(rank: int, world_size: int, port: int, model_dir: str, out: str) -> N
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         _run(rank, model_dir, out)
+        _run_fsdp(rank, model_dir, out)
     finally:
         dist.destroy_process_group()
 
@@ -119,7 +149,10 @@ def ranks(tmp_path_factory) -> list[dict]:
     model_dir = build_tiny_moe_model(str(tmp_path_factory.mktemp("tiny_moe")), seed=0)
     out = tmp_path_factory.mktemp("expert_parallel")
     mp.spawn(_entry, args=(2, free_port(), model_dir, str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [
+        {**torch.load(out / f"rank{r}.pt", weights_only=False), **torch.load(out / f"fsdp_rank{r}.pt")}
+        for r in range(2)
+    ]
 
 
 @pytest.mark.parametrize("routing", ["own", "forced"])
@@ -181,3 +214,22 @@ def test_verl_expert_parallel_keys_load_at_1_and_are_refused_otherwise():
     assert [p.split("`")[1] for p in problems] == keys
     assert all("Drop the key or set 1" in p for p in problems)
     assert "fusedrl.workers.expert_parallel" in problems[0]
+
+
+def test_inside_fsdp2_a_clipped_step_equals_fsdp2_alone(ranks):
+    """Experts spread over FSDP2's own mesh and left alone by `apply_fsdp2`: the loss, the clipped gradient norm
+    (one norm over the experts' and FSDP2's DTensors), every full gradient and every parameter after an SGD
+    step equal plain FSDP2's (which gathers the experts like any weight)."""
+    for rank, result in enumerate(ranks):
+        ep2, ep1 = result["ep2"], result["ep1"]
+        assert len(ep2["dispatch"]) == 2 and all(sent[1 - rank] > 0 for sent in ep2["dispatch"])
+        assert ep1["dispatch"] == []
+        assert abs(ep2["loss"] - ep1["loss"]) <= LOSS_ATOL
+        assert ep1["norm"] > 0.5  # the clip bites
+        assert abs(ep2["norm"] - ep1["norm"]) <= GRAD_RTOL * ep1["norm"]
+        for key in ("grads", "params"):
+            assert ep2[key].keys() == ep1[key].keys()
+            for name, want in ep1[key].items():
+                scale = float(want.abs().max())
+                assert scale > 0, (key, name)
+                assert float((ep2[key][name] - want).abs().max()) <= GRAD_RTOL * scale, (rank, key, name)
