@@ -25,8 +25,10 @@ from fusedrl.agent import (
     register_environment,
 )
 
-HANG_S = 6.0
-TIMEOUT_S = 0.3
+HANG_S = 60.0  # the hung call's own cap; the test releases it as soon as the rollout returned
+RELEASE = threading.Event()
+HUNG_RETURNED = threading.Event()
+TIMEOUT_S = 1.0  # well above a trivial call on a loaded machine, far below the hang
 CLOSED: list[str] = []
 LOCK = threading.Lock()
 
@@ -41,7 +43,8 @@ class HangsOnRowZero(Environment):
     def step(self, text):
         self.steps += 1
         if self.uid == "r0" and self.steps == 2:
-            time.sleep(HANG_S)
+            RELEASE.wait(HANG_S)
+            HUNG_RETURNED.set()
         return [{"role": "user", "content": f"step {self.steps}"}], 1.0, self.steps >= 3
 
     def close(self):
@@ -103,22 +106,26 @@ def _runner(model_dir: str, agent: str, env_timeout_s: float = TIMEOUT_S):
 def test_a_hanging_environment_ends_its_own_trajectory(tiny_model_dir, caplog):
     runner, rows, sampling = _runner(tiny_model_dir, "test_env_hangs_on_row_0")
     CLOSED.clear()
-    t0 = time.perf_counter()
+    RELEASE.clear()
+    HUNG_RETURNED.clear()
     with caplog.at_level(logging.WARNING, logger="fusedrl.agent.runner"):
-        trajs = runner.run(rows, sampling, max_response_length=64)
-    wall = time.perf_counter() - t0
+        try:
+            trajs = runner.run(rows, sampling, max_response_length=64)
+            returned_before_the_hung_call = not HUNG_RETURNED.is_set()
+        finally:
+            RELEASE.set()  # the abandoned call returns in the background now
     hung, *others = trajs
     assert hung.stats["env_timeouts"] == 1 and hung.stats["assistant_turns"] == 2
     for t in others:  # they kept generating while row 0's step hung: all three turns, no timeout
         assert t.stats["env_timeouts"] == 0 and t.stats["assistant_turns"] == 3, t.stats
         assert t.stats["reward"] == 3.0
-    assert wall < HANG_S, wall  # the step did not wait for the abandoned call
+    assert returned_before_the_hung_call  # the step did not wait for the abandoned call
     # The documented outcome: one warning naming the environment's method, the row and the key to raise.
     (warning,) = [r.getMessage() for r in caplog.records if "env_timeout_s" in r.getMessage()]
     assert "HangsOnRowZero.step()" in warning and "row 0" in warning, warning
-    assert "actor_rollout_ref.rollout.multi_turn.env_timeout_s=0.3 s" in warning, warning
-    deadline = time.perf_counter() + HANG_S + 10  # the abandoned step returns in the background; then
-    while len(CLOSED) < 3 and time.perf_counter() < deadline:  # every episode was closed
+    assert "actor_rollout_ref.rollout.multi_turn.env_timeout_s=1 s" in warning, warning
+    deadline = time.perf_counter() + 10  # every episode was closed, the hung one's included
+    while len(CLOSED) < 3 and time.perf_counter() < deadline:
         time.sleep(0.1)
     assert sorted(CLOSED) == ["r0", "r1", "r2"]
 
