@@ -9,12 +9,16 @@ while step k trains). Larger bounds are not built.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fusedrl.placement_config import Placement
 
 MAX_BUILT_STALENESS = 1
 KEY = "async_training.max_staleness"
+PARTIAL = "async_training.partial_rollout"
+THRESHOLD = "async_training.staleness_threshold"
+MAX_RESUMES = "async_training.partial_rollout_max_resumes"
 
 
 def max_staleness(cfg: Any) -> int:
@@ -24,6 +28,69 @@ def max_staleness(cfg: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         return 0
     return int(value)
+
+
+def groups_in_flight(train_batch_size: int, staleness_threshold: float, workers: int) -> int:
+    """Prompt groups a partial-rollout run keeps in flight: a step's ``train_batch_size`` plus
+    ``staleness_threshold`` of it (verl's meaning: the extra share generated beyond what a step trains on),
+    the extra rounded up to whole groups on every rollout worker."""
+    extra = math.ceil(train_batch_size * staleness_threshold - 1e-9)
+    extra += (-extra) % workers
+    return train_batch_size + extra
+
+
+def partial_rollout_problems(cfg: Any, placement: Placement, problems: list[str]) -> None:
+    """Append every problem of ``async_training.partial_rollout`` and its two settings against the run:
+    partial rollout runs in the fused pool (the engine in the actor's processes), one engine per worker
+    (no tensor parallelism), on an engine that can pause requests, on groups split whole over the workers;
+    what stale samples need (`stale_sample_problems`). The two settings are refused when it is off."""
+    a = cfg.async_training
+    on, threshold, resumes = a.partial_rollout, a.staleness_threshold, a.partial_rollout_max_resumes
+    if not isinstance(on, bool):
+        problems.append(f"`{PARTIAL}`={on!r}: must be true or false.")
+        return
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
+        problems.append(
+            f"`{THRESHOLD}`={threshold!r}: must be a number >= 0 (0.5: half a batch more in flight)."
+        )
+        threshold = None
+    if isinstance(resumes, bool) or not isinstance(resumes, int) or resumes < 0:
+        problems.append(f"`{MAX_RESUMES}`={resumes!r}: must be an integer >= 0.")
+    if not on:
+        for key, value, default in ((THRESHOLD, threshold, 0.1), (MAX_RESUMES, resumes, 3)):
+            if value is not None and value != default:
+                problems.append(
+                    f"`{key}`={value} is read only with `{PARTIAL}`=true; set {PARTIAL}=true or drop the key."
+                )
+        return
+    setting, off = f"`{PARTIAL}`=true", f"{PARTIAL}=false"
+    if placement.rollout_apart:
+        problems.append(
+            f"{setting}: partial rollout runs in the fused pool (the engine in the actor's processes); with "
+            f"the rollout on a pool of its own use `{KEY}`=1 (one-step-off), or drop the rollout's pool."
+        )
+    if max_staleness(cfg):
+        problems.append(f"{setting} with `{KEY}`={max_staleness(cfg)}: choose one of the two; set {KEY}=0.")
+    rollout = cfg.actor_rollout_ref.rollout
+    if int(rollout.tensor_model_parallel_size) > 1:
+        problems.append(
+            f"{setting} with `actor_rollout_ref.rollout.tensor_model_parallel_size`="
+            f"{rollout.tensor_model_parallel_size}: one engine per worker only for now; set it to 1 or {off}."
+        )
+    from fusedrl.workers.rollout.registry import engine_names, engine_traits
+
+    if rollout.name in engine_names() and not engine_traits(rollout.name).request_queue:
+        problems.append(
+            f"{setting} with `actor_rollout_ref.rollout.name`={rollout.name}: that engine cannot pause a "
+            f"request half-way; use vllm, or {off}."
+        )
+    bsz, workers = cfg.data.train_batch_size, placement.world_of("rollout")
+    if isinstance(bsz, int) and bsz > 0 and bsz % workers:
+        problems.append(
+            f"{setting}: `data.train_batch_size`={bsz} prompt groups do not split whole over {workers} rollout "
+            f"workers (a group's samples stay on one engine); use a multiple of {workers}."
+        )
+    stale_sample_problems(cfg, setting, off, problems)
 
 
 def async_problems(cfg: Any, placement: Placement, problems: list[str]) -> None:
@@ -49,36 +116,43 @@ def async_problems(cfg: Any, placement: Placement, problems: list[str]) -> None:
             "`trainer.placement.roles={rollout: gen}`, or set "
             f"{KEY}=0."
         )
+    stale_sample_problems(cfg, f"`{KEY}`={value}", f"{KEY}=0", problems)
+
+
+def stale_sample_problems(cfg: Any, setting: str, off: str, problems: list[str]) -> None:
+    """What training on samples of an older policy needs (truncated importance weights against the
+    rollout's own log-probs, the actor's own pass for pi_old) and refuses (dynamic sampling, a greedy
+    baseline, multi-turn agent loops): one problem each, naming ``setting`` and the way to turn it ``off``."""
     rc = cfg.algorithm.rollout_correction
     if rc.rollout_is not in ("token", "sequence"):
         problems.append(
-            f"`{KEY}`={value} needs truncated importance weights against the rollout's own log-probs (the "
-            "behaviour policy is one update old): set `algorithm.rollout_correction.rollout_is=token` "
+            f"{setting} needs truncated importance weights against the rollout's own log-probs (the "
+            "behaviour policy is older than the actor): set `algorithm.rollout_correction.rollout_is=token` "
             f"(got {rc.rollout_is!r})."
         )
     if rc.bypass_mode:
         problems.append(
-            f"`{KEY}`={value} with `algorithm.rollout_correction.bypass_mode`=true: bypass takes the rollout's "
+            f"{setting} with `algorithm.rollout_correction.bypass_mode`=true: bypass takes the rollout's "
             "log-probs as pi_old, so every importance weight pi_old / pi_rollout would be 1 and nothing would "
             "weigh the stale samples; set bypass_mode=false (the actor's own pass gives pi_old)."
         )
     if cfg.algorithm.filter_groups.enable:
         problems.append(
-            f"`{KEY}`={value} with `algorithm.filter_groups.enable`=true: dynamic sampling generates a "
-            "variable number of rounds per step, which one-step-off generation does not schedule; set "
-            f"filter_groups.enable=false or {KEY}=0."
+            f"{setting} with `algorithm.filter_groups.enable`=true: dynamic sampling generates a variable "
+            f"number of rounds per step, which this schedule does not plan; set filter_groups.enable=false "
+            f"or {off}."
         )
     from fusedrl.algorithms import get_adv_traits, list_adv_estimators
 
     est = str(cfg.algorithm.adv_estimator)
     if est in list_adv_estimators() and get_adv_traits(est).needs_greedy_baseline:
         problems.append(
-            f"`{KEY}`={value} with `algorithm.adv_estimator`={est}: its greedy baseline would be generated "
-            f"by a newer policy than the samples; use another estimator or {KEY}=0."
+            f"{setting} with `algorithm.adv_estimator`={est}: its greedy baseline would be generated "
+            f"by a newer policy than the samples; use another estimator or {off}."
         )
     multi_turn = cfg.actor_rollout_ref.rollout.get("multi_turn")
     if multi_turn is not None and multi_turn.enable:
         problems.append(
-            f"`{KEY}`={value} with `actor_rollout_ref.rollout.multi_turn.enable`=true: multi-turn agent loops "
-            f"are not supported asynchronously; set {KEY}=0."
+            f"{setting} with `actor_rollout_ref.rollout.multi_turn.enable`=true: multi-turn agent loops "
+            f"are not supported here yet; set {off}."
         )

@@ -485,9 +485,10 @@ def _across_sections(c: Checks) -> None:
     problems.extend(lora_problems(cfg))
     roles = ["actor", "rollout", *[r for r, on in needed_roles(cfg).items() if on]]
     placement = placement_problems(cfg, roles, problems)
-    from fusedrl.async_config import async_problems
+    from fusedrl.async_config import async_problems, partial_rollout_problems
 
     async_problems(cfg, placement, problems)
+    partial_rollout_problems(cfg, placement, problems)
     from fusedrl.cpu_dtype import POLICIES
 
     policy = _get(cfg, "trainer.emulated_bf16")

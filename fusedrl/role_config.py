@@ -289,9 +289,13 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class AsyncTrainingConfig:
-    """``async_training``: one-step-off-policy asynchronous training (``trainer/async_trainer.py``)."""
+    """``async_training``: one-step-off-policy asynchronous training (``trainer/async_trainer.py``) and
+    partial rollout in the fused pool (``trainer/partial_trainer.py``)."""
 
     max_staleness: int
+    partial_rollout: bool
+    staleness_threshold: float
+    partial_rollout_max_resumes: int
 
 
 # ---------------------------------------------------------------------- reward

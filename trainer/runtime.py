@@ -46,19 +46,27 @@ def started_trainer(
 
 def trainer_class(config: DictConfig, trainer_cls: type | None) -> type:
     """The trainer to build: ``trainer_cls`` (a user subclass) if given, else `AsyncPPOTrainer` when
-    ``async_training.max_staleness`` > 0 and `PPOTrainer` otherwise. A given class must be an async one
-    when the config asks for asynchronous training (ValueError naming the key)."""
+    ``async_training.max_staleness`` > 0, `PartialRolloutTrainer` with ``async_training.partial_rollout``
+    and `PPOTrainer` otherwise. A given class must derive from the one the config asks for (ValueError
+    naming the key)."""
     from fusedrl.trainer.async_trainer import AsyncPPOTrainer
+    from fusedrl.trainer.partial_trainer import PartialRolloutTrainer
     from fusedrl.trainer.ppo_trainer import PPOTrainer
 
     staleness = int(config.async_training.max_staleness)
+    needed: type = PPOTrainer
+    setting = ""
+    if staleness > 0:
+        needed, setting = AsyncPPOTrainer, f"async_training.max_staleness={staleness}"
+    elif bool(config.async_training.partial_rollout):
+        needed, setting = PartialRolloutTrainer, "async_training.partial_rollout=true"
     if trainer_cls is None:
-        return AsyncPPOTrainer if staleness > 0 else PPOTrainer
-    if staleness > 0 and not issubclass(trainer_cls, AsyncPPOTrainer):
+        return needed
+    if not issubclass(trainer_cls, needed):
+        module = needed.__module__
         raise ValueError(
-            f"async_training.max_staleness={staleness} needs a subclass of AsyncPPOTrainer "
-            f"(fusedrl.trainer.async_trainer), got {trainer_cls.__name__}; derive from AsyncPPOTrainer or set "
-            "async_training.max_staleness=0."
+            f"{setting} needs a subclass of {needed.__name__} ({module}), got {trainer_cls.__name__}; "
+            f"derive from {needed.__name__} or turn {setting.split('=')[0]} off."
         )
     return trainer_cls
 

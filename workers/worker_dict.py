@@ -58,6 +58,7 @@ from fusedrl.workers.memory import (
 from fusedrl.workers.phase import EnginePhase
 from fusedrl.workers.reward_model import RewardModelRole
 from fusedrl.workers.rollout.base import EngineContext, Rollout, SamplingConfig
+from fusedrl.workers.rollout.partial import PartialRollout
 from fusedrl.workers.rollout.registry import EngineTraits, engine_spec
 from fusedrl.workers.weight_sync import WeightSyncEndpoint
 
@@ -105,6 +106,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         self.critic_mem: Offloader | None = None
         self.last_rollout_memory: dict[str, float] = {}
         self.phase = EnginePhase()  # the engine asleep or not, its weights current, stale or discarded
+        self.partial: PartialRollout | None = None  # async_training.partial_rollout: groups carried over
 
     # ------------------------------------------------------------------ setup
     def bind_cpus(self, cpus: Sequence[int]) -> list[int]:
@@ -379,6 +381,39 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         request's prompts and seeds do not travel back)."""
         out = self.rollout_generate(batch, sampling)
         return {name: getattr(out, name) for name in fields}
+
+    def rollout_generate_partial(
+        self, batch: RolloutBatch, sampling: SamplingConfig, version: int, quota: int
+    ) -> RolloutBatch:
+        """Partial rollout (``async_training.partial_rollout``, `workers.rollout.partial`): ``quota`` whole
+        groups, the first to finish among those this worker carries and the new rows of ``batch``, sampled
+        by policy ``version`` from here on; the rows come back whole, with ``token_versions``."""
+        self.events.append("rollout.generate_partial")
+        out = self._partial_rollout().generate_partial(
+            _to_device(batch), sampling, version=version, quota=quota
+        )
+        return out.cpu()
+
+    def rollout_partial_state(self) -> dict[str, Any]:
+        """The groups this worker carries to the next step, as plain values (the driver's checkpoint)."""
+        return self._partial_rollout().state()
+
+    def rollout_load_partial_state(self, state: dict[str, Any]) -> None:
+        self._partial_rollout().load_state(state)
+
+    def _partial_rollout(self) -> PartialRollout:
+        if self.partial is None:
+            rollout = self._need(self.rollout, "rollout", "rollout_generate_partial")
+            cfg = self.config
+            self.partial = PartialRollout(
+                rollout.engine,
+                n=cfg.rollout.n,
+                max_resumes=cfg.async_training.partial_rollout_max_resumes,
+                max_response_length=cfg.data.max_response_length,
+                eos_token_id=cfg.tokens.eos,
+                pad_token_id=cfg.tokens.pad,
+            )
+        return self.partial
 
     # ------------------------------------------------------------------ log-probs
     def actor_compute_log_prob(

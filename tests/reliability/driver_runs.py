@@ -208,16 +208,16 @@ def assert_resumed_run_equals_reference(reference, run, steps) -> None:
     assert_same_checkpoint(reference / "global_step_4", run / "global_step_4")
 
 
-def kill_in_step_3_then_resume(args, out, reference, tmp_path, check_killed=None) -> None:
-    """SIGKILL a run of ``args`` (writing into ``out``) inside step 3 (after the update, before the engine's weight sync: checkpoint 2
-    is the last; ``check_killed(out_dir)`` may look at it then), resume it from there, and check it equals the
-    uninterrupted ``reference`` run at every step (steps 1-2 logged by the killed run, 3-4 by the resumed one)
-    and in its final checkpoint."""
-    run_and_kill_at(args, {"HANG_IN_STEP_AT": "3"}, "HANGING_IN_STEP 3", tmp_path / "run1.log")
+def kill_mid_step_then_resume(args, out, reference, tmp_path, check_killed=None, step: int = 3) -> None:
+    """SIGKILL a run of ``args`` (writing into ``out``) inside step ``step`` (3 unless told; after the update,
+    before the engine's weight sync: checkpoint ``step - 1`` is the last; ``check_killed(out_dir)`` may look at
+    it then), resume it from there, and check it equals the uninterrupted ``reference`` run at every step
+    (steps before ``step`` logged by the killed run, the rest by the resumed one) and in its final checkpoint."""
+    run_and_kill_at(args, {"HANG_IN_STEP_AT": str(step)}, f"HANGING_IN_STEP {step}", tmp_path / "run1.log")
     names = sorted(os.listdir(out))
-    assert "global_step_2" in names and "global_step_3" not in names, names
+    assert f"global_step_{step - 1}" in names and f"global_step_{step}" not in names, names
     if check_killed is not None:
         check_killed(out)
     text = run_to_end(args, tmp_path / "run2.log")
-    assert "global_step_2 at step 2" in text, text[-3000:]
+    assert f"global_step_{step - 1} at step {step - 1}" in text, text[-3000:]
     assert_resumed_run_equals_reference(reference, out, [1, 2, 3, 4])

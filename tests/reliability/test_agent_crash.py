@@ -11,7 +11,7 @@ import os
 import pytest
 from driver_runs import (
     driver_args,
-    kill_in_step_3_then_resume,
+    kill_mid_step_then_resume,
     metrics,
     run_to_end,
 )
@@ -45,4 +45,4 @@ def test_agentic_sigkill_mid_step_then_resume_equals_uninterrupted(
     assert all(m["agent/observation_tokens/mean"] > 0 for m in metrics(reference))
     out = tmp_path / "run"
     args = _args(tiny_model_dir, arithmetic_data[0], out, reward_file)
-    kill_in_step_3_then_resume(args, out, reference, tmp_path)
+    kill_mid_step_then_resume(args, out, reference, tmp_path)

@@ -11,7 +11,7 @@ import os
 import pytest
 from driver_runs import (
     driver_args,
-    kill_in_step_3_then_resume,
+    kill_mid_step_then_resume,
     metrics,
     run_to_end,
 )
@@ -47,4 +47,4 @@ def test_async_sigkill_mid_step_then_resume_equals_uninterrupted(
         assert os.path.isfile(out_dir / "global_step_2" / "async_batch.safetensors")
 
     # Killed inside step 3, after the update and after the next batch was generated, before the sync.
-    kill_in_step_3_then_resume(args, out, reference, tmp_path, check_killed=holds_the_next_batch)
+    kill_mid_step_then_resume(args, out, reference, tmp_path, check_killed=holds_the_next_batch)

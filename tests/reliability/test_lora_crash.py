@@ -6,7 +6,7 @@ model), so a resume that forgot the adapters' merged stream would change the sam
 from __future__ import annotations
 
 import pytest
-from driver_runs import driver_args, kill_in_step_3_then_resume, run_to_end
+from driver_runs import driver_args, kill_mid_step_then_resume, run_to_end
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("vllm")
@@ -31,4 +31,4 @@ def test_lora_sigkill_mid_step_then_resume_equals_uninterrupted(
     out = tmp_path / "run"
     args = [*driver_args(tiny_model_dir, arithmetic_data[0], out, reward_file), *LORA]
     # Killed inside step 3 after the adapters' update, before the engine's sync.
-    kill_in_step_3_then_resume(args, out, reference, tmp_path)
+    kill_mid_step_then_resume(args, out, reference, tmp_path)
