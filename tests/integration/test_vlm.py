@@ -2,7 +2,8 @@
 image prompts from verl's multimodal parquet schema (`fusedrl.data.multimodal`).
 
 * The engine samples on image prompts, and its log-prob of every sampled token equals a float32 transformers
-  forward of the same model on the same images and tokens with M-RoPE positions (the rollout check for images).
+  forward of the same model on the same images and tokens with M-RoPE positions (the rollout check for images),
+  one row at a time and through the actor's batched pass (`fusedrl.workers.vision`, rows left-padded).
   The same forward with 1D positions, or with another image, is far off: the bound sees both.
 * The in-place weight stream reaches the vision tower: changed vision weights change the engine's vision
   parameters (and only those) and give the changed model's log-probs; a re-stream of the checkpoint restores it
@@ -90,6 +91,27 @@ def _log_probs(
     return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
+def _rollout_batch(items: list[dict], results) -> tuple:
+    """The engine's samples as a `RolloutBatch` (prompts left-padded, responses right-padded) and its
+    log-probs [B, Tr]."""
+    from fusedrl.batch import RolloutBatch
+
+    b, tp = len(items), max(len(it["prompt_ids"]) for it in items)
+    prompts, prompt_mask = torch.zeros(b, tp, dtype=torch.long), torch.zeros(b, tp, dtype=torch.long)
+    responses, response_mask = torch.zeros(b, TR, dtype=torch.long), torch.zeros(b, TR, dtype=torch.long)
+    rollout = torch.zeros(b, TR)
+    for i, (it, (ids, lps)) in enumerate(zip(items, results)):
+        n = len(it["prompt_ids"])
+        prompts[i, tp - n :], prompt_mask[i, tp - n :] = torch.tensor(it["prompt_ids"]), 1
+        responses[i, : len(ids)], response_mask[i, : len(ids)] = torch.tensor(ids), 1
+        rollout[i, : len(ids)] = torch.tensor(lps)
+    batch = RolloutBatch(
+        prompts=prompts, prompt_mask=prompt_mask, responses=responses, response_mask=response_mask,
+        batch_size=[b],
+    )  # fmt: skip
+    return batch, rollout
+
+
 def _body(port: int, model_dir: str, out: str) -> None:
     import os
 
@@ -98,6 +120,7 @@ def _body(port: int, model_dir: str, out: str) -> None:
 
     from fusedrl.third_party.vllm.engine import EngineConfig, VLLMEngine
     from fusedrl.workers.rollout.base import SampleParams
+    from fusedrl.workers.vision import VisionInputs, vision_response_log_probs
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
@@ -132,6 +155,14 @@ def _body(port: int, model_dir: str, out: str) -> None:
     r["lengths"] = [len(ids) for ids, _ in first]
     r["gap"] = gap(first, hf)
     r["again_equal"] = [ids for ids, _ in sample()] == [ids for ids, _ in first]
+    # The actor's pass (`fusedrl.workers.vision`): the rows left-padded into one batch, M-RoPE from the model.
+    batch, rollout = _rollout_batch(items, first)
+    with torch.no_grad():
+        lp, mask = vision_response_log_probs(
+            hf, batch, VisionInputs.from_items(items), temperature=1.0, pad_token_id=0
+        )
+    r["gap_actor_pass"] = float(((lp - rollout) * mask).abs().max())
+    r["loss_tokens"] = (int(mask.sum()), int(batch.response_mask.sum()))
     # The same forward with 1D positions (no mm_token_type_ids: transformers falls back silently).
     r["gap_1d_positions"] = gap(first, hf, mrope=False)
     other = dict(items[0])  # row 0 scored with another image of the same size
@@ -179,6 +210,8 @@ def test_engine_log_probs_on_image_prompts_equal_transformers(tiny_vlm_dir, tmp_
     assert all(n > 0 for n in r["lengths"]), r["lengths"]
     assert r["again_equal"]
     assert r["gap"] < TOL, r
+    assert r["gap_actor_pass"] < TOL, r  # the actor's batched pass agrees too
+    assert r["loss_tokens"][0] > 0
     # What the bound rules out: positions without M-RoPE, and another image.
     assert r["gap_1d_positions"] > 20 * TOL, r  # measured 1.9e-3
     assert r["gap_other_image"] > 100 * TOL, r

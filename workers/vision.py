@@ -1,0 +1,119 @@
+"""The log-prob pass of a vision-language policy (Qwen2-VL / Qwen2.5-VL): images beside the batch, M-RoPE
+positions, vision tokens out of the loss.
+
+What differs from a text policy's pass (`fusedrl.workers.logprob.response_log_probs`):
+
+* **Images ride beside the batch.** `VisionInputs` holds each row's ``pixel_values`` [patches_i, C*T*P*P] and
+  ``image_grid_thw`` [images_i, 3] (the processor's output, `fusedrl.data.multimodal`); a row has any number of
+  images, so they are per-row lists, cut with the rows (`VisionInputs.select`). The forward concatenates the
+  rows' patches in row order, the order the model scatters image features into image tokens.
+* **Positions are M-RoPE.** Text tokens get one position on all three axes; an image's tokens get (temporal,
+  height, width) grid positions; the text after an image starts after the image's largest extent. The
+  positions come from the model's own ``get_rope_index`` over the real tokens of each row (left padding
+  skipped), the same rule vLLM applies (``get_mrope_input_positions``), so they are the positions the rollout
+  engine used. Positions counting tokens (the text pass's) are wrong after the first image.
+* **Vision tokens are not trained on.** A policy can sample ``<|image_pad|>`` or ``<|vision_start|>`` itself
+  (a random or young model does). The model would take such a response token for an image placeholder and
+  fail (more image tokens than image features), and its log-prob means nothing. Those tokens are replaced by
+  the pad id for the forward and masked out of the loss: `vision_token_mask`, and ``loss_mask`` of
+  `vision_response_log_probs`. Prompt image tokens are never in the loss (the loss reads response tokens only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusedrl.batch import RolloutBatch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VisionInputs:
+    """Each row's processed images (aligned with a `RolloutBatch`'s rows)."""
+
+    pixel_values: list[torch.Tensor]  # per row: [patches_i, C*T*P*P] (0 rows for a text-only prompt)
+    image_grid_thw: list[torch.Tensor]  # per row: [images_i, 3] long (t, h, w patch counts)
+
+    @classmethod
+    def from_items(cls, items: Sequence[dict]) -> VisionInputs:
+        """From `fusedrl.data.multimodal.VisionLanguageDataset` items (or anything with those two keys)."""
+        return cls(
+            pixel_values=[it["pixel_values"] for it in items],
+            image_grid_thw=[it["image_grid_thw"].reshape(-1, 3).long() for it in items],
+        )
+
+    def select(self, rows: Sequence[int] | torch.Tensor) -> VisionInputs:
+        """The inputs of ``rows`` (a micro-batch, GRPO's repeated samples ``[0, 0, 1, 1, ...]``)."""
+        index = [int(r) for r in rows]
+        return VisionInputs(
+            pixel_values=[self.pixel_values[r] for r in index],
+            image_grid_thw=[self.image_grid_thw[r] for r in index],
+        )
+
+    def concatenated(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(pixel_values [patches, D], image_grid_thw [images, 3])`` of all rows in row order, or Nones when
+        no row has an image."""
+        grids = [g for g in self.image_grid_thw if g.numel()]
+        if not grids:
+            return None, None
+        patches = torch.cat([p for p, g in zip(self.pixel_values, self.image_grid_thw) if g.numel()])
+        return patches, torch.cat(grids)
+
+
+def vision_token_mask(tokens: torch.Tensor, vision_token_ids: Sequence[int]) -> torch.Tensor:
+    """True where ``tokens`` [...] is one of the vision special tokens (image / video pads, vision start / end)."""
+    return torch.isin(tokens, torch.tensor(list(vision_token_ids), device=tokens.device))
+
+
+def vision_token_ids(config) -> tuple[int, ...]:
+    """The vision special token ids of a Qwen2-VL / Qwen2.5-VL config."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return tuple(int(getattr(config, n)) for n in names if getattr(config, n, None) is not None)
+
+
+def mrope_positions(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, grids: torch.Tensor | None
+) -> torch.Tensor:
+    """M-RoPE position ids [3, B, T] of left/right-padded rows (0 on padding), from the model's
+    ``get_rope_index``; ``input_ids`` must hold image tokens only where the prompts' images are."""
+    image_id = int(model.config.image_token_id)
+    types = (input_ids == image_id).long() * attention_mask  # [B, T]: 1 on image tokens
+    inner = model.model if hasattr(model, "model") else model
+    positions, _ = inner.get_rope_index(
+        input_ids, mm_token_type_ids=types, image_grid_thw=grids, attention_mask=attention_mask
+    )
+    return positions  # [3, B, T]
+
+
+def vision_response_log_probs(
+    model: Any,
+    batch: RolloutBatch,
+    vision: VisionInputs,
+    *,
+    temperature: float,
+    pad_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of ``model`` (a ``Qwen2_5_VLForConditionalGeneration``, FSDP-wrapped or not) over the
+    batch's prompt+response with its images; returns ``(log_probs [B, Tr],
+    loss_mask [B, Tr])``: the response mask without the vision tokens a row sampled (their log-probs are 0).
+    Runs with the caller's grad mode (no_grad for old / reference log-probs, grad in the update)."""
+    ids = vision_token_ids(model.config)
+    response_vision = vision_token_mask(batch.responses, ids) & batch.response_mask.bool()  # [B, Tr]
+    responses = batch.responses.masked_fill(response_vision, pad_token_id)  # [B, Tr]
+    input_ids = torch.cat([batch.prompts, responses], dim=1)  # [B, Tp+Tr]
+    attention_mask = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).long()  # [B, Tp+Tr]
+    pixel_values, grids = vision.concatenated()
+    positions = mrope_positions(model, input_ids, attention_mask, grids)  # [3, B, Tp+Tr]
+    tp, tr = batch.prompts.shape[1], batch.responses.shape[1]
+    kwargs = {} if grids is None else {"pixel_values": pixel_values, "image_grid_thw": grids}
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **kwargs
+    ).logits[:, tp - 1 : tp + tr - 1]  # [B, Tr, V]: position t predicts token t+1
+    logits = logits.float() / temperature  # [B, Tr, V]
+    token_logits = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1)  # [B, Tr]
+    log_probs = token_logits - torch.logsumexp(logits, dim=-1)  # [B, Tr]
+    loss_mask = batch.response_mask * ~response_vision  # [B, Tr]
+    return log_probs * loss_mask, loss_mask
