@@ -117,3 +117,25 @@ def vision_response_log_probs(
     log_probs = token_logits - torch.logsumexp(logits, dim=-1)  # [B, Tr]
     loss_mask = batch.response_mask * ~response_vision  # [B, Tr]
     return log_probs * loss_mask, loss_mask
+
+
+def shard_vision_language_model(
+    model: Any,
+    mesh: Any,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> Any:
+    """FSDP2 for a Qwen2-VL / Qwen2.5-VL: one unit per vision block and per decoder layer, then the root.
+
+    `fusedrl.workers.fsdp.apply_fsdp2` looks for the decoder layers at ``model.model.layers``; transformers 5
+    holds a vision-language model's at ``model.model.language_model.layers`` and its vision blocks at
+    ``model.model.visual.blocks``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    inner = model.model
+    for unit in [*inner.visual.blocks, *inner.language_model.layers]:
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    return model

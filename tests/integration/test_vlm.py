@@ -9,6 +9,9 @@ image prompts from verl's multimodal parquet schema (`fusedrl.data.multimodal`).
   parameters (and only those) and give the changed model's log-probs; a re-stream of the checkpoint restores it
   bit for bit.
 * A prompt whose image tokens do not match its image (another image size) is refused, naming the fix.
+* An FSDP2 actor (vision blocks and decoder layers sharded, one rank) computes the engine's log-probs; one
+  policy-gradient step moves every weight, the vision tower's included; a missed sync is caught, and after the
+  in-place stream of the gathered weights the engine's log-probs are the actor's again.
 """
 
 from __future__ import annotations
@@ -226,3 +229,76 @@ def test_engine_log_probs_on_image_prompts_equal_transformers(tiny_vlm_dir, tmp_
 
     assert "the engine widened its images to" in r["mismatch"]
     assert "min_pixels / max_pixels" in r["mismatch"]
+
+
+def _actor_body(port: int, model_dir: str, out: str) -> None:
+    """An FSDP2 actor (one rank) and the engine: one policy-gradient step on the engine's samples, then the
+    in-place stream of the actor's gathered weights."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from fusedrl.third_party.vllm.engine import EngineConfig, VLLMEngine
+    from fusedrl.workers.fsdp import stream_full_tensors
+    from fusedrl.workers.rollout.base import SampleParams
+    from fusedrl.workers.vision import VisionInputs, shard_vision_language_model, vision_response_log_probs
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    data = _dataset(model_dir, os.path.dirname(out))
+    items = [data[i] for i in range(len(data))]
+    vision = VisionInputs.from_items(items)
+    engine = VLLMEngine(
+        EngineConfig(
+            model_path=model_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=64 << 20,
+            enforce_eager=True, max_images_per_prompt=2,
+        )
+    )  # fmt: skip
+    actor = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    shard_vision_language_model(actor, init_device_mesh("cpu", (1,)))
+    optim = torch.optim.AdamW(actor.parameters(), lr=1e-2, weight_decay=0.0)
+    params = SampleParams(max_tokens=TR, temperature=1.0, stop_token_ids=(2,))
+
+    def rollout(seeds) -> tuple:
+        results = engine.generate(
+            [it["prompt_ids"] for it in items], params, seeds=seeds, images=[it["images"] for it in items]
+        )
+        return _rollout_batch(items, results)
+
+    def gap(batch, engine_lp) -> float:
+        with torch.no_grad():
+            lp, mask = vision_response_log_probs(actor, batch, vision, temperature=1.0, pad_token_id=0)
+        return float(((lp - engine_lp) * mask).abs().max())
+
+    r: dict = {}
+    batch, engine_lp = rollout(SEEDS)
+    r["gap_before"] = gap(batch, engine_lp)
+    before = {n: t.full_tensor().clone() for n, t in actor.state_dict().items()}
+    lp, mask = vision_response_log_probs(actor, batch, vision, temperature=1.0, pad_token_id=0)
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None]  # [B, 1]
+    (-(lp * mask * advantages).sum() / mask.sum()).backward()
+    optim.step()
+    after = {n: t.full_tensor() for n, t in actor.state_dict().items()}
+    r["unchanged"] = sorted(n for n in before if torch.equal(before[n], after[n]))
+    r["visual_params"] = sum(".visual." in n for n in before)
+    stale_batch, stale_lp = rollout([21, 22, 23, 24])  # the engine before the sync
+    r["gap_without_sync"] = gap(stale_batch, stale_lp)
+    engine.update_weights(stream_full_tensors(actor))
+    batch, engine_lp = rollout([21, 22, 23, 24])
+    r["gap_after_sync"] = gap(batch, engine_lp)
+    torch.save(r, out)
+    os._exit(0)
+
+
+def test_fsdp2_actor_step_reaches_the_engines_vision_tower(tiny_vlm_dir, tmp_path):
+    r = spawned_result(_actor_body, tiny_vlm_dir, tmp_path, 600)
+    assert r["gap_before"] < TOL, r  # the FSDP2 actor's pass is the engine's
+    # The step trained every weight, the vision tower's included (no weight decay: only gradients move them).
+    assert r["visual_params"] > 20 and r["unchanged"] == [], r["unchanged"]
+    assert r["gap_without_sync"] > 100 * TOL, r  # a missed sync is caught
+    assert r["gap_after_sync"] < TOL, r
