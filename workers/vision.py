@@ -3,7 +3,7 @@ positions, vision tokens out of the loss.
 
 What differs from a text policy's pass (`fusedrl.workers.logprob.response_log_probs`):
 
-* **Images ride beside the batch.** `VisionInputs` holds each row's ``pixel_values`` [patches_i, C*T*P*P] and
+* **Images ride beside the batch.** `VisionInputs` (`fusedrl.data.multimodal`) holds each row's ``pixel_values`` [patches_i, C*T*P*P] and
   ``image_grid_thw`` [images_i, 3] (the processor's output, `fusedrl.data.multimodal`); a row has any number of
   images, so they are per-row lists, cut with the rows (`VisionInputs.select`). The forward concatenates the
   rows' patches in row order, the order the model scatters image features into image tokens.
@@ -22,45 +22,12 @@ What differs from a text policy's pass (`fusedrl.workers.logprob.response_log_pr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fusedrl.batch import RolloutBatch
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class VisionInputs:
-    """Each row's processed images (aligned with a `RolloutBatch`'s rows)."""
-
-    pixel_values: list[torch.Tensor]  # per row: [patches_i, C*T*P*P] (0 rows for a text-only prompt)
-    image_grid_thw: list[torch.Tensor]  # per row: [images_i, 3] long (t, h, w patch counts)
-
-    @classmethod
-    def from_items(cls, items: Sequence[dict]) -> VisionInputs:
-        """From `fusedrl.data.multimodal.VisionLanguageDataset` items (or anything with those two keys)."""
-        return cls(
-            pixel_values=[it["pixel_values"] for it in items],
-            image_grid_thw=[it["image_grid_thw"].reshape(-1, 3).long() for it in items],
-        )
-
-    def select(self, rows: Sequence[int] | torch.Tensor) -> VisionInputs:
-        """The inputs of ``rows`` (a micro-batch, GRPO's repeated samples ``[0, 0, 1, 1, ...]``)."""
-        index = [int(r) for r in rows]
-        return VisionInputs(
-            pixel_values=[self.pixel_values[r] for r in index],
-            image_grid_thw=[self.image_grid_thw[r] for r in index],
-        )
-
-    def concatenated(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(pixel_values [patches, D], image_grid_thw [images, 3])`` of all rows in row order, or Nones when
-        no row has an image."""
-        grids = [g for g in self.image_grid_thw if g.numel()]
-        if not grids:
-            return None, None
-        patches = torch.cat([p for p, g in zip(self.pixel_values, self.image_grid_thw) if g.numel()])
-        return patches, torch.cat(grids)
+from fusedrl.data.multimodal import VisionInputs  # re-exported: the pass's input
 
 
 def vision_token_mask(tokens: torch.Tensor, vision_token_ids: Sequence[int]) -> torch.Tensor:

@@ -143,3 +143,28 @@ def test_overlong_prompts_error_or_are_filtered(processor, tmp_path):
         VisionLanguageDataset(path, processor, max_prompt_length=20)
     data = VisionLanguageDataset(path, processor, max_prompt_length=20, filter_overlong_prompts=True)
     assert len(data) == 1 and data.num_filtered == 1 and data[0]["uid"] == "long-1"
+
+
+def test_collate_keeps_images_with_their_rows(processor, tmp_path):
+    from fusedrl.data.multimodal import collate_vision
+
+    rows = [
+        _row("<image>a", [{"bytes": _png(_image(60, 90, 6))}]),
+        _row("b", []),
+        _row("<image><image>c", [{"bytes": _png(_image(28, 56, 7))}, {"bytes": _png(_image(56, 56, 8))}]),
+    ]
+    data = VisionLanguageDataset(_write(tmp_path / "c.parquet", rows), processor, max_prompt_length=48)
+    batch, vision = collate_vision([data[i] for i in range(3)], pad_token_id=0, max_prompt_length=48)
+    index = torch.arange(3).repeat_interleave(2)  # GRPO's n=2 samples: [0, 0, 1, 1, 2, 2]
+    batch, vision = batch.repeat_samples(2), vision.select(index)
+    assert batch.prompts.shape == (6, 48) and len(vision.images) == 6
+    for i in range(6):
+        tokens = int((batch.prompts[i] == processor.image_token_id).sum())
+        grids = vision.image_grid_thw[i]
+        assert tokens == int(grids.prod(-1).sum()) // 4  # 2x2 patches per image token
+        assert vision.pixel_values[i].shape[0] == int(grids.prod(-1).sum())
+        assert len(vision.images[i]) == grids.shape[0] == [1, 0, 2][i // 2]
+    assert batch.uid == ["c-0", "c-0", "c-1", "c-1", "c-2", "c-2"]
+    patches, grids = vision.concatenated()
+    assert patches is not None and grids is not None
+    assert grids.tolist() == [[1, 4, 6], [1, 4, 6], [1, 2, 4], [1, 4, 4], [1, 2, 4], [1, 4, 4]]
