@@ -126,10 +126,57 @@ def _fsdp_step(
     return {"loss": float(loss), "norm": float(norm), "grads": grads, "params": params, "dispatch": dispatch}
 
 
+def _resume(model_dir: str, rank: int, *, ep: bool, load: str | None, save: str | None) -> dict:
+    """FSDP2 (with expert parallelism when ``ep``) and SGD with momentum: either one step then saved to
+    ``save`` (`save_fsdp_state`), or loaded from ``load``; then one more step. Returns the full parameters
+    when saved or loaded, and after the last step."""
+    from transformers import AutoModelForCausalLM
+
+    from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
+    from fusedrl.workers.expert_parallel import shard_experts
+    from fusedrl.workers.fsdp import apply_fsdp2, build_mesh
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    mesh = build_mesh()
+    if ep:
+        shard_experts(model, mesh)
+    apply_fsdp2(model, mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(ids: torch.Tensor) -> None:
+        _loss(model, ids, forced=False).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if load is not None:
+        load_fsdp_state(model, opt, load)
+    else:
+        step(_batch(rank))
+    if save is not None:
+        save_fsdp_state(model, opt, save)
+    full = lambda: {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}  # noqa: E731
+    state = full()
+    step(_batch(rank + 2))
+    return {"state": state, "next": full()}
+
+
+def _run_checkpoints(rank: int, out: str, model_dir: str) -> dict:
+    """Checkpoints cross layouts: plain FSDP2's loads into FSDP2 + EP and the reverse, and the next step
+    continues as the saving run does."""
+    results = {}
+    for name, saver_ep in (("fsdp_to_ep", False), ("ep_to_fsdp", True)):
+        prefix = str(Path(out) / f"{name}_rank{rank}")
+        saved = _resume(model_dir, rank, ep=saver_ep, load=None, save=prefix)
+        loaded = _resume(model_dir, rank, ep=not saver_ep, load=prefix, save=None)
+        results[name] = {"saved": saved, "loaded": loaded}
+    return results
+
+
 def _run_fsdp(rank: int, model_dir: str, out: str) -> None:
     results = {"ep2": _fsdp_step(model_dir, rank, True), "ep1": _fsdp_step(model_dir, rank, False)}
     for name, ep in (("bf16_ep2", True), ("bf16_ep1", False)):
         results[name] = _fsdp_step(model_dir, rank, ep, torch.bfloat16)
+    results["checkpoints"] = _run_checkpoints(rank, out, model_dir)
     torch.save(results, Path(out) / f"fsdp_rank{rank}.pt")
 
 
@@ -252,3 +299,19 @@ def test_under_bf16_mixed_precision_fsdp2_with_ep_matches_fsdp2_alone(ranks):
             got = ep2["grads"][name]
             cos = torch.nn.functional.cosine_similarity(got.flatten().float(), want.flatten().float(), dim=0)
             assert float(cos) >= 0.9999, (name, float(cos))
+
+
+@pytest.mark.parametrize("direction", ["fsdp_to_ep", "ep_to_fsdp"])
+def test_checkpoints_load_across_plain_fsdp2_and_expert_parallel(ranks, direction):
+    """The experts lie as FSDP2 shards them, so a checkpoint of either layout (`save_fsdp_state`: local shards,
+    momentum included) loads into the other bit for bit, and the next step equals the saving run's."""
+    for rank, result in enumerate(ranks):
+        saved, loaded = result["checkpoints"][direction]["saved"], result["checkpoints"][direction]["loaded"]
+        for name, want in saved["state"].items():
+            assert torch.equal(loaded["state"][name], want), (rank, name)
+        for name, want in saved["next"].items():
+            moved = float((want - saved["state"][name]).abs().max())
+            assert moved > 0, name  # the step changed it
+            # the step's gradients agree within GRAD_RTOL; the sum with the weights rounds to a float32 step
+            tol = GRAD_RTOL * moved + 4 * torch.finfo(torch.float32).eps * float(want.abs().max())
+            assert float((loaded["next"][name] - want).abs().max()) <= tol, (rank, name)
