@@ -106,3 +106,14 @@ def shard_vision_language_model(
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     return model
+
+
+def freeze_vision_tower(model: Any) -> int:
+    """Stop training the vision tower (verl's ``actor_rollout_ref.actor.freeze_vision_tower``): its parameters
+    get no gradient, so the optimizer leaves them. Call before sharding. The weight stream still carries them
+    (the engine's completeness check wants every checkpoint tensor). Returns the number of frozen tensors."""
+    frozen = 0
+    for p in model.model.visual.parameters():
+        p.requires_grad_(False)
+        frozen += 1
+    return frozen

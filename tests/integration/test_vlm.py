@@ -231,9 +231,9 @@ def test_engine_log_probs_on_image_prompts_equal_transformers(tiny_vlm_dir, tmp_
     assert "min_pixels / max_pixels" in r["mismatch"]
 
 
-def _actor_body(port: int, model_dir: str, out: str) -> None:
+def _actor_body(port: int, args: str, out: str) -> None:
     """An FSDP2 actor (one rank) and the engine: one policy-gradient step on the engine's samples, then the
-    in-place stream of the actor's gathered weights."""
+    in-place stream of the actor's gathered weights. ``args``: ``model_dir|freeze`` (freeze the vision tower)."""
     import os
 
     import torch.distributed as dist
@@ -243,13 +243,19 @@ def _actor_body(port: int, model_dir: str, out: str) -> None:
     from fusedrl.third_party.vllm.engine import EngineConfig, VLLMEngine
     from fusedrl.workers.fsdp import stream_full_tensors
     from fusedrl.workers.rollout.base import SampleParams
-    from fusedrl.workers.vision import VisionInputs, shard_vision_language_model, vision_response_log_probs
+    from fusedrl.workers.vision import (
+        VisionInputs,
+        freeze_vision_tower,
+        shard_vision_language_model,
+        vision_response_log_probs,
+    )
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
+    model_dir, freeze = args.split("|")
     data = _dataset(model_dir, os.path.dirname(out))
     items = [data[i] for i in range(len(data))]
     vision = VisionInputs.from_items(items)
@@ -260,6 +266,7 @@ def _actor_body(port: int, model_dir: str, out: str) -> None:
         )
     )  # fmt: skip
     actor = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    r: dict = {"frozen": freeze_vision_tower(actor) if freeze == "True" else 0}
     shard_vision_language_model(actor, init_device_mesh("cpu", (1,)))
     optim = torch.optim.AdamW(actor.parameters(), lr=1e-2, weight_decay=0.0)
     params = SampleParams(max_tokens=TR, temperature=1.0, stop_token_ids=(2,))
@@ -275,7 +282,6 @@ def _actor_body(port: int, model_dir: str, out: str) -> None:
             lp, mask = vision_response_log_probs(actor, batch, vision, temperature=1.0, pad_token_id=0)
         return float(((lp - engine_lp) * mask).abs().max())
 
-    r: dict = {}
     batch, engine_lp = rollout(SEEDS)
     r["gap_before"] = gap(batch, engine_lp)
     before = {n: t.full_tensor().clone() for n, t in actor.state_dict().items()}
@@ -295,10 +301,17 @@ def _actor_body(port: int, model_dir: str, out: str) -> None:
     os._exit(0)
 
 
-def test_fsdp2_actor_step_reaches_the_engines_vision_tower(tiny_vlm_dir, tmp_path):
-    r = spawned_result(_actor_body, tiny_vlm_dir, tmp_path, 600)
+@pytest.mark.parametrize("freeze", [False, True])
+def test_fsdp2_actor_step_reaches_the_engines_vision_tower(tiny_vlm_dir, tmp_path, freeze):
+    r = spawned_result(_actor_body, f"{tiny_vlm_dir}|{freeze}", tmp_path, 600)
     assert r["gap_before"] < TOL, r  # the FSDP2 actor's pass is the engine's
-    # The step trained every weight, the vision tower's included (no weight decay: only gradients move them).
-    assert r["visual_params"] > 20 and r["unchanged"] == [], r["unchanged"]
+    # The step trained every weight, the vision tower's too unless it is frozen (no weight decay: only
+    # gradients move weights).
+    assert r["visual_params"] > 20
+    if freeze:
+        assert r["frozen"] == r["visual_params"]
+        assert len(r["unchanged"]) == r["visual_params"] and all(".visual." in n for n in r["unchanged"])
+    else:
+        assert r["unchanged"] == [], r["unchanged"]
     assert r["gap_without_sync"] > 100 * TOL, r  # a missed sync is caught
     assert r["gap_after_sync"] < TOL, r
