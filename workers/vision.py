@@ -12,10 +12,12 @@ What differs from a text policy's pass (`fusedrl.workers.logprob.response_log_pr
   positions come from the model's own ``get_rope_index`` over the real tokens of each row (left padding
   skipped), the same rule vLLM applies (``get_mrope_input_positions``), so they are the positions the rollout
   engine used. Positions counting tokens (the text pass's) are wrong after the first image.
-* **Vision tokens are not trained on.** A policy can sample ``<|image_pad|>`` or ``<|vision_start|>`` itself
-  (a random or young model does). The model would take such a response token for an image placeholder and
-  fail (more image tokens than image features), and its log-prob means nothing. Those tokens are replaced by
-  the pad id for the forward and masked out of the loss: `vision_token_mask`, and ``loss_mask`` of
+* **Vision tokens end what is trained on.** A policy can sample ``<|image_pad|>`` or ``<|vision_start|>``
+  itself (a random or young model does). transformers would take such a response token for an image slot and
+  fail (more image tokens than image features), so it is replaced by the pad id for the forward. vLLM embeds
+  it as a text token, which transformers' forward cannot reproduce, so the tokens after it are scored in
+  another context than the engine sampled them in (measured: log-prob gaps up to 0.33 in float32 on those rows,
+  5e-7 elsewhere). Such a token and everything after it in its response are out of the loss: ``loss_mask`` of
   `vision_response_log_probs`. Prompt image tokens are never in the loss (the loss reads response tokens only).
 """
 
@@ -65,7 +67,8 @@ def vision_response_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward of ``model`` (a ``Qwen2_5_VLForConditionalGeneration``, FSDP-wrapped or not) over the
     batch's prompt+response with its images; returns ``(log_probs [B, Tr],
-    loss_mask [B, Tr])``: the response mask without the vision tokens a row sampled (their log-probs are 0).
+    loss_mask [B, Tr])``: the response mask up to (not including) the first vision token a row sampled; the
+    log-probs are 0 outside it.
     Runs with the caller's grad mode (no_grad for old / reference log-probs, grad in the update)."""
     ids = vision_token_ids(model.config)
     response_vision = vision_token_mask(batch.responses, ids) & batch.response_mask.bool()  # [B, Tr]
@@ -82,7 +85,7 @@ def vision_response_log_probs(
     logits = logits.float() / temperature  # [B, Tr, V]
     token_logits = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1)  # [B, Tr]
     log_probs = token_logits - torch.logsumexp(logits, dim=-1)  # [B, Tr]
-    loss_mask = batch.response_mask * ~response_vision  # [B, Tr]
+    loss_mask = batch.response_mask * (response_vision.cumsum(dim=1) == 0)  # [B, Tr]: up to a vision token
     return log_probs * loss_mask, loss_mask
 
 
