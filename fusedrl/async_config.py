@@ -4,7 +4,8 @@ docs/placement.md ("Asynchronous training") has the user's view.
 
 ``async_training.max_staleness`` bounds how many actor updates a sample's policy may lag behind the actor
 that trains on it: 0 is the synchronous run, 1 is one-step-off-policy (step k+1's samples are generated
-while step k trains). Larger bounds are not built.
+while step k trains), K keeps the generations of the next K steps in flight. ``async_training.partial_rollout``
+is partial rollout in the fused pool (`fusedrl.trainer.partial_trainer`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 
 from fusedrl.placement_config import Placement
 
-MAX_BUILT_STALENESS = 1
 KEY = "async_training.max_staleness"
 PARTIAL = "async_training.partial_rollout"
 THRESHOLD = "async_training.staleness_threshold"
@@ -94,18 +94,13 @@ def partial_rollout_problems(cfg: Any, placement: Placement, problems: list[str]
 
 
 def async_problems(cfg: Any, placement: Placement, problems: list[str]) -> None:
-    """Append every problem of ``async_training`` against the run: a bound that is not 0 or 1, and, when
-    it is 1, what one-step-off training needs (a rollout pool of its own, truncated importance weights
-    against the rollout's own log-probs) and what it does not support (dynamic sampling, a greedy
-    baseline, multi-turn agent loops)."""
+    """Append every problem of ``async_training.max_staleness`` against the run: a bound that is not an
+    integer >= 0, and, when it is > 0, what asynchronous training needs (a rollout pool of its own,
+    truncated importance weights against the rollout's own log-probs) and what it does not support
+    (dynamic sampling, a greedy baseline, multi-turn agent loops)."""
     value = cfg.async_training.max_staleness
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         problems.append(f"`{KEY}`={value!r}: must be an integer >= 0 (0: synchronous, 1: one-step-off).")
-        return
-    if value > MAX_BUILT_STALENESS:
-        problems.append(
-            f"`{KEY}`={value}: only 0 (synchronous) and 1 (one-step-off-policy) are built; set {KEY}=1."
-        )
         return
     if value == 0:
         return

@@ -1,17 +1,20 @@
-"""One-step-off-policy asynchronous RL (``async_training.max_staleness``; docs/placement.md).
+"""Off-policy asynchronous RL with bounded staleness (``async_training.max_staleness`` K; docs/placement.md).
 
-With the rollout on a pool of its own, the generation of step k+1's samples is sent to the rollout workers
+With the rollout on a pool of its own, the generations of the next K steps are sent to the rollout workers
 (Ray object refs, not awaited) before step k's training phases run, so the engine generates while the actor
 scores, updates and checkpoints:
 
-    step k:   take batch k  ->  send generation k+1  ->  reward, log-probs, advantages, update (version k)
-              ->  wait for generation k+1  ->  sync version k into the engine  ->  (save, validate)
+    step k:   take batch k  ->  send generation k+K  ->  reward, log-probs, advantages, update (version k)
+              ->  wait for the generations in flight  ->  sync version k into the engine  ->  (save, validate)
 
-Generation k+1 runs on the weights the engine holds when it starts (version k-1, synced after step k-1's
-update); the sync after step k's update reaches the engine after generation k+1 and before generation k+2
-(the driver waits for k+1 first, and Ray runs one caller's calls to a worker in order). Every sample carries
-``policy_version``, the number of actor updates behind the weights that generated it; each step checks that
-``actor version - policy_version`` is within ``[0, max_staleness]`` and raises otherwise.
+Generation k+K runs on the weights the engine holds when it starts (version k-1, synced after step k-1's
+update); the sync after step k's update reaches the engine after it (the driver waits for every generation
+in flight first, and Ray runs one caller's calls to a worker in order). Batch k+K is trained on by the actor
+at version k+K-1: K updates after the weights that generated it. With K=1 (one-step-off) generation k+1
+overlaps step k's training; a larger K buffers finished batches (the engine may run further ahead of a slow
+step, at the cost of staler samples). Every sample carries ``policy_version``, the number of actor updates
+behind the weights that generated it; each step checks that ``actor version - policy_version`` is within
+``[0, max_staleness]`` and raises otherwise.
 
 The loss: ``old_log_probs`` come from the actor's own pass (the policy before this step's update), and
 ``algorithm.rollout_correction.rollout_is`` (required by the config check) weighs every token by the
@@ -19,9 +22,9 @@ truncated ratio ``min(pi_old / pi_rollout, threshold)`` against the rollout's ow
 policy, one update older) before the PPO update.
 
 With ``max_staleness=0`` the same code sends each step's generation and waits for it at once: the run is
-the synchronous one, step for step. A checkpoint saves the finished next batch with its policy version
-(``async_batch.safetensors`` / ``async_batch.json``); a resumed run trains on it instead of regenerating it
-(the weights that generated it are gone), so a resumed run equals the uninterrupted one.
+the synchronous one, step for step. A checkpoint saves the finished next batches with their policy versions
+(``async_batch.safetensors`` / ``async_batch.json``); a resumed run trains on them instead of regenerating
+them (the weights that generated them are gone), so a resumed run equals the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 from omegaconf import DictConfig
 
 from fusedrl.async_config import max_staleness
-from fusedrl.batch import NON_TENSOR_FIELDS, RolloutBatch
+from fusedrl.batch import NON_TENSOR_FIELDS, RolloutBatch, concat
 from fusedrl.controller.worker_group import Submitted
 from fusedrl.metrics import Metrics
 from fusedrl.tracking import timer
@@ -82,7 +85,7 @@ class AsyncPPOTrainer(PPOTrainer):
         self.max_staleness = max_staleness(self.run)
         self.actor_version = 0  # actor updates so far
         self.engine_version = 0  # the actor version whose weights the engine holds
-        self.in_flight: InFlight | None = None
+        self.queue: list[InFlight] = []  # generations sent, by step (at most max_staleness after this step's)
         self.last_staleness_max = 0
         self._lock = threading.Lock()
 
@@ -113,12 +116,23 @@ class AsyncPPOTrainer(PPOTrainer):
         with self._lock:
             flight.done_at.append(time.monotonic())
 
+    @property
+    def in_flight(self) -> InFlight | None:
+        """The oldest generation sent and not taken yet (None when none is)."""
+        return self.queue[0] if self.queue else None
+
     def finish_in_flight(self) -> Metrics:
-        """Wait for the generation in flight (if any) and keep its batch; the overlap metrics: how long it
-        ran (``async/gen_s``), how much of it the driver spent on other phases (``async/overlap_s``) and
-        how long the driver then waited for it (``async/gen_wait_s``)."""
-        flight = self.in_flight
-        if flight is None or flight.result is not None:
+        """Wait for every generation in flight and keep its batch; the overlap metrics of the newest (`finish`)."""
+        metrics: Metrics = {}
+        for flight in self.queue:
+            metrics = self.finish(flight) or metrics
+        return metrics
+
+    def finish(self, flight: InFlight) -> Metrics:
+        """Wait for ``flight`` (if not done yet) and keep its batch; the overlap metrics: how long it ran
+        (``async/gen_s``), how much of it the driver spent on other phases (``async/overlap_s``) and how long
+        the driver then waited for it (``async/gen_wait_s``)."""
+        if flight.result is not None:
             return {}
         assert flight.to_send is not None
         rollout = self.group_for("rollout")
@@ -142,26 +156,28 @@ class AsyncPPOTrainer(PPOTrainer):
         }
 
     def take_in_flight(self, metrics: Metrics) -> RolloutBatch:
-        """This step's generated batch (waiting for it if needed); nothing is in flight afterwards."""
-        metrics.update(self.finish_in_flight())
-        assert self.in_flight is not None and self.in_flight.result is not None
-        if self.in_flight.step != self.global_step:
+        """This step's generated batch (waiting for it if needed), taken off the queue."""
+        flight = self.queue.pop(0)
+        metrics.update(self.finish(flight))
+        assert flight.result is not None
+        if flight.step != self.global_step:
             raise RuntimeError(
-                f"step {self.global_step}: the batch in flight was generated for step {self.in_flight.step}"
+                f"step {self.global_step}: the batch in flight was generated for step {flight.step}"
             )
-        batch, self.in_flight = self.in_flight.result, None
-        return batch
+        return flight.result
 
     # ------------------------------------------------------------------ the step's phases
     def collect_batch(self, metrics: Metrics) -> RolloutBatch:
-        """This step's samples (generated during the previous step, or now on the first step and with
-        ``max_staleness=0``); then the next step's generation is sent before this step trains."""
-        if self.in_flight is None:
-            self.in_flight = self.submit_generation(self.next_prompts(), self.global_step)
+        """This step's samples (generated during earlier steps, or now on the first step and with
+        ``max_staleness=0``); then the generations of the next ``max_staleness`` steps are in flight (sent
+        before this step trains)."""
+        if not self.queue:
+            self.queue.append(self.submit_generation(self.next_prompts(), self.global_step))
         with timer("gen", metrics):
             batch = self.take_in_flight(metrics)
-        if self.max_staleness > 0 and self.global_step < self.total_steps:
-            self.in_flight = self.submit_generation(self.next_prompts(), self.global_step + 1)
+        ahead = min(self.global_step + self.max_staleness, self.total_steps)
+        for step in range(self.global_step + 1 + len(self.queue), ahead + 1):
+            self.queue.append(self.submit_generation(self.next_prompts(), step))
         metrics.update(self.check_staleness(batch))
         with timer("reward", metrics):
             batch = self.compute_rewards(batch, metrics)
@@ -217,19 +233,24 @@ class AsyncPPOTrainer(PPOTrainer):
         return super().save_checkpoint()
 
     def save_driver_files(self, folder: str) -> None:
-        """The finished next batch (tensors as safetensors, per-row strings as JSON), if there is one."""
-        flight = self.in_flight
-        if flight is None:
+        """The finished next batches, one after the other (tensors as safetensors; their steps, row counts
+        and per-row strings as JSON), if there are any."""
+        if not self.queue:
             return
         from safetensors.torch import save_file
 
-        batch = flight.result
-        assert batch is not None
+        batches = [flight.result for flight in self.queue]
+        assert all(b is not None for b in batches)
+        batch = concat(batches)  # type: ignore[arg-type]
         save_file(
             {name: getattr(batch, name).contiguous() for name in SAVED_TENSORS},
             os.path.join(folder, BATCH_TENSORS),
         )
-        meta = {"step": flight.step, **{name: batch.field_list(name) for name in NON_TENSOR_FIELDS}}
+        meta = {
+            "steps": [flight.step for flight in self.queue],
+            "rows": [b.num_samples for b in batches],  # type: ignore[union-attr]
+            **{name: batch.field_list(name) for name in NON_TENSOR_FIELDS},
+        }
         with open(os.path.join(folder, BATCH_META), "w", encoding="utf-8") as f:
             json.dump(meta, f)
 
@@ -241,15 +262,16 @@ class AsyncPPOTrainer(PPOTrainer):
         steps = range(1, self.global_step + 1)
         self.actor_version = sum(step_plan.actor_trains(self.run, s) for s in steps)
         self.engine_version = self.actor_version  # the engine was re-synced to the restored actor
-        self.in_flight = None
-        # A saved next batch is one update old: used when the run is one-step-off, else regenerated.
+        self.queue = []
+        # Saved next batches are older than the restored actor: used when the run is asynchronous (as many as
+        # its bound keeps ahead), else regenerated.
         if self.max_staleness > 0 and os.path.exists(os.path.join(path, BATCH_META)):
-            self.in_flight = load_in_flight(path)
+            self.queue = load_in_flight(path)[: self.max_staleness]
         return path
 
 
-def load_in_flight(path: str) -> InFlight:
-    """The finished batch a checkpoint saved (`AsyncPPOTrainer.save_driver_files`)."""
+def load_in_flight(path: str) -> list[InFlight]:
+    """The finished batches a checkpoint saved (`AsyncPPOTrainer.save_driver_files`), oldest first."""
     from safetensors.torch import load_file
 
     tensors = load_file(os.path.join(path, BATCH_TENSORS))
@@ -257,5 +279,11 @@ def load_in_flight(path: str) -> InFlight:
         meta = json.load(f)
     rows = int(tensors["prompts"].shape[0])
     fields: dict[str, Any] = {**tensors, **{name: meta[name] for name in NON_TENSOR_FIELDS}}
-    batch = RolloutBatch(**fields, batch_size=[rows])
-    return InFlight(step=int(meta["step"]), batch=batch, result=batch)
+    whole = RolloutBatch(**fields, batch_size=[rows])
+    steps, counts = meta.get("steps", [meta.get("step")]), meta.get("rows", [rows])
+    flights, start = [], 0
+    for step, count in zip(steps, counts):
+        batch = whole[start : start + count]
+        flights.append(InFlight(step=int(step), batch=batch, result=batch))
+        start += count
+    return flights
