@@ -23,7 +23,7 @@ from fusedrl.agent.trajectory import Trajectory
 
 
 class AgentContext(Protocol):
-    renderer: ChatRenderer
+    renderer: ChatRenderer | None  # None: a token-only run (plain single-turn generation); no text is read
     max_assistant_turns: int | None
     max_user_turns: int | None
     env_config: dict[str, Any]
@@ -85,7 +85,7 @@ async def assistant_turn(
 ) -> tuple[str, bool]:
     """One sampled turn appended to ``traj``. Returns its text and whether it ended with the stop token."""
     ids, log_probs, finish = await ctx.generate(traj, max_tokens)
-    text = ctx.renderer.decode_turn(ids)
+    text = ctx.renderer.decode_turn(ids) if ctx.renderer is not None else ""
     traj.add_sampled(ids, log_probs, text)
     if finish == "length" and traj.remaining <= 0:
         traj.stats["hit_length_limit"] = 1.0
@@ -98,6 +98,8 @@ def append_observation(
     """Render ``messages`` once and append them; False (nothing appended) when they do not fit.
     ``after_stop=False``: the last turn was cut (``max_tokens_per_turn``), so the observation first closes it
     with the stop text, which the model did not sample (mask 0)."""
+    if ctx.renderer is None:
+        raise RuntimeError("append_observation: this run has no chat renderer (token-only generation)")
     ids = ctx.renderer.observation_ids(messages, after_stop=after_stop)
     if not traj.fits(ids):
         traj.stats["hit_length_limit"] = 1.0
@@ -108,7 +110,8 @@ def append_observation(
 
 @register_agent_loop("single_turn")
 class SingleTurnLoop(AgentLoop):
-    """One response per prompt: the plain RL rollout."""
+    """One response per prompt: the plain RL rollout. Every engine rollout's ``generate`` runs it
+    (`fusedrl.workers.rollout.base.EngineRollout`); its request carries the row's own seed."""
 
     async def run(self, row: dict[str, Any], traj: Trajectory, ctx: AgentContext) -> None:
         await assistant_turn(traj, ctx)

@@ -31,6 +31,7 @@ from fusedrl.agent.parser import ToolCall
 from fusedrl.agent.render import ChatRenderer, tokenization_mismatch
 from fusedrl.agent.tools import ToolResult, ToolSet
 from fusedrl.agent.trajectory import Trajectory
+from fusedrl.sampling import SampleParams
 
 TRUNCATE_SIDES = ("left", "right", "middle")
 TOOL_CALL_FORMATS = ("hermes",)  # verl's multi_turn.format names; fusedrl.agent.parse_hermes parses these
@@ -109,6 +110,11 @@ class MultiTurnConfig:
         return [f"`{prefix}.{k}`={getattr(self, k)!r}: {msg}." for k, ok, msg in checks if not ok]
 
 
+def _row_seed(row: dict[str, Any], index: int) -> int | None:
+    seed = row.get("seed", index)
+    return None if seed is None else int(seed)
+
+
 def truncate(text: str, limit: int, side: str) -> tuple[str, bool]:
     """``text`` cut to ``limit`` characters on its ``side`` (``left``: the beginning is dropped and the end
     kept, ``right``: the end is dropped, ``middle``: the middle is dropped and both ends kept), with a marker
@@ -136,10 +142,25 @@ class TurnSampling:
     stop_token_id: int = 0
 
 
-class AgentRunner:
-    """Builds trajectories for a list of rows on ``engine`` (see the module docstring)."""
+def turn_seed(row_seed: int | None, turn: int) -> int | None:
+    """The sampling seed of a row's turn ``turn``, a function of (row seed, turn) only, so resumed runs
+    resample the same tokens whatever the interleaving. The first turn takes the row's seed itself: a one-turn
+    loop samples exactly what one batch ``engine.generate`` call with the rows' seeds samples (single-turn
+    generation runs as that loop). None (no row seed): the engine's own generator."""
+    if row_seed is None:
+        return None
+    if turn == 0:
+        return int(row_seed)
+    return (int(row_seed) * 1_000_003 + turn * 7919) % (2**31 - 1)
 
-    def __init__(self, engine: Any, renderer: ChatRenderer, tools: ToolSet, cfg: MultiTurnConfig) -> None:
+
+class AgentRunner:
+    """Builds trajectories for a list of rows on ``engine`` (see the module docstring). ``renderer`` None:
+    loops that read no text and append no observation only (the one-turn loop of plain generation)."""
+
+    def __init__(
+        self, engine: Any, renderer: ChatRenderer | None, tools: ToolSet, cfg: MultiTurnConfig
+    ) -> None:
         self.engine = engine
         self.renderer = renderer
         self.tools = tools
@@ -154,7 +175,8 @@ class AgentRunner:
     def run(
         self, rows: list[dict[str, Any]], sampling: TurnSampling, *, max_response_length: int
     ) -> list[Trajectory]:
-        """One trajectory per row (``row["seed"]`` seeds its turns). Blocks until all are done."""
+        """One trajectory per row (``row["seed"]`` seeds its turns, `turn_seed`; absent: its position; None:
+        the engine's own generator). Blocks until all are done."""
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.cfg.tool_workers)
         self._env_timeouts_logged = set()
         try:
@@ -174,7 +196,7 @@ class AgentRunner:
         self._wake = asyncio.Event()
         self._live = len(rows)
         trajs = [
-            Trajectory(prompt_ids=list(r["prompt_ids"]), budget=budget, index=i, seed=int(r.get("seed", i)))
+            Trajectory(prompt_ids=list(r["prompt_ids"]), budget=budget, index=i, seed=_row_seed(r, i))
             for i, r in enumerate(rows)
         ]
         pump = asyncio.create_task(self._pump())
@@ -201,7 +223,7 @@ class AgentRunner:
             self._release_tools(traj)
             self._live -= 1
             self._wake.set()
-        if self.cfg.tokenization_check == "strict" and row.get("messages") is not None:
+        if self.cfg.tokenization_check == "strict" and row.get("messages") is not None and self.renderer:
             self._check(row, traj)
 
     def _ready(self) -> bool:
@@ -242,8 +264,6 @@ class AgentRunner:
     ) -> tuple[list[int], list[float], str]:
         """One assistant turn continuing ``traj``: ``(sampled ids, their log-probs, "stop" | "length")``.
         At most ``max_tokens`` (and ``max_tokens_per_turn``, and what is left of the response budget)."""
-        from fusedrl.workers.rollout.base import SampleParams
-
         index, turn = traj.index, traj.turns_requested
         traj.turns_requested += 1
         s = self._sampling
@@ -255,8 +275,8 @@ class AgentRunner:
             top_p=s.top_p,
             top_k=s.top_k,
             stop_token_ids=(s.stop_token_id,),
-            # Each turn its own seed, a function of (row seed, turn): resumed runs resample the same tokens.
-            seed=(traj.seed * 1_000_003 + turn * 7919) % (2**31 - 1),
+            seed=turn_seed(traj.seed, turn),
+            pausable=False,  # never paused: the engine builds only the final output (as its batch generate)
         )
         request_id = f"{index}.{turn}"
         future = asyncio.get_running_loop().create_future()

@@ -28,7 +28,7 @@ class Trajectory:
     prompt_ids: list[int]
     budget: int
     index: int = 0  # the row's position in the step's batch (request ids, tool instance ids)
-    seed: int = 0  # the row's sampling seed; each turn's seed derives from it and the turn index
+    seed: int | None = 0  # the row's sampling seed; each turn's seed derives from it and the turn index
     response_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)

@@ -9,7 +9,9 @@ Each engine is built the way the fused worker builds it (its registry entry's ``
   its log-probs are the new weights';
 * keep its traits: after ``sleep(2)`` an engine whose level 2 discards the weights says so and refuses a
   partial stream, and a full stream restores it; an engine with a request queue returns the same tokens
-  through ``submit`` / ``step`` as through ``generate`` with the same seeds.
+  through ``submit`` / ``step`` as through ``generate`` with the same seeds, and its rollout's ``generate``
+  (single-turn generation as the one-turn agent loop on that queue) equals one batch ``engine.generate``
+  call with the same seeds bit for bit: responses, masks and log-probs, sampled and greedy.
 
 A last test runs the fake engine through the real driver (Ray workers, FSDP2 actor, level-2 sleeps): the
 rollout check holds at step 2, so the driver's wake-up, re-stream and sleep calls reach a new engine that
@@ -149,8 +151,32 @@ def _body(port: int, args: str, out: str) -> None:
     r["after_sleep_equal"] = torch.equal(again.responses, moved.responses)
 
     if spec.traits.request_queue:
+        from fusedrl.workers.rollout.base import attach_responses, sample_params
+
         engine = rollout.engine
+        r["loop_equals_batch_generate"] = []
+        for s in (sampling, greedy):
+            for seeds in ((11, 12, 13), (21, 22, 23)):
+                batch = base.clone()
+                batch.sample_seeds = torch.tensor(seeds)
+                loop = rollout.generate(batch.clone(), s)
+                samples = engine.generate(prompts, sample_params(s, stop_token_id=eos), list(seeds))
+                old = attach_responses(batch.clone(), samples, max_response_length=TR, pad_token_id=0)
+                fields = ("responses", "response_mask", "rollout_log_probs")
+                r["loop_equals_batch_generate"].append(
+                    all(torch.equal(getattr(loop, f), getattr(old, f)) for f in fields)
+                )
         params = SampleParams(max_tokens=TR, temperature=1.0, stop_token_ids=(eos,))
+        # A request submitted as not pausable (the agent runner's: the engine builds its final output only)
+        # is refused by pause, which would have no tokens to hand back; it still finishes.
+        engine.submit("u0", prompts[0], replace(params, seed=11, pausable=False))
+        try:
+            engine.pause(["u0"])
+            r["unpausable_refused"] = False
+        except ValueError:
+            r["unpausable_refused"] = True
+        while engine.num_unfinished() > 0:
+            engine.step()
         for i, (p, seed) in enumerate(zip(prompts, (11, 12, 13))):
             engine.submit(f"r{i}", p, replace(params, seed=seed))
         done: dict = {}
@@ -208,6 +234,8 @@ def test_engine_contract(name, tiny_model_dir, tmp_path):
     assert r["after_sleep_equal"]
     if traits.request_queue:
         assert all(r["queue_equal"]), r
+        assert r["loop_equals_batch_generate"] == [True] * 4, r
+        assert r["unpausable_refused"], r
         assert r["paused_unfinished"] == 0, r
         assert all(1 <= n <= 3 for n in r["paused_lengths"]), r  # one token per engine step at most
         assert all(r["paused_prefix"]) and r["paused_lp_gap"] < 1e-5, r

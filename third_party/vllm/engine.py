@@ -203,7 +203,7 @@ def _unlink_own_cpu_shm() -> None:
 
 
 def _sampling_params(params: SampleParams):
-    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     return SamplingParams(
         n=1,
@@ -216,6 +216,7 @@ def _sampling_params(params: SampleParams):
         ignore_eos=params.ignore_eos,
         logprobs=0,  # the sampled token's log-prob only
         detokenize=False,
+        output_kind=RequestOutputKind.CUMULATIVE if params.pausable else RequestOutputKind.FINAL_ONLY,
     )
 
 
@@ -329,6 +330,7 @@ class VLLMEngine:
         self.cfg = cfg
         self._pending: dict[str, str] = {}  # the caller's id of a queued request -> vLLM's internal id
         self._latest: dict[str, Any] = {}  # caller's id -> the newest output of an unfinished request
+        self._unpausable: set[str] = set()  # queued with SampleParams.pausable=False: no output until the end
         self.awake: set[str] = {"weights", "kv_cache"}  # what is allocated now
         # The weights were thrown away (level-2 sleep) and hold no values until the next reload.
         self.weights_discarded = False
@@ -367,11 +369,9 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ request queue (agent loops)
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SampleParams) -> None:
-        """Queue one request without running the engine; `step` advances every queued request together.
-
-        This is vLLM's continuous batching used directly: requests can be added while others are half
-        generated (multi-turn agent loops add the next turn of one trajectory while the rest keep going).
-        """
+        """Queue one request without running the engine; `step` advances every queued request together
+        (vLLM's continuous batching used directly: requests are added while others are half generated, as
+        multi-turn agent loops add one trajectory's next turn while the rest keep going)."""
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
@@ -379,6 +379,8 @@ class VLLMEngine:
             request_id, TokensPrompt(prompt_token_ids=list(prompt_token_ids)), _sampling_params(params)
         )
         self._pending[request_id] = str(internal)
+        if not params.pausable:
+            self._unpausable.add(request_id)
 
     def step(self) -> list[tuple[str, list[int], list[float], str]]:
         """Run one engine iteration. Returns the requests that finished in it as
@@ -392,6 +394,7 @@ class VLLMEngine:
                 continue
             self._latest.pop(request_id, None)
             self._pending.pop(request_id, None)
+            self._unpausable.discard(request_id)
             ids, lps, reason = _completion(out)
             finished.append((request_id, ids, lps, reason))
         return finished
@@ -404,6 +407,8 @@ class VLLMEngine:
         missing = [r for r in chosen if r not in self._pending]
         if missing:
             raise KeyError(f"pause: not queued: {sorted(missing)}")
+        if unpausable := sorted(set(chosen) & self._unpausable):
+            raise ValueError(f"pause: submitted with SampleParams(pausable=False): {unpausable}")
         if chosen:
             self.llm.llm_engine.abort_request([self._pending[r] for r in chosen], internal=True)
         paused = []

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from fusedrl.agent import STAT_NAMES, AgentRunner, ChatRenderer, ToolSet, TurnSampling
+from fusedrl.agent import STAT_NAMES, AgentRunner, ChatRenderer, ToolSet
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.rollout.base import (
     EngineContext,
     EngineRollout,
     Rollout,
     SamplingConfig,
+    turn_sampling,
     unpadded_prompts,
 )
 
@@ -73,14 +74,10 @@ class AgentRollout(EngineRollout):
                     seed=int(seeds[i]),
                 )
             )
-        turn = TurnSampling(
-            temperature=sampling.temperature if sampling.do_sample else 0.0,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            stop_token_id=self.eos_token_id,
-        )
         trajs = self.runner.run(
-            rows, turn, max_response_length=min(sampling.max_tokens, self.max_response_length)
+            rows,
+            turn_sampling(sampling, stop_token_id=self.eos_token_id),
+            max_response_length=min(sampling.max_tokens, self.max_response_length),
         )
         b, tr = batch.num_samples, self.max_response_length
         responses = torch.full((b, tr), self.pad_token_id, dtype=torch.long)  # [B, Tr]

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from fusedrl.batch import RolloutBatch
+from fusedrl.sampling import SampleParams  # re-exported: the engines' adapters import it from here
 
 if TYPE_CHECKING:
+    from fusedrl.agent import TurnSampling
     from fusedrl.role_config import RolloutConfig
 
 
@@ -25,17 +27,17 @@ class SamplingConfig:
     do_sample: bool = True
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SampleParams:
-    """Sampling controls of one engine request (engine-neutral; each adapter converts them)."""
+def turn_sampling(sampling: SamplingConfig, *, stop_token_id: int) -> TurnSampling:
+    """One generate call's `SamplingConfig` as the agent runner's sampling of every turn (greedy:
+    temperature 0)."""
+    from fusedrl.agent import TurnSampling
 
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False  # benchmarks: always generate max_tokens
+    return TurnSampling(
+        temperature=sampling.temperature if sampling.do_sample else 0.0,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        stop_token_id=stop_token_id,
+    )
 
 
 def sample_params(sampling: SamplingConfig, *, stop_token_id: int) -> SampleParams:
@@ -160,25 +162,39 @@ def attach_responses(
 
 
 class EngineRollout:
-    """The `Rollout` of any engine that samples token ids (a `RequestEngine` with ``generate(prompts,
-    params, seeds)`` and the weight and memory calls): one batch request per call, responses right-padded
-    to ``max_response_length`` (``data.max_response_length``). vLLM's and the fake engine's adapters build
-    one around their engine."""
+    """The `Rollout` of any engine that samples token ids one request at a time (a `RequestEngine` with the
+    weight and memory calls): single-turn generation is the one-turn agent loop (`fusedrl.agent.SingleTurnLoop`)
+    run by `fusedrl.agent.AgentRunner` on the engine's request queue, every row's request queued before the
+    engine's first step, each with its row's seed; responses right-padded to ``max_response_length``
+    (``data.max_response_length``). vLLM's and the fake engine's adapters build one around their engine.
+    That gives the tokens and log-probs of one batch ``engine.generate(prompts, params, seeds)`` call, bit for
+    bit (`tests/integration/test_engine_contract.py`)."""
 
     def __init__(
         self, engine: Any, *, max_response_length: int, eos_token_id: int, pad_token_id: int
     ) -> None:
+        from fusedrl.agent import AgentRunner, MultiTurnConfig, ToolSet
+
         self.engine = engine
         self.max_response_length = int(max_response_length)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        # No renderer: a one-turn loop reads no text. Tool threads start only when a call is made (never).
+        self.runner = AgentRunner(engine, None, ToolSet(), MultiTurnConfig(default_agent_name="single_turn"))
 
     def generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
-        params = sample_params(sampling, stop_token_id=self.eos_token_id)
-        seeds = batch.sample_seeds.tolist() if batch.sample_seeds is not None else None
-        samples = self.engine.generate(unpadded_prompts(batch), params, seeds)
+        seeds = batch.sample_seeds.tolist() if batch.sample_seeds is not None else [None] * batch.num_samples
+        rows = [{"prompt_ids": ids, "seed": seed} for ids, seed in zip(unpadded_prompts(batch), seeds)]
+        trajs = self.runner.run(
+            rows,
+            turn_sampling(sampling, stop_token_id=self.eos_token_id),
+            max_response_length=min(sampling.max_tokens, self.max_response_length),
+        )
         return attach_responses(
-            batch, samples, max_response_length=self.max_response_length, pad_token_id=self.pad_token_id
+            batch,
+            [(t.response_ids, t.log_probs) for t in trajs],
+            max_response_length=self.max_response_length,
+            pad_token_id=self.pad_token_id,
         )
 
     def update_weights(

@@ -148,6 +148,9 @@ class FakeEngine:
         missing = [rid for rid in chosen if rid not in self._queue]
         if missing:
             raise KeyError(f"pause: not queued: {sorted(missing)}")
+        unpausable = sorted(rid for rid in chosen if not self._queue[rid].params.pausable)
+        if unpausable:  # vLLM keeps no tokens so far for those: refuse alike
+            raise ValueError(f"pause: submitted with SampleParams(pausable=False): {unpausable}")
         return [(rid, (r := self._queue.pop(rid)).ids, r.lps) for rid in chosen]
 
     def num_unfinished(self) -> int:
