@@ -498,6 +498,13 @@ def _across_sections(c: Checks) -> None:
     )
 
 
+def _expert_parallel(c: Checks) -> None:
+    """The actor's and the reference's expert-parallel sizes (`fusedrl.expert_parallel_checks`)."""
+    from fusedrl.expert_parallel_checks import expert_parallel_problems
+
+    c.problems.extend(expert_parallel_problems(c.cfg))
+
+
 SECTION_CHECKS = (
     _paths,
     _batch_sizes,
@@ -509,6 +516,7 @@ SECTION_CHECKS = (
     _trainer,
     _reward_model,
     _across_sections,
+    _expert_parallel,
 )
 
 

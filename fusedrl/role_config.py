@@ -53,12 +53,42 @@ class FsdpConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TurboDistributed:
+    """``fsdp_config.turbo_config.distributed`` (verl's FSDP-turbo names): the one key fusedrl reads."""
+
+    # the ranks each MoE layer's experts are spread over (fusedrl.workers.expert_parallel)
+    expert_parallel_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurboConfig:
+    """``fsdp_config.turbo_config`` of the actor and the reference."""
+
+    distributed: TurboDistributed
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorFsdpConfig(FsdpConfig):
+    """``actor_rollout_ref.actor.fsdp_config``: a trained model's, and the expert-parallel size."""
+
+    turbo_config: TurboConfig
+
+
+@dataclass(frozen=True, kw_only=True)
 class RefFsdpConfig:
     """``actor_rollout_ref.ref.fsdp_config``: a frozen model has no optimizer to offload."""
 
     model_dtype: str
     param_dtype: str | None  # or "auto"
     param_offload: bool
+    turbo_config: TurboConfig
+
+
+def expert_parallel_size(fsdp_cfg: Any) -> int:
+    """A role's expert-parallel size: ``turbo_config.distributed.expert_parallel_size``, 1 where the role's
+    ``fsdp_config`` has none (the critic, SFT)."""
+    turbo = getattr(fsdp_cfg, "turbo_config", None)
+    return int(turbo.distributed.expert_parallel_size) if turbo is not None else 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,7 +169,7 @@ class ActorConfig:
     checkpoint: CheckpointContents
     policy_loss: PolicyLossConfig
     optim: OptimConfig
-    fsdp_config: FsdpConfig
+    fsdp_config: ActorFsdpConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -266,7 +266,7 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("*.qat", _QAT),
     (
         "*turbo_config.distributed.expert_parallel_size",
-        "1 only: experts are FSDP2-sharded with their decoder layer (other values are refused)",
+        "1 only: the critic's experts are FSDP2-sharded with their decoder layer (other values are refused)",
     ),
     ("*.fsdp_config.turbo_config.*", _TURBO),
     ("*pad_to_length*", _PAD),
@@ -351,12 +351,11 @@ def _not_one(v: str) -> bool:
 # (glob over dotted keys, the values refused, when (for the docs), problem text). The first match decides.
 REFUSED: tuple[tuple[str, Callable[[str], bool], str, str], ...] = (
     (
-        "*turbo_config.distributed.expert_parallel_size",
+        "critic.*turbo_config.distributed.expert_parallel_size",
         _not_one,
         "other than 1",
-        "expert parallelism is not wired into fusedrl's FSDP2 wrap of the roles (the module exists, "
-        "fusedrl.workers.expert_parallel; docs/moe.md): a decoder layer's experts are FSDP2-sharded with the "
-        "rest of the layer over every rank. Drop the key or set 1.",
+        "the critic has no expert parallelism (the actor and the reference do: their "
+        "fsdp_config.turbo_config.distributed.expert_parallel_size; docs/moe.md). Drop the key or set 1.",
     ),
     (
         "actor_rollout_ref.rollout.expert_parallel_size",

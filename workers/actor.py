@@ -21,6 +21,7 @@ from fusedrl.role_config import (
     RefConfig,
     RefFsdpConfig,
     RolloutCorrectionConfig,
+    expert_parallel_size,
 )
 from fusedrl.workers.fsdp import (
     StreamStats,
@@ -105,6 +106,7 @@ def _sharded_model(
         gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
         param_dtype=param_dtype,
         compile_layers=bool(model_cfg.compile_layers),
+        expert_parallel_size=expert_parallel_size(fsdp_cfg),
     )
 
 

@@ -23,8 +23,9 @@ The experts stay ``DTensor`` parameters sharded on dim 0 over a one-dimensional 
 ``alltoall`` takes uneven and empty splits), NCCL on GPU.
 
 Scope: transformers 5's stacked experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], SwiGLU;
-Qwen2-MoE, Qwen3-MoE and their kin); `shard_experts` swaps the modules in place. Not wired into the roles'
-FSDP2 wrap (docs/moe.md says what that needs).
+Qwen2-MoE, Qwen3-MoE and their kin); `shard_experts` swaps the modules in place. The roles call it from
+`fusedrl.workers.fsdp.shard_for_training` when ``fsdp_config.turbo_config.distributed.expert_parallel_size`` > 1
+(docs/moe.md).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from fusedrl.workers.expert_parallel import fsdp_ignored_params
+from fusedrl.workers.expert_parallel import fsdp_ignored_params, shard_experts
 from fusedrl.workers.shm_collectives import ShmCollectives, for_group, install_on_fsdp
 
 DTYPES = {
@@ -195,16 +195,38 @@ def gathered_for_pass(model: nn.Module) -> Iterator[None]:
 
 
 def shard_for_training(
-    model: nn.Module, *, gradient_checkpointing: bool, param_dtype: str | None, compile_layers: bool = False
+    model: nn.Module,
+    *,
+    gradient_checkpointing: bool,
+    param_dtype: str | None,
+    compile_layers: bool = False,
+    expert_parallel_size: int = 1,
 ) -> nn.Module:
     """The one wrap of every role's model: non-reentrant gradient checkpointing (a role's
     ``model.enable_gradient_checkpointing``), onto the worker's device, then FSDP2 with the role's
     ``fsdp_config.param_dtype`` mixed precision (gradients reduced in float32), then, with
-    ``model.compile_layers``, torch.compile of each decoder layer (`fusedrl.workers.layer_compile`)."""
+    ``model.compile_layers``, torch.compile of each decoder layer (`fusedrl.workers.layer_compile`).
+    ``expert_parallel_size`` > 1 (``fsdp_config.turbo_config.distributed.expert_parallel_size``, equal to the
+    data-parallel size: checked before Ray starts): the experts are spread over FSDP2's own mesh first
+    (`fusedrl.workers.expert_parallel.shard_experts`), where FSDP2 would have sharded them, and FSDP2 leaves
+    them alone."""
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
     model.to(device_type())
-    model = apply_fsdp2(model, build_mesh(), param_dtype=to_dtype(param_dtype) if param_dtype else None)
+    mesh = build_mesh()
+    if expert_parallel_size > 1:
+        if expert_parallel_size != mesh.size():
+            raise ValueError(
+                f"expert_parallel_size={expert_parallel_size}: only the whole data-parallel group "
+                f"({mesh.size()} ranks) is supported"
+            )
+        if compile_layers:
+            raise ValueError(
+                "expert parallelism with compiled decoder layers has not been run: "
+                "set actor_rollout_ref.model.compile_layers=false"
+            )
+        shard_experts(model, mesh)
+    model = apply_fsdp2(model, mesh, param_dtype=to_dtype(param_dtype) if param_dtype else None)
     if compile_layers:
         from fusedrl.workers.layer_compile import compile_layers as compile_decoder_layers
 

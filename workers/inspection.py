@@ -46,6 +46,18 @@ class InspectionHooks:
         with self._resident():
             return {n: p.to_local().detach().cpu().clone() for n, p in self.ref.model.named_parameters()}
 
+    def expert_parallel_modules(self) -> dict[str, list[str]]:
+        """Per role (actor, ref): the names of its modules whose experts are spread over the ranks
+        (`fusedrl.workers.expert_parallel.ExpertParallelExperts`)."""
+        from fusedrl.workers.expert_parallel import ExpertParallelExperts
+
+        roles = {"actor": self.actor, "ref": self.ref}
+        return {
+            role: [n for n, m in r.model.named_modules() if isinstance(m, ExpertParallelExperts)]
+            for role, r in roles.items()
+            if r is not None
+        }
+
     def measure_weight_stream(self, hoard: bool) -> dict[str, float]:
         """Stream the actor's weights to a consumer that copies-and-drops (like the engine's loader) or,
         with ``hoard=True``, keeps every tensor (a second full copy). Returns the stream's bookkeeping, so a

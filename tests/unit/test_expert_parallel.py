@@ -251,20 +251,81 @@ def test_the_weight_stream_sees_the_full_experts(ranks):
         assert result["own"]["stream_equal"] and result["forced"]["stream_equal"]
 
 
-def test_verl_expert_parallel_keys_load_at_1_and_are_refused_otherwise():
-    """verl's expert-parallel sizes (the FSDP-turbo engine's and the rollout's) load at 1, fusedrl's layout;
-    any other size is a problem naming the key and the fix, reported with the others before Ray starts."""
+EP_KEY = "actor_rollout_ref.{}.fsdp_config.turbo_config.distributed.expert_parallel_size"
+
+
+def test_verl_expert_parallel_keys_of_actor_and_ref_load_others_only_at_1():
+    """verl's FSDP-turbo expert-parallel sizes of the actor and the reference are fusedrl's keys (any size
+    loads; `validate` checks it); the critic's and the rollout's load at 1 only, other sizes are problems
+    naming the key and the fix, reported with the others before Ray starts."""
     from fusedrl.config import ConfigError, load_config
 
-    turbo = "actor_rollout_ref.{}.fsdp_config.turbo_config.distributed.expert_parallel_size"
-    keys = [turbo.format("actor"), turbo.format("ref"), "actor_rollout_ref.rollout.expert_parallel_size"]
-    load_config([f"{k}=1" for k in keys], validate_config=False)
+    own = [EP_KEY.format("actor"), EP_KEY.format("ref")]
+    cfg = load_config([f"{k}=2" for k in own], validate_config=False)
+    assert cfg.actor_rollout_ref.actor.fsdp_config.turbo_config.distributed.expert_parallel_size == 2
+    assert cfg.actor_rollout_ref.ref.fsdp_config.turbo_config.distributed.expert_parallel_size == 2
+    others = [
+        "critic.fsdp.turbo_config.distributed.expert_parallel_size",
+        "actor_rollout_ref.rollout.expert_parallel_size",
+    ]
+    load_config([f"{k}=1" for k in others], validate_config=False)
     with pytest.raises(ConfigError) as err:
-        load_config([f"{k}=8" for k in keys], validate_config=False)
+        load_config([f"{k}=8" for k in others], validate_config=False)
     problems = err.value.problems
-    assert [p.split("`")[1] for p in problems] == keys
+    assert [p.split("`")[1] for p in problems] == others
     assert all("Drop the key or set 1" in p for p in problems)
-    assert "fusedrl.workers.expert_parallel" in problems[0]
+
+
+def _model(tmp_path: Path, **config) -> str:
+    folder = tmp_path / ("moe" if config else "dense")
+    folder.mkdir()
+    (folder / "config.json").write_text(__import__("json").dumps({"model_type": "qwen3_moe", **config}))
+    return str(folder)
+
+
+def _problems(tmp_path: Path, model: str, *overrides: str) -> list[str]:
+    from fusedrl.config import ConfigError, load_config
+
+    data = tmp_path / "train.parquet"
+    data.touch()
+    try:
+        load_config([f"data.train_files={data}", f"actor_rollout_ref.model.path={model}", *overrides])
+    except ConfigError as e:
+        return [p for p in e.problems if "turbo_config.distributed.expert_parallel_size`=" in p]
+    return []
+
+
+def test_expert_parallel_size_is_checked_before_ray_starts(tmp_path):
+    """EP=2 over the 2 workers of an 8-expert model is accepted, for the actor and the reference; a size that
+    does not divide the experts or the workers, a group smaller than the workers, a dense model and the
+    features it has not run with are each a problem naming the key and the fix."""
+    moe, dense = _model(tmp_path, num_experts=8), _model(tmp_path)
+    actor, ref = EP_KEY.format("actor"), EP_KEY.format("ref")
+    assert _problems(tmp_path, moe, f"{actor}=2", f"{ref}=2", "trainer.n_gpus_per_node=2") == []
+
+    def one(model: str, *overrides: str) -> str:
+        found = _problems(tmp_path, model, "trainer.n_gpus_per_node=2", *overrides)
+        assert len(found) == 1, found
+        return found[0]
+
+    assert "no experts (a dense model)" in one(dense, f"{actor}=2")
+    three = _problems(tmp_path, moe, f"{ref}=3", "trainer.n_gpus_per_node=2")
+    assert any("does not divide the model's 8 experts" in p for p in three)
+    assert any("does not divide the actor's data-parallel size (2 workers)" in p for p in three)
+    assert all(p.startswith(f"`{ref}`=3") for p in three)
+    assert "smaller than the actor's 4 workers" in one(moe, f"{actor}=2", "trainer.n_gpus_per_node=4")
+    for override, named in (
+        ("actor_rollout_ref.model.lora_rank=8", "lora_rank"),
+        ("actor_rollout_ref.actor.fsdp_config.param_offload=true", "param_offload"),
+        ("actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "optimizer_offload"),
+        ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size"),
+        ("actor_rollout_ref.model.compile_layers=true", "compile_layers"),
+        ("actor_rollout_ref.rollout.name=hf", "rollout.name"),
+    ):
+        problem = one(moe, f"{actor}=2", override)
+        assert problem.startswith(f"`{actor}`=2") and named in problem, (override, problem)
+    ref_offload = one(moe, f"{ref}=2", "actor_rollout_ref.ref.fsdp_config.param_offload=true")
+    assert "actor_rollout_ref.ref.fsdp_config.param_offload" in ref_offload
 
 
 def test_inside_fsdp2_a_clipped_step_equals_fsdp2_alone(ranks):
