@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fusedrl.role_config import RoleConfigs
+from fusedrl.role_config import RoleConfigs, expert_parallel_size
 from fusedrl.sft_role_config import SFTRoleConfigs
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ HALF_DTYPES = ("bfloat16", "bf16", "float16", "fp16")
 COMPILE_MIN_STEPS = 300
 COMPILE_RULE = (
     f"compile_layers=auto compiles with packed rows, bf16/fp16 compute and >= {COMPILE_MIN_STEPS} planned "
-    "steps (not with LoRA, Ulysses, or without a C++ compiler on CPU)"
+    "steps (not with LoRA, Ulysses, expert parallelism, or without a C++ compiler on CPU)"
 )
 
 
@@ -143,6 +143,7 @@ def compiles_for(
     lora: bool,
     ulysses: bool,
     facts: DeviceFacts,
+    expert_parallel: bool = False,
 ) -> tuple[bool, str]:
     """``model.compile_layers``: on only where `COMPILE_RULE` holds; the reason names the first condition
     that failed."""
@@ -151,6 +152,7 @@ def compiles_for(
     reasons = [
         (lora, "LoRA"),
         (ulysses, "Ulysses"),
+        (expert_parallel, "expert parallelism"),
         (facts.missing_cxx is not None, f"no C++ compiler ({facts.missing_cxx})"),
         (not packed, "padded rows"),
         (not half, "float32 compute"),
@@ -247,6 +249,7 @@ def resolve_configs(cfg: Any, facts: DeviceFacts, roles: Iterable[str] | None = 
             lora=lora_enabled(model),
             ulysses=int(actor.ulysses_sequence_parallel_size) > 1,
             facts=facts,
+            expert_parallel=max(expert_parallel_size(actor_fsdp), expert_parallel_size(ref_fsdp)) > 1,
         ),
     )
     c_compiled = pick(

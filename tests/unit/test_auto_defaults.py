@@ -193,6 +193,7 @@ def test_packing_follows_the_named_attention():
         ({"half": False}, "float32 compute"),
         ({"lora": True}, "LoRA"),
         ({"ulysses": True}, "Ulysses"),
+        ({"expert_parallel": True}, "expert parallelism"),
         ({"facts": dataclasses.replace(AMX_CPU, missing_cxx="g++")}, "no C++ compiler (g++)"),
     ],
 )
@@ -291,7 +292,7 @@ def test_the_start_up_line():
         "actor_rollout_ref.model.compile_layers=false (float32 compute), "
         "actor_rollout_ref.rollout.sleep_level=1 (no sleep mode on CPU: nothing is released at either level). "
         f"compile_layers=auto compiles with packed rows, bf16/fp16 compute and >= {LONG} planned steps "
-        "(not with LoRA, Ulysses, or without a C++ compiler on CPU)"
+        "(not with LoRA, Ulysses, expert parallelism, or without a C++ compiler on CPU)"
     )
     assert "\n" not in line
     # Only the keys of the roles a worker holds are named (no critic in a GRPO worker; the sleep level alone
@@ -467,3 +468,14 @@ def test_the_worker_resolves_before_building_and_reports(monkeypatch):
         f"{ARR}.rollout.sleep_level": 1,
     }
     assert answer["line"].startswith("fusedrl: auto defaults on CPU fake AMX: ")
+
+
+def test_compile_layers_auto_stays_off_under_expert_parallelism():
+    """A run where auto compiles (AMX CPU: bf16 compute, packed rows, a long run) does not with the actor's or
+    the reference's experts spread over the workers (not run compiled: docs/moe.md)."""
+    assert resolve_configs(_configs(), AMX_CPU)[0].model.compile_layers is True
+    for role in ("actor", "ref"):
+        key = f"{ARR}.{role}.fsdp_config.turbo_config.distributed.expert_parallel_size=2"
+        resolved, chosen = resolve_configs(_configs(key), AMX_CPU)
+        assert resolved.model.compile_layers is False
+        assert chosen[f"{ARR}.model.compile_layers"] == (False, "expert parallelism")
