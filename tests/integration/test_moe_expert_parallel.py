@@ -7,6 +7,7 @@ the reference (each worker holds 4 of every layer's 8 experts; tokens cross by a
   gradient norm of each step, the rollout's scores (the same samples: the engines hold the same weights).
 * After each weight sync the engine (which holds every expert) gives the actor's log-probs (the rollout check).
 * The step-2 checkpoint restores the expert-parallel actor bit for bit, and the engine follows it.
+* The exported Hugging Face folder holds every expert and reproduces the actor's log-probs.
 """
 
 from __future__ import annotations
@@ -88,8 +89,30 @@ def runs(tiny_moe_dir, arithmetic_data, tmp_path_factory) -> dict:
                     if not torch.equal(saved[n], now[n])
                 ]
                 r["gap_resumed"] = sync_gap(t, prompts)
+                r["export"] = _export_check(t, tiny_moe_dir, str(tmp_path_factory.mktemp("export")))
         out[ep] = r
     return out
+
+
+def _export_check(trainer, source: str, out: str) -> dict:
+    """Export the expert-parallel actor: the folder's tensor names (the source checkpoint's are one per expert
+    and projection) and the largest gap between its log-probs in transformers and the actor's."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from fusedrl.workers.logprob import batched_log_probs
+
+    trainer.export_hf(out)
+    with (
+        safe_open(f"{out}/model.safetensors", "pt") as f,
+        safe_open(f"{source}/model.safetensors", "pt") as g,
+    ):
+        same_names = set(f.keys()) == set(g.keys())
+    batch = trainer.compute_log_probs(trainer.generate(trainer.next_prompts()))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    got = batched_log_probs(model, batch, temperature=trainer.temperature, micro_batch_size=8)
+    mask = batch.response_mask.bool()
+    return {"same_names": same_names, "gap": float((got - batch.old_log_probs).abs()[mask].max())}
 
 
 def test_the_roles_spread_the_experts_only_when_asked(runs):
@@ -125,3 +148,11 @@ def test_checkpoint_restores_the_expert_parallel_actor(runs):
     assert r["loaded_step"] == (True, 2)
     assert r["restored_differs"] == []
     assert r["gap_resumed"] < SYNC_TOL
+
+
+def test_export_of_the_expert_parallel_actor_reproduces_it(runs):
+    """The exported Hugging Face folder gathers every expert (the source's per-expert names) and gives the
+    actor's log-probs in transformers."""
+    export = runs[2]["export"]
+    assert export["same_names"]
+    assert export["gap"] < SYNC_TOL
