@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorClass
 
 # Per-sample Python values (not tensors). They are stacked per row by tensordict, so slicing works.
-NON_TENSOR_FIELDS = ("uid", "data_source", "ground_truth", "extra_info")
+NON_TENSOR_FIELDS = ("uid", "data_source", "ground_truth", "extra_info", "multi_modal_inputs")
 
 
 class RolloutBatch(TensorClass):  # type: ignore[misc]
@@ -70,6 +70,8 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
         data_source:    list[str], picks the scoring function.
         ground_truth:   list[str], reference answer for the rule reward.
         extra_info:     list[dict], free-form metadata from the dataset row.
+        multi_modal_inputs: list of `fusedrl.data.multimodal.VisionInputs` (one row each) or None: the row's
+                        images, decoded and processed (vision-language prompts; docs/multimodal.md).
     """
 
     prompts: torch.Tensor
@@ -96,6 +98,7 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
     data_source: Any = None
     ground_truth: Any = None
     extra_info: Any = None
+    multi_modal_inputs: Any = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -168,8 +171,13 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
 
     def model_input_fields(self) -> tuple[str, ...]:
         """The fields a forward pass over prompt + response needs (and the multi-turn attention mask)."""
-        base = ("prompts", "prompt_mask", "responses", "response_mask")
-        return base + (("response_attention_mask",) if self.response_attention_mask is not None else ())
+        base: tuple[str, ...] = ("prompts", "prompt_mask", "responses", "response_mask")
+        base += ("response_attention_mask",) if self.response_attention_mask is not None else ()
+        return base + self.image_fields()
+
+    def image_fields(self) -> tuple[str, ...]:
+        """``("multi_modal_inputs",)`` when the rows carry images (every pass over the prompts needs them)."""
+        return ("multi_modal_inputs",) if self.multi_modal_inputs is not None else ()
 
     def select_fields(self, *names: str) -> RolloutBatch:
         """A batch with only the named fields set (the rest None): ship less over Ray."""

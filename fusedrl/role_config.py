@@ -151,6 +151,7 @@ class ActorConfig:
     use_dynamic_bsz: bool
     ppo_max_token_len_per_gpu: int
     ppo_epochs: int
+    freeze_vision_tower: bool
     ulysses_sequence_parallel_size: int
     old_log_prob_from_update: bool
     clip_ratio: float
@@ -395,6 +396,7 @@ class DataConfig:
     truncation: str
     gen_batch_size: int
     return_raw_chat: bool
+    image_key: str
     shuffle: bool
     seed: int
 

@@ -18,7 +18,7 @@ _FSDP_TUNING = "FSDP2 is applied per decoder layer with fixed settings"
 _CRITIC_LORA = "the critic has no LoRA (actor LoRA runs with critic-free estimators)"
 _KERNELS = "fused / Liger / tiled kernels are not used: Hugging Face modules as they are"
 _PLACEMENT = "every role is fused into one worker per device slot"
-_MULTIMODAL = "text-only: no image / video inputs"
+_MULTIMODAL = "only images are read, through the model folder's processor as saved (docs/multimodal.md)"
 _SAME_ENGINE = "fusedrl's vLLM engine runs in-process with fixed settings for this"
 _MULTI_TURN = (
     "not a setting of fusedrl's multi-turn rollouts (they are implemented: multi_turn.enable, its keys in "
@@ -135,7 +135,6 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
         "Σπ² is computed without grad (nothing to save)",
     ),
     ("actor_rollout_ref.actor.use_prefix_grouper", "not implemented"),
-    ("actor_rollout_ref.actor.freeze_vision_tower", _MULTIMODAL),
     ("*.router_replay.*", "MoE router replay is not implemented"),
     ("actor_rollout_ref.actor.use_remove_padding", "set actor_rollout_ref.model.use_remove_padding"),
     ("*.optim.optimizer", "always AdamW"),
@@ -213,9 +212,9 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("data.return_full_prompt", "prompts are rendered on the driver; rewards get the decoded text"),
     ("data.dataloader_num_workers", "prompts are tokenized once at start-up"),
     ("data.filter_overlong_prompts_workers", "prompts are tokenized once at start-up"),
-    ("data.image_*", _MULTIMODAL),
-    ("data.video_key", _MULTIMODAL),
-    ("data.return_multi_modal_inputs", _MULTIMODAL),
+    ("data.image_patch_size", "images are patched by the model folder's image processor"),
+    ("data.video_key", "videos are not read (images only: docs/multimodal.md)"),
+    ("data.return_multi_modal_inputs", "a vision-language model's rows always carry their images"),
     ("data.validation_shuffle", "validation runs over the whole set in file order"),
     ("data.trust_remote_code", "models load with transformers' built-in classes (no remote code)"),
     ("data.custom_cls.*", "the dataset class is fusedrl.data.RLDataset"),

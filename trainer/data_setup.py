@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fusedrl.data.dataset import PromptLoader, RLDataset
+from fusedrl.models.qwen_vl import is_vision_language_model, load_processor
 from fusedrl.role_config import RoleConfigs
 
 
@@ -26,8 +27,20 @@ def prompt_data(
         extra = {"tools": schemas or None, "keep_messages": True, "agent_names": agent_loop_names()}
 
     def dataset(files: Any) -> RLDataset:
+        files = files if isinstance(files, str) else list(files)
+        if vision:  # a vision-language model: the prompts' images are read with them (docs/multimodal.md)
+            from fusedrl.data.multimodal import VisionLanguageDataset
+
+            return VisionLanguageDataset(  # type: ignore[return-value]
+                files,
+                processor,
+                data.max_prompt_length,
+                prompt_key=data.prompt_key,
+                image_key=data.image_key,
+                filter_overlong_prompts=data.filter_overlong_prompts,
+            )
         return RLDataset(
-            files if isinstance(files, str) else list(files),
+            files,
             tokenizer,
             data.max_prompt_length,
             prompt_key=data.prompt_key,
@@ -36,6 +49,10 @@ def prompt_data(
             **extra,
         )
 
+    vision = is_vision_language_model(run.model.path)
+    processor = load_processor(run.model.path) if vision else None
+    if vision and agent_tools is not None:
+        raise ValueError("multi-turn rollouts of a vision-language model are not supported yet")
     train = dataset(data.train_files)
     # DAPO's dynamic sampling draws data.gen_batch_size prompts a round; plain steps train_batch_size.
     per_round = data.gen_batch_size if run.algorithm.filter_groups.enable else data.train_batch_size

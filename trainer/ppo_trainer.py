@@ -380,7 +380,7 @@ class PPOTrainer(RewardModelScoring):
         batch.sample_seeds = sample_seeds(r.seed, step, seed_offset, batch.num_samples)
         # Group ids unique to this generation call, so groups never merge across rounds or epochs.
         batch.uid = [f"{u}@{step}.{seed_offset}" for u in batch.field_list("uid")]
-        fields = ["prompts", "prompt_mask", "sample_seeds"]
+        fields = ["prompts", "prompt_mask", "sample_seeds", *batch.image_fields()]  # images: the engine's too
         if self.multi_turn:  # agent loops read the row: agent_name, tools_kwargs, prompt messages
             fields += ["uid", "data_source", "ground_truth", "extra_info"]
         return batch, batch.select_fields(*fields)

@@ -14,6 +14,7 @@ from fusedrl.algorithms.rollout_correction import bypass_correction, reinforce_p
 from fusedrl.auto_defaults import require_resolved
 from fusedrl.batch import RolloutBatch
 from fusedrl.lora import lora_enabled
+from fusedrl.models.qwen_vl import is_vision_language_model
 from fusedrl.role_config import (
     ActorConfig,
     FsdpConfig,
@@ -26,6 +27,8 @@ from fusedrl.role_config import (
 from fusedrl.workers.fsdp import (
     StreamStats,
     build_adamw,
+    build_mesh,
+    device_type,
     load_causal_lm,
     resolve_attn_implementation,
     shard_for_training,
@@ -42,6 +45,13 @@ from fusedrl.workers.logprob import (
 from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates, set_lr
 from fusedrl.workers.packing import can_share_prompts
 from fusedrl.workers.ulysses import check_heads, sp_group
+from fusedrl.workers.vision import (
+    freeze_vision_tower,
+    load_vision_language_model,
+    shard_vision_language_model,
+    vision_batched_log_probs,
+    vision_log_probs,
+)
 
 
 def _select(cfg: Any, dotted: str) -> Any:
@@ -72,7 +82,12 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _sharded_model(
-    model_cfg: ModelConfig, fsdp_cfg: FsdpConfig | RefFsdpConfig, *, lora: bool = False, frozen: bool = False
+    model_cfg: ModelConfig,
+    fsdp_cfg: FsdpConfig | RefFsdpConfig,
+    *,
+    lora: bool = False,
+    frozen: bool = False,
+    freeze_tower: bool = False,
 ) -> nn.Module:
     """The role's model, loaded in ``fsdp_cfg.model_dtype`` and FSDP2-sharded with its ``param_dtype``.
 
@@ -87,6 +102,8 @@ def _sharded_model(
         compile_layers=model_cfg.compile_layers,
         param_dtype=fsdp_cfg.param_dtype,
     )
+    if is_vision_language_model(model_cfg.path):  # Qwen2-VL / Qwen2.5-VL (docs/multimodal.md)
+        return _sharded_vision_model(model_cfg, fsdp_cfg, frozen=frozen, freeze_tower=freeze_tower)
     model = load_causal_lm(
         model_cfg.path,
         fsdp_cfg.model_dtype,
@@ -110,6 +127,27 @@ def _sharded_model(
     )
 
 
+def _sharded_vision_model(
+    model_cfg: ModelConfig, fsdp_cfg: FsdpConfig | RefFsdpConfig, *, frozen: bool, freeze_tower: bool
+) -> nn.Module:
+    """A vision-language policy under FSDP2 (`fusedrl.workers.vision.shard_vision_language_model`: a unit
+    per vision block and decoder layer); ``freeze_tower``: ``actor.freeze_vision_tower``. LoRA, gradient
+    checkpointing and compiled layers are not built for it."""
+    if model_cfg.lora_rank or model_cfg.enable_gradient_checkpointing or model_cfg.compile_layers:
+        raise ValueError(
+            "a vision-language model trains without LoRA, gradient checkpointing and compile_layers so far; "
+            "set actor_rollout_ref.model.lora_rank=0, enable_gradient_checkpointing=false, compile_layers=false"
+        )
+    model = load_vision_language_model(model_cfg.path, to_dtype(fsdp_cfg.model_dtype))
+    if freeze_tower:
+        freeze_vision_tower(model)
+    param_dtype = to_dtype(fsdp_cfg.param_dtype) if fsdp_cfg.param_dtype else None
+    if frozen and param_dtype is not None and param_dtype != to_dtype(fsdp_cfg.model_dtype):
+        model.to(param_dtype)  # the reference: cast once, no mixed precision (as `_sharded_model`)
+        param_dtype = None
+    return shard_vision_language_model(model.to(device_type()), build_mesh(), param_dtype=param_dtype)
+
+
 class RefRole:
     """Frozen reference policy: same weights as the actor at start, never updated."""
 
@@ -128,6 +166,9 @@ class RefRole:
 
     def compute_log_prob(self, batch: RolloutBatch, *, temperature: float) -> torch.Tensor:
         """``log pi_ref(response)``: ``[B, Tr]``."""
+        if batch.multi_modal_inputs is not None:
+            mbs = self.cfg.log_prob_micro_batch_size_per_gpu
+            return vision_batched_log_probs(self.model, batch, temperature=temperature, micro_batch_size=mbs)
         return batched_log_probs(
             self.model,
             batch,
@@ -178,7 +219,9 @@ class ActorRole:
         self.rollout_n = rollout_n
         self.use_remove_padding = bool(model_cfg.use_remove_padding)
         self.lora = lora_enabled(model_cfg)  # the model is a PEFT model: only adapters train
-        self.model = _sharded_model(model_cfg, cfg.fsdp_config, lora=self.lora)
+        self.model = _sharded_model(
+            model_cfg, cfg.fsdp_config, lora=self.lora, freeze_tower=bool(cfg.freeze_vision_tower)
+        )
         self.share_prompts = shares_prompts(model_cfg, self.model)
         check_heads(self.model, int(cfg.ulysses_sequence_parallel_size))
         self.optimizer = build_adamw(self.model, cfg.optim)
@@ -213,6 +256,9 @@ class ActorRole:
         (micro-batches by token budget, ``micro_batch_size`` ignored). ``with_sum_pi_squared``: the pair
         ``(log_probs, Σπ²)`` ``[B, Tr]`` each, from the same forwards."""
         self.model.eval()
+        if batch.multi_modal_inputs is not None and not with_sum_pi_squared:  # images: workers/vision.py
+            mbs = micro_batch_size
+            return vision_batched_log_probs(self.model, batch, temperature=temperature, micro_batch_size=mbs)
         lp, spp = batched_log_probs_and_sum_pi_squared(
             self.model,
             batch,
@@ -234,15 +280,20 @@ class ActorRole:
         mode = self.agg_mode
         norm = norms[mode]
         entropy_coeff = float(cfg.entropy_coeff)
-        log_prob, entropy = response_log_probs(
-            self.model,
-            mb,
-            temperature=temperature,
-            with_entropy=True,
-            remove_padding=self.use_remove_padding,
-            sp_group=self.sp_group,
-            share_prompts=self.share_prompts,
-        )  # [b, Tr]
+        if (
+            mb.multi_modal_inputs is not None
+        ):  # images ride with the rows: the M-RoPE pass (workers/vision.py)
+            log_prob, entropy = vision_log_probs(self.model, mb, temperature=temperature, with_entropy=True)
+        else:
+            log_prob, entropy = response_log_probs(
+                self.model,
+                mb,
+                temperature=temperature,
+                with_entropy=True,
+                remove_padding=self.use_remove_padding,
+                sp_group=self.sp_group,
+                share_prompts=self.share_prompts,
+            )  # [b, Tr]
         old_log_prob = mb.old_log_probs  # [b, Tr]
         if old_log_prob is None:
             # The batch is used once, in one mini-batch: the policy before the step is this very forward.

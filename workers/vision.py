@@ -70,6 +70,22 @@ def vision_response_log_probs(
     loss_mask [B, Tr])``: the response mask up to (not including) the first vision token a row sampled; the
     log-probs are 0 outside it.
     Runs with the caller's grad mode (no_grad for old / reference log-probs, grad in the update)."""
+    log_probs, _, loss_mask = _vision_forward(
+        model, batch, vision, temperature=temperature, pad_token_id=pad_token_id, with_entropy=False
+    )
+    return log_probs, loss_mask
+
+
+def _vision_forward(
+    model: Any,
+    batch: RolloutBatch,
+    vision: VisionInputs,
+    *,
+    temperature: float,
+    pad_token_id: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`vision_response_log_probs` plus, with ``with_entropy``, the entropy [B, Tr] of each position."""
     ids = vision_token_ids(model.config)
     response_vision = vision_token_mask(batch.responses, ids) & batch.response_mask.bool()  # [B, Tr]
     responses = batch.responses.masked_fill(response_vision, pad_token_id)  # [B, Tr]
@@ -84,9 +100,13 @@ def vision_response_log_probs(
     ).logits[:, tp - 1 : tp + tr - 1]  # [B, Tr, V]: position t predicts token t+1
     logits = logits.float() / temperature  # [B, Tr, V]
     token_logits = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1)  # [B, Tr]
-    log_probs = token_logits - torch.logsumexp(logits, dim=-1)  # [B, Tr]
+    log_z = torch.logsumexp(logits, dim=-1)  # [B, Tr]
+    log_probs = token_logits - log_z  # [B, Tr]
     loss_mask = batch.response_mask * (response_vision.cumsum(dim=1) == 0)  # [B, Tr]: up to a vision token
-    return log_probs * loss_mask, loss_mask
+    entropy = None
+    if with_entropy:  # H = logZ - sum_v p_v * logit_v
+        entropy = (log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)) * loss_mask  # [B, Tr]
+    return log_probs * loss_mask, entropy, loss_mask
 
 
 def shard_vision_language_model(
@@ -120,3 +140,91 @@ def freeze_vision_tower(model: Any) -> int:
         p.requires_grad_(False)
         frozen += 1
     return frozen
+
+
+# ---------------------------------------------------------------------- the trainer's path (fused worker)
+
+
+def load_vision_language_model(path: str, dtype: torch.dtype) -> Any:
+    """A Qwen2-VL / Qwen2.5-VL folder as its conditional-generation model (``AutoModelForCausalLM`` refuses
+    their configs), on CPU in ``dtype`` (the master dtype), for training forwards (no KV cache)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+    model.config.use_cache = False
+    return model
+
+
+def batch_vision(batch: RolloutBatch) -> VisionInputs:
+    """The batch's per-row `VisionInputs` (``multi_modal_inputs``, one row each) as one, in row order."""
+    rows = batch.field_list("multi_modal_inputs")
+    return VisionInputs(
+        pixel_values=[p for r in rows for p in r.pixel_values],
+        image_grid_thw=[g for r in rows for g in r.image_grid_thw],
+        images=[i for r in rows for i in r.images],
+    )
+
+
+def _pad_id(model: Any) -> int:
+    """The id a sampled vision token is replaced by for the forward (any text id: it is out of the loss)."""
+    text = model.config.get_text_config()
+    for name in ("pad_token_id", "eos_token_id"):
+        for config in (model.config, text):
+            if isinstance(getattr(config, name, None), int):
+                return int(getattr(config, name))
+    return 0
+
+
+def vision_log_probs(
+    model: Any, batch: RolloutBatch, *, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The actor's loss pass on a batch whose rows carry ``multi_modal_inputs``: ``(log_probs [B, Tr],
+    entropy [B, Tr] or None)``, both 0 outside `vision_response_log_probs`'s loss mask (the rollout already
+    cut responses before a sampled vision token: `cut_at_vision_tokens`, so that mask is ``response_mask``)."""
+    log_probs, entropy, _ = _vision_forward(
+        model,
+        batch,
+        batch_vision(batch),
+        temperature=temperature,
+        pad_token_id=_pad_id(model),
+        with_entropy=with_entropy,
+    )
+    return log_probs, entropy
+
+
+@torch.no_grad()
+def vision_batched_log_probs(
+    model: Any, batch: RolloutBatch, *, temperature: float, micro_batch_size: int
+) -> torch.Tensor:
+    """Old / reference log-probs [B, Tr] of a batch with images, in micro-batches of ``micro_batch_size``
+    consecutive rows (padded forwards: packing and token-budget micro-batches are not built for images)."""
+    step = max(1, int(micro_batch_size))
+    parts = [
+        vision_log_probs(model, batch[i : i + step], temperature=temperature)[0]
+        for i in range(0, batch.num_samples, step)
+    ]
+    return torch.cat(parts, dim=0)
+
+
+def cut_at_vision_tokens(batch: RolloutBatch, vision_ids: Sequence[int], pad_token_id: int) -> RolloutBatch:
+    """End each sampled response before its first vision token, in place: that token and what follows become
+    padding (``responses`` pad, ``response_mask`` and ``rollout_log_probs`` 0), as if the engine had stopped
+    there. The actor cannot score tokens after a sampled vision token in the context the engine sampled them
+    in (module docstring), so the whole step (reward, log-prob check, loss) sees the response up to it."""
+    hit = vision_token_mask(batch.responses, vision_ids) & batch.response_mask.bool()  # [B, Tr]
+    keep = (hit.long().cumsum(dim=1) == 0).long()  # [B, Tr]
+    batch.response_mask = batch.response_mask * keep
+    batch.responses = torch.where(keep.bool(), batch.responses, pad_token_id)
+    batch.rollout_log_probs = batch.rollout_log_probs * keep
+    return batch
+
+
+def vision_model_token_ids(model_path: str) -> tuple[int, ...]:
+    """`vision_token_ids` of the model folder's config; ``()`` for a text model."""
+    from transformers import AutoConfig
+
+    from fusedrl.models.qwen_vl import is_vision_language_model
+
+    if not is_vision_language_model(model_path):
+        return ()
+    return vision_token_ids(AutoConfig.from_pretrained(model_path))

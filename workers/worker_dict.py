@@ -60,6 +60,7 @@ from fusedrl.workers.reward_model import RewardModelRole
 from fusedrl.workers.rollout.base import EngineContext, Rollout, SamplingConfig
 from fusedrl.workers.rollout.partial import PartialRollout
 from fusedrl.workers.rollout.registry import EngineTraits, engine_spec
+from fusedrl.workers.vision import vision_model_token_ids
 from fusedrl.workers.weight_sync import WeightSyncEndpoint
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
@@ -275,6 +276,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
             eos_token_id=tokens.eos,
             pad_token_id=tokens.pad,
             actor_module=self.actor.model if self.actor is not None else None,
+            vision_token_ids=vision_model_token_ids(cfg.model.path),  # () for a text model
         )
         from fusedrl.plugins import load_function
 

@@ -367,7 +367,7 @@ def collate(rows: Sequence[Mapping], pad_token_id: int, max_prompt_length: int) 
             )
         prompts[r, max_prompt_length - n :] = torch.as_tensor(ids, dtype=torch.long)
         prompt_mask[r, max_prompt_length - n :] = 1
-    return RolloutBatch.from_prompts(
+    batch = RolloutBatch.from_prompts(
         prompts,
         prompt_mask,
         uid=[row["uid"] for row in rows],
@@ -375,6 +375,11 @@ def collate(rows: Sequence[Mapping], pad_token_id: int, max_prompt_length: int) 
         ground_truth=[row["ground_truth"] for row in rows],
         extra_info=[dict(row.get("extra_info") or {}) for row in rows],
     )
+    if "image_grid_thw" in rows[0]:  # vision-language items (`fusedrl.data.multimodal`): images ride per row
+        from fusedrl.data.multimodal import VisionInputs
+
+        batch.multi_modal_inputs = [VisionInputs.from_items([row]) for row in rows]
+    return batch
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:

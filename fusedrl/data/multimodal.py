@@ -42,6 +42,7 @@ from fusedrl.data.dataset import (
     _file_tags,
     _read_parquet,
     collate,
+    tokenizer_pad_id,
 )
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -232,6 +233,11 @@ class VisionLanguageDataset:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def pad_token_id(self) -> int:
+        """The processor's tokenizer's pad id (its EOS id without one), what `PromptLoader` pads with."""
+        return tokenizer_pad_id(self.processor.tokenizer)
 
     def __getitem__(self, i: int) -> dict:
         if i < 0:

@@ -51,6 +51,20 @@ def load_processor(model_path: str | os.PathLike, **kwargs: Any) -> ImageOnlyQwe
     return ImageOnlyQwenVLProcessor.from_pretrained(os.fspath(model_path), **kwargs)
 
 
+VISION_LANGUAGE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def is_vision_language_model(model_path: str | os.PathLike) -> bool:
+    """Whether the model folder holds a Qwen2-VL / Qwen2.5-VL (its ``config.json`` ``model_type``)."""
+    import json
+
+    config = os.path.join(os.fspath(model_path), "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config, encoding="utf-8") as f:
+        return json.load(f).get("model_type") in VISION_LANGUAGE_MODEL_TYPES
+
+
 def mm_token_type_ids(input_ids, image_token_id: int):
     """``mm_token_type_ids`` for transformers' Qwen2-VL / Qwen2.5-VL forward: 1 at image tokens, else 0
     [B, T]. Without it (or without ``image_grid_thw``) transformers 5.19 silently falls back to 1D positions

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -63,6 +64,7 @@ class EngineContext:
     eos_token_id: int
     pad_token_id: int
     actor_module: Any = None  # the actor's FSDP2 module, for an engine that `shares_actor_module`
+    vision_token_ids: tuple[int, ...] = ()  # a vision-language model's (its prompts carry images)
 
 
 def rollout_dtype(name: str, *, cuda: bool) -> str:
@@ -171,11 +173,18 @@ class EngineRollout:
     bit (`tests/integration/test_engine_contract.py`)."""
 
     def __init__(
-        self, engine: Any, *, max_response_length: int, eos_token_id: int, pad_token_id: int
+        self,
+        engine: Any,
+        *,
+        max_response_length: int,
+        eos_token_id: int,
+        pad_token_id: int,
+        vision_token_ids: Sequence[int] = (),
     ) -> None:
         from fusedrl.agent import AgentRunner, MultiTurnConfig, ToolSet
 
         self.engine = engine
+        self.vision_token_ids = tuple(vision_token_ids)
         self.max_response_length = int(max_response_length)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -183,6 +192,8 @@ class EngineRollout:
         self.runner = AgentRunner(engine, None, ToolSet(), MultiTurnConfig(default_agent_name="single_turn"))
 
     def generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
+        if batch.multi_modal_inputs is not None:
+            return self._generate_on_images(batch, sampling)
         seeds = batch.sample_seeds.tolist() if batch.sample_seeds is not None else [None] * batch.num_samples
         rows = [{"prompt_ids": ids, "seed": seed} for ids, seed in zip(unpadded_prompts(batch), seeds)]
         trajs = self.runner.run(
@@ -205,6 +216,22 @@ class EngineRollout:
         partial: bool = False,
     ) -> None:
         self.engine.update_weights(named_tensors, reset_prefix_cache=reset_prefix_cache, partial=partial)
+
+    def _generate_on_images(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
+        """Rows with images (``multi_modal_inputs``): one batch ``engine.generate`` call given each row's
+        images (what the one-turn loop equals bit for bit on text), then each response ends before its first
+        sampled vision token (`fusedrl.workers.vision.cut_at_vision_tokens`)."""
+        from fusedrl.workers.vision import cut_at_vision_tokens
+
+        params = sample_params(sampling, stop_token_id=self.eos_token_id)
+        params = dataclasses.replace(params, max_tokens=min(sampling.max_tokens, self.max_response_length))
+        seeds = batch.sample_seeds.tolist() if batch.sample_seeds is not None else None
+        images = [row.images[0] for row in batch.field_list("multi_modal_inputs")]  # each row: its images
+        samples = self.engine.generate(unpadded_prompts(batch), params, seeds, images=images)
+        batch = attach_responses(
+            batch, samples, max_response_length=self.max_response_length, pad_token_id=self.pad_token_id
+        )
+        return cut_at_vision_tokens(batch, self.vision_token_ids, self.pad_token_id)
 
     def param_dtype(self) -> torch.dtype:
         """The engine's parameter dtype: the weight stream is cast to it before it is gathered."""

@@ -8,6 +8,9 @@ from fusedrl.third_party.vllm import EngineConfig, VLLMEngine
 from fusedrl.workers.rollout.base import EngineContext, EngineRollout, rollout_dtype
 
 _GIB = 1 << 30
+# A vision-language engine's image limit per prompt (vLLM's limit_mm_per_prompt; verl's rollout.limit_images
+# is not read yet).
+MAX_IMAGES_PER_PROMPT = 8
 
 
 def build(ctx: EngineContext) -> EngineRollout:
@@ -32,6 +35,7 @@ def build(ctx: EngineContext) -> EngineRollout:
             enable_chunked_prefill=bool(cfg.enable_chunked_prefill),
             max_num_batched_tokens=int(cfg.max_num_batched_tokens),
             disable_log_stats=bool(cfg.disable_log_stats),
+            max_images_per_prompt=MAX_IMAGES_PER_PROMPT if ctx.vision_token_ids else 0,
         )
     )
     return EngineRollout(
@@ -39,4 +43,5 @@ def build(ctx: EngineContext) -> EngineRollout:
         max_response_length=ctx.max_response_length,
         eos_token_id=ctx.eos_token_id,
         pad_token_id=ctx.pad_token_id,
+        vision_token_ids=ctx.vision_token_ids,
     )
