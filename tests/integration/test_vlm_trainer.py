@@ -15,7 +15,7 @@ import io
 
 import pytest
 import torch
-from support import FLOAT32_TRAINING, started_trainer, sync_gap
+from support import FLOAT32_TRAINING, started_trainer, sync_gap, update_without_sync
 
 from fusedrl.trainer.ppo_trainer import PPOTrainer
 
@@ -111,7 +111,7 @@ def test_grpo_on_image_prompts_through_the_driver(vlm_and_shapes, tmp_path, free
         assert len(rows) == 4 and all(r.image_grid_thw[0].shape == (1, 3) for r in rows)
         before = trainer.workers.run_all(lambda w: w.actor_state.remote())[0]
         trainer.fit()
-        after = trainer.workers.run_all(lambda w: w.actor_state.remote())[0]
+        after = trainer.workers.run_all(lambda w: w.actor_state.remote())[0]  # after the 2 GRPO steps
         assert trainer.global_step == 2 and len(trainer.steps) == 2
         print("rollout gap per step:", [m["rollout/log_prob_abs_diff_max"] for m in trainer.steps])
         for metrics in trainer.steps:  # step 1 before any update, step 2 after the first update's stream
@@ -123,6 +123,8 @@ def test_grpo_on_image_prompts_through_the_driver(vlm_and_shapes, tmp_path, free
         assert trainer.steps[1]["actor/kl_loss"] > 0
         # The second update reached the engine too: its fresh samples score the same in the actor.
         assert sync_gap(trainer, first) < SYNC_TOL
+        update_without_sync(trainer, first)  # the control: an update the engine never receives
+        assert sync_gap(trainer, first) > 1e-3
 
     vision = _vision_params(before)
     assert len(vision) == 30, vision  # the tiny tower's tensors (patch embedding, 2 blocks, merger)
