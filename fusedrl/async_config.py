@@ -97,7 +97,7 @@ def async_problems(cfg: Any, placement: Placement, problems: list[str]) -> None:
     """Append every problem of ``async_training.max_staleness`` against the run: a bound that is not an
     integer >= 0, and, when it is > 0, what asynchronous training needs (a rollout pool of its own,
     truncated importance weights against the rollout's own log-probs) and what it does not support
-    (dynamic sampling, a greedy baseline, multi-turn agent loops)."""
+    (dynamic sampling, a greedy baseline)."""
     value = cfg.async_training.max_staleness
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         problems.append(f"`{KEY}`={value!r}: must be an integer >= 0 (0: synchronous, 1: one-step-off).")
@@ -111,13 +111,16 @@ def async_problems(cfg: Any, placement: Placement, problems: list[str]) -> None:
             "`trainer.placement.roles={rollout: gen}`, or set "
             f"{KEY}=0."
         )
-    stale_sample_problems(cfg, f"`{KEY}`={value}", f"{KEY}=0", problems)
+    stale_sample_problems(cfg, f"`{KEY}`={value}", f"{KEY}=0", problems, multi_turn=True)
 
 
-def stale_sample_problems(cfg: Any, setting: str, off: str, problems: list[str]) -> None:
+def stale_sample_problems(
+    cfg: Any, setting: str, off: str, problems: list[str], *, multi_turn: bool = False
+) -> None:
     """What training on samples of an older policy needs (truncated importance weights against the
     rollout's own log-probs, the actor's own pass for pi_old) and refuses (dynamic sampling, a greedy
-    baseline, multi-turn agent loops): one problem each, naming ``setting`` and the way to turn it ``off``."""
+    baseline, and multi-turn agent loops unless ``multi_turn``): one problem each, naming ``setting`` and
+    the way to turn it ``off``."""
     rc = cfg.algorithm.rollout_correction
     if rc.rollout_is not in ("token", "sequence"):
         problems.append(
@@ -145,8 +148,8 @@ def stale_sample_problems(cfg: Any, setting: str, off: str, problems: list[str])
             f"{setting} with `algorithm.adv_estimator`={est}: its greedy baseline would be generated "
             f"by a newer policy than the samples; use another estimator or {off}."
         )
-    multi_turn = cfg.actor_rollout_ref.rollout.get("multi_turn")
-    if multi_turn is not None and multi_turn.enable:
+    agent = cfg.actor_rollout_ref.rollout.get("multi_turn")
+    if not multi_turn and agent is not None and agent.enable:
         problems.append(
             f"{setting} with `actor_rollout_ref.rollout.multi_turn.enable`=true: multi-turn agent loops "
             f"are not supported here yet; set {off}."

@@ -147,11 +147,6 @@ def placement_problems(cfg: Any, roles: Sequence[str], problems: list[str]) -> P
                 f"{rollout.name} generates with the actor's own module; put it on the actor's pool "
                 f"({actor_pool!r}) or use rollout.name=vllm."
             )
-        if (rollout.get("multi_turn") or {}).get("enable"):
-            problems.append(
-                "`trainer.placement.roles.rollout`: multi-turn agent rollouts are not supported on a pool "
-                "apart from the actor yet; put the rollout on the actor's pool."
-            )
     if int(cfg.actor_rollout_ref.model.lora_rank) > 0:
         # LoRA streams only the adapted modules, in place, and its reference is the actor's own module.
         for role in ("rollout", "ref"):

@@ -49,7 +49,7 @@ from fusedrl.trainer.ppo_trainer import PPOTrainer
 
 BATCH_TENSORS = "async_batch.safetensors"
 BATCH_META = "async_batch.json"
-# The fields a finished generation holds (single-turn: async training refuses multi-turn agent loops).
+# The fields a finished generation holds, and those multi-turn agent loops add.
 SAVED_TENSORS = (
     "prompts",
     "prompt_mask",
@@ -59,6 +59,7 @@ SAVED_TENSORS = (
     "sample_seeds",
     "policy_version",
 )
+AGENT_TENSORS = ("response_attention_mask", "agent_stats")
 
 
 @dataclass
@@ -242,14 +243,16 @@ class AsyncPPOTrainer(PPOTrainer):
         batches = [flight.result for flight in self.queue]
         assert all(b is not None for b in batches)
         batch = concat(batches)  # type: ignore[arg-type]
+        names = [*SAVED_TENSORS, *(n for n in AGENT_TENSORS if getattr(batch, n) is not None)]
         save_file(
-            {name: getattr(batch, name).contiguous() for name in SAVED_TENSORS},
-            os.path.join(folder, BATCH_TENSORS),
+            {name: getattr(batch, name).contiguous() for name in names}, os.path.join(folder, BATCH_TENSORS)
         )
         meta = {
             "steps": [flight.step for flight in self.queue],
             "rows": [b.num_samples for b in batches],  # type: ignore[union-attr]
-            **{name: batch.field_list(name) for name in NON_TENSOR_FIELDS},
+            **{
+                name: batch.field_list(name) for name in NON_TENSOR_FIELDS if getattr(batch, name) is not None
+            },
         }
         with open(os.path.join(folder, BATCH_META), "w", encoding="utf-8") as f:
             json.dump(meta, f)
@@ -278,7 +281,7 @@ def load_in_flight(path: str) -> list[InFlight]:
     with open(os.path.join(path, BATCH_META), encoding="utf-8") as f:
         meta = json.load(f)
     rows = int(tensors["prompts"].shape[0])
-    fields: dict[str, Any] = {**tensors, **{name: meta[name] for name in NON_TENSOR_FIELDS}}
+    fields: dict[str, Any] = {**tensors, **{name: meta[name] for name in NON_TENSOR_FIELDS if name in meta}}
     whole = RolloutBatch(**fields, batch_size=[rows])
     steps, counts = meta.get("steps", [meta.get("step")]), meta.get("rows", [rows])
     flights, start = [], 0

@@ -29,6 +29,7 @@ Stages (all local, nothing downloaded): 1. data, 2. model + tokenizer, 3. SFT wa
 evaluation of the three models with one multi-turn evaluator (Hugging Face generate, the same tool).
 
     python examples/agentic/tool_use_cpu.py [--seed 0] [--grpo-steps 20] [--out runs/agentic] [--no-baseline]
+        [--async-staleness K]
 """
 
 from __future__ import annotations
@@ -280,8 +281,23 @@ def grpo_overrides(data: dict[str, str], model_dir: str, run_dir: str, args: arg
             f"{mt}.max_tokens_per_turn=32",
             f"data.seed={args.seed}",
             f"actor_rollout_ref.rollout.seed={args.seed}",
+            *async_overrides(args.async_staleness),
         ],
     )
+
+
+def async_overrides(staleness: int) -> list[str]:
+    """``--async-staleness K`` > 0: one training worker and the engine on a pool of its own (one slot),
+    the next K steps' tool-loop trajectories generated while a step trains (docs/placement.md)."""
+    if staleness <= 0:
+        return []
+    return [
+        "trainer.n_gpus_per_node=1",
+        "trainer.placement.pools={gen: {nnodes: 1, n_gpus_per_node: 1}}",
+        "trainer.placement.roles={rollout: gen}",
+        "algorithm.rollout_correction.rollout_is=token",
+        f"async_training.max_staleness={staleness}",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grpo-lr", type=float, default=3e-4)
     p.add_argument("--test-freq", type=int, default=5)
     p.add_argument("--no-baseline", action="store_true", help="skip the no-tool baseline (tests)")
+    p.add_argument(
+        "--async-staleness",
+        type=int,
+        default=0,
+        help="K > 0: GRPO with the engine on a pool of its own, K steps ahead (async_training.max_staleness)",
+    )
     args = p.parse_args(argv)
 
     import ray
@@ -322,7 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[sft] e.g. {sft_texts[:4]}", flush=True)
 
     print(
-        f"[grpo] {args.grpo_steps} steps, 16 prompts x 8 tool-loop trajectories, 2 fused workers", flush=True
+        f"[grpo] {args.grpo_steps} steps, 16 prompts x 8 tool-loop trajectories, "
+        + (
+            f"1 training + 1 rollout worker, {args.async_staleness} step(s) ahead"
+            if args.async_staleness
+            else "2 fused workers"
+        ),
+        flush=True,
     )
     grpo_run = os.path.join(out, "grpo")
     grpo_dir, grpo_s = qs.run_grpo_stage(

