@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from fusedrl.data.dataset import PromptLoader, RLDataset
-from fusedrl.models.qwen_vl import is_vision_language_model, load_processor
 from fusedrl.role_config import RoleConfigs
 
 
@@ -48,6 +47,8 @@ def prompt_data(
             filter_overlong_prompts=data.filter_overlong_prompts,
             **extra,
         )
+
+    from fusedrl.models.qwen_vl import is_vision_language_model, load_processor  # transformers' VL classes
 
     vision = is_vision_language_model(run.model.path)
     processor = load_processor(run.model.path) if vision else None
