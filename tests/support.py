@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 # Float32 training, for tests that compare the trainer's numbers with a float32 engine or model at float32
@@ -247,3 +248,55 @@ def fake_engine_grpo(model_dir: str, train_file: str, out_dir) -> list[str]:
         "trainer.save_freq=0",
         f"trainer.default_local_dir={out_dir}",
     ]
+
+
+def small_grpo_config(tiny_model_dir: str, arithmetic_data, *extra: str, validate: bool = True):
+    """The config checks' test run: GRPO, 4 prompts x 2 samples, 1 worker, plus ``extra`` (loaded and,
+    unless told, validated)."""
+    from fusedrl.config import load_config
+
+    base = [
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        f"data.train_files={arithmetic_data[0]}",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=2",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "trainer.n_gpus_per_node=1",
+    ]
+    return load_config([*base, *extra], validate_config=validate)
+
+
+class SavedAndStopped(Exception):
+    """Raised right after a checkpoint (`stopping_after_save`); carries its path: the run 'dies' there."""
+
+
+def stopping_after_save(trainer_cls: type, step: int = 2) -> type:
+    """A subclass of ``trainer_cls`` that raises `SavedAndStopped` right after saving step ``step``."""
+
+    class StopAfterSave(trainer_cls):  # type: ignore[misc,valid-type]
+        def save_checkpoint(self):
+            path = super().save_checkpoint()
+            if self.global_step == step:
+                raise SavedAndStopped(path)
+            return path
+
+    return StopAfterSave
+
+
+def assert_same_computed_metrics(expected: dict, actual: dict, machine: Sequence[str] = ()) -> None:
+    """The two steps' metrics agree (float32 tolerance) on everything computed: wall-clock times (``*_s``
+    keys, tools' ``wall_s``), throughput, memory and the prefixes in ``machine`` are left out."""
+    skip = ("timing_s/", "perf/throughput", "memory/", *machine)
+
+    def computed(m: dict) -> dict:
+        return {
+            k: v
+            for k, v in m.items()
+            if not k.startswith(skip) and not k.endswith("_s") and "wall_s" not in k
+        }
+
+    a, b = computed(expected), computed(actual)
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for key in a:
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key

@@ -237,13 +237,13 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
                 events=self.events,
             )
         if self.critic is not None:
-            fsdp = cfg.critic.model.fsdp_config
+            critic_fsdp = cfg.critic.model.fsdp_config
             self.critic_mem = Offloader(
                 "critic",
                 self.critic.model,
                 self.critic.optimizer,
-                param_offload=fsdp.param_offload,
-                optimizer_offload=fsdp.optimizer_offload,
+                param_offload=critic_fsdp.param_offload,
+                optimizer_offload=critic_fsdp.optimizer_offload,
                 events=self.events,
             )
 

@@ -15,20 +15,19 @@ import json
 import os
 
 import pytest
-from support import FLOAT32_TRAINING, started_trainer
+from support import (
+    FLOAT32_TRAINING,
+    SavedAndStopped,
+    assert_same_computed_metrics,
+    started_trainer,
+    stopping_after_save,
+)
 
 pytestmark = pytest.mark.integration
 vllm = pytest.importorskip("vllm")
 
 PLUGIN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "agent_plugins.py")
-NOT_COMPARED = (
-    "timing_s/",
-    "perf/throughput",
-    "memory/",
-    "async/gen_s",
-    "async/overlap_s",
-    "async/gen_wait_s",
-)
+MACHINE = ("async/gen_s", "async/overlap_s", "async/gen_wait_s")  # the overlap's wall-clock times
 
 
 def _write_data(path: str) -> str:
@@ -47,15 +46,6 @@ def _write_data(path: str) -> str:
     ]
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
-
-
-def _computed(m: dict) -> dict:
-    """The metrics of the computation: not wall-clock times (the tools' own, ``agent/tool_wall_s``, too)."""
-    return {
-        k: v
-        for k, v in m.items()
-        if not k.startswith(NOT_COMPARED) and "_s" not in k.split("/")[-1] and "wall_s" not in k
-    }
 
 
 def _overrides(model_dir: str, tmp, out: str, *extra: str) -> list[str]:
@@ -133,28 +123,18 @@ def test_async_tool_loops_stopped_and_resumed_equal_uninterrupted(tiny_model_dir
 
     from fusedrl.trainer.async_trainer import AsyncPPOTrainer
 
-    class Crash(Exception):
-        pass
-
-    class CrashAfterStep2(AsyncPPOTrainer):
-        def save_checkpoint(self):
-            path = super().save_checkpoint()
-            if self.global_step == 2:
-                raise Crash(path)
-            return path
-
     full_dir, cut_dir = str(tmp_path / "full"), str(tmp_path / "cut")
     with started_trainer(_overrides(tiny_model_dir, tmp_path, full_dir, "trainer.save_freq=1")) as trainer:
         trainer.fit()
     cut = _overrides(tiny_model_dir, tmp_path, cut_dir, "trainer.save_freq=1")
-    with pytest.raises(Crash) as crash, started_trainer(cut, trainer_cls=CrashAfterStep2) as t:
+    with (
+        pytest.raises(SavedAndStopped) as crash,
+        started_trainer(cut, trainer_cls=stopping_after_save(AsyncPPOTrainer)) as t,
+    ):
         t.fit()
     saved = load_file(os.path.join(str(crash.value), "async_batch.safetensors"))
     assert {"response_attention_mask", "agent_stats", "policy_version"} <= set(saved)
     with started_trainer(cut) as trainer:
         trainer.fit()
     full, resumed = _metrics(full_dir), _metrics(cut_dir)
-    a, b = _computed(full[3]), _computed(resumed[3])
-    assert a.keys() == b.keys()
-    for key in a:
-        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    assert_same_computed_metrics(full[3], resumed[3], machine=MACHINE)

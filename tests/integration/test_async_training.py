@@ -16,7 +16,13 @@ import json
 import os
 
 import pytest
-from support import FLOAT32_TRAINING, started_trainer
+from support import (
+    FLOAT32_TRAINING,
+    SavedAndStopped,
+    assert_same_computed_metrics,
+    started_trainer,
+    stopping_after_save,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -155,23 +161,16 @@ def test_async_kill_and_resume_equals_uninterrupted(tiny_model_dir, arithmetic_d
     checkpoint holds the batch generated during step 2 (by version 1) with its policy version."""
     from fusedrl.trainer.async_trainer import AsyncPPOTrainer
 
-    class Crash(Exception):
-        pass
-
-    class CrashAfterStep2(AsyncPPOTrainer):
-        def save_checkpoint(self):
-            path = super().save_checkpoint()
-            if self.global_step == 2:
-                raise Crash(path)
-            return path
-
     def overrides(out: str) -> list[str]:
         return [*_overrides(tiny_model_dir, arithmetic_data[0], out, 1, steps=3), "trainer.save_freq=1"]
 
     full_dir, cut_dir = str(tmp_path / "full"), str(tmp_path / "cut")
     with started_trainer(overrides(full_dir)) as trainer:
         trainer.fit()
-    with pytest.raises(Crash) as crash, started_trainer(overrides(cut_dir), trainer_cls=CrashAfterStep2) as t:
+    with (
+        pytest.raises(SavedAndStopped) as crash,
+        started_trainer(overrides(cut_dir), trainer_cls=stopping_after_save(AsyncPPOTrainer)) as t,
+    ):
         t.fit()
     saved = str(crash.value)
     assert os.path.isfile(os.path.join(saved, "async_batch.safetensors"))
@@ -180,10 +179,7 @@ def test_async_kill_and_resume_equals_uninterrupted(tiny_model_dir, arithmetic_d
         assert [(s, set(v), a) for s, v, a in trainer.seen] == [(3, {1}, 2)]
     full, resumed = _metrics(full_dir), _metrics(cut_dir)
     assert resumed[3]["async/staleness_max"] == 1.0
-    a, b = _untimed(full[3]), _untimed(resumed[3])
-    assert a.keys() == b.keys()
-    for key in a:
-        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    assert_same_computed_metrics(full[3], resumed[3], machine=NOT_COMPARED)
 
 
 @pytest.mark.parametrize("k", [2, 4])

@@ -20,14 +20,20 @@ import os
 
 import pytest
 import torch
-from support import FLOAT32_TRAINING, model_log_probs, started_trainer
+from support import (
+    FLOAT32_TRAINING,
+    SavedAndStopped,
+    assert_same_computed_metrics,
+    model_log_probs,
+    started_trainer,
+    stopping_after_save,
+)
 
 pytestmark = pytest.mark.integration
 
 vllm = pytest.importorskip("vllm")
 
 SYNC_TOL = 1e-4  # float32 engine vs float32 actor
-NOT_COMPARED = ("timing_s/", "perf/throughput", "memory/")
 
 
 def _overrides(model_dir: str, train: str, run_dir: str, *extra: str, steps: int = 3) -> list[str]:
@@ -182,23 +188,16 @@ def test_partial_rollout_stopped_and_resumed_equals_uninterrupted(tiny_model_dir
     step 3 as the uninterrupted run does."""
     from fusedrl.trainer.partial_trainer import PartialRolloutTrainer
 
-    class Crash(Exception):
-        pass
-
-    class CrashAfterStep2(PartialRolloutTrainer):
-        def save_checkpoint(self):
-            path = super().save_checkpoint()
-            if self.global_step == 2:
-                raise Crash(path)
-            return path
-
     def overrides(out: str) -> list[str]:
         return [*_overrides(tiny_model_dir, arithmetic_data[0], out, *PARTIAL), "trainer.save_freq=1"]
 
     full_dir, cut_dir = str(tmp_path / "full"), str(tmp_path / "cut")
     with started_trainer(overrides(full_dir)) as trainer:
         trainer.fit()
-    with pytest.raises(Crash) as crash, started_trainer(overrides(cut_dir), trainer_cls=CrashAfterStep2) as t:
+    with (
+        pytest.raises(SavedAndStopped) as crash,
+        started_trainer(overrides(cut_dir), trainer_cls=stopping_after_save(PartialRolloutTrainer)) as t,
+    ):
         t.fit()
     state = torch.load(os.path.join(str(crash.value), "partial_rollout.pt"), weights_only=True)
     samples = [s for group in state["workers"][0]["groups"] for s in group]
@@ -207,8 +206,4 @@ def test_partial_rollout_stopped_and_resumed_equals_uninterrupted(tiny_model_dir
         trainer.fit()
     full, resumed = _metrics(full_dir), _metrics(cut_dir)
     assert resumed[3]["partial/token_age_max"] == full[3]["partial/token_age_max"]
-    a = {k: v for k, v in full[3].items() if not k.startswith(NOT_COMPARED) and not k.endswith("_s")}
-    b = {k: v for k, v in resumed[3].items() if not k.startswith(NOT_COMPARED) and not k.endswith("_s")}
-    assert a.keys() == b.keys()
-    for key in a:
-        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    assert_same_computed_metrics(full[3], resumed[3])

@@ -4,8 +4,9 @@ the fix; the trainer class follows the key."""
 from __future__ import annotations
 
 import pytest
+from support import small_grpo_config
 
-from fusedrl.config import ConfigError, load_config
+from fusedrl.config import ConfigError
 
 GEN = [
     "trainer.placement.pools={gen: {nnodes: 1, n_gpus_per_node: 1}}",
@@ -15,16 +16,7 @@ CORRECTED = ["algorithm.rollout_correction.rollout_is=token"]
 
 
 def _config(tiny_model_dir, arithmetic_data, *extra):
-    base = [
-        f"actor_rollout_ref.model.path={tiny_model_dir}",
-        f"data.train_files={arithmetic_data[0]}",
-        "algorithm.adv_estimator=grpo",
-        "actor_rollout_ref.rollout.n=2",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "trainer.n_gpus_per_node=1",
-    ]
-    return load_config([*base, *extra])
+    return small_grpo_config(tiny_model_dir, arithmetic_data, *extra)
 
 
 def _problems(tiny_model_dir, arithmetic_data, *extra) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import small_grpo_config
 
 from fusedrl.config import ConfigError, load_config
 from fusedrl.controller.placement import plan_groups
@@ -15,16 +16,7 @@ GEN = "trainer.placement.pools={gen: {nnodes: 1, n_gpus_per_node: 1}}"
 
 
 def _config(tiny_model_dir, arithmetic_data, *extra, validate=True):
-    base = [
-        f"actor_rollout_ref.model.path={tiny_model_dir}",
-        f"data.train_files={arithmetic_data[0]}",
-        "algorithm.adv_estimator=grpo",
-        "actor_rollout_ref.rollout.n=2",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "trainer.n_gpus_per_node=1",
-    ]
-    return load_config([*base, *extra], validate_config=validate)
+    return small_grpo_config(tiny_model_dir, arithmetic_data, *extra, validate=validate)
 
 
 def test_default_is_one_fused_pool(tiny_model_dir, arithmetic_data):
