@@ -3,6 +3,8 @@ because ``tests/conftest.py`` lives there)."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -300,3 +302,38 @@ def assert_same_computed_metrics(expected: dict, actual: dict, machine: Sequence
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     for key in a:
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+
+
+def metrics_by_step(run_dir) -> dict[int, dict]:
+    """The ``jsonl`` logger's records of a run folder, by step."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {rec["step"]: rec for rec in map(json.loads, f)}
+
+
+def corrected_grpo(model_dir: str, train: str, run_dir, *, steps: int, max_response_length: int) -> list[str]:
+    """GRPO with token-level importance weights (rollout correction), float32 on both sides, 2 prompts x 4
+    samples a step, one worker, the ``jsonl`` logger in ``run_dir``: the base of the asynchronous and
+    partial-rollout tests (their comparisons' tolerances assume float32)."""
+    return [
+        f"data.train_files={train}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=256",
+        f"data.max_response_length={max_response_length}",
+        "algorithm.adv_estimator=grpo",
+        "algorithm.rollout_correction.rollout_is=token",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.optim.lr=2e-3",
+        "trainer.n_gpus_per_node=1",
+        "trainer.val_before_train=false",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=0",
+        "trainer.rollout_check_tol=1e-3",
+        "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={run_dir}",
+    ]

@@ -161,7 +161,7 @@ class PartialRolloutTrainer(PPOTrainer):
         """The prompts not sent yet and every rollout worker's carried groups (plain values)."""
         states = self.group_for("rollout").run_all(lambda w: w.rollout_partial_state.remote())
         pending = self.pending.to_dict() if self.pending is not None else None
-        state = {"carried_groups": self.carried_groups, "pending": pending, "workers": states}
+        state = {"pending": pending, "workers": states}
         torch.save(state, os.path.join(folder, STATE_FILE))
 
     def load_checkpoint(self) -> str | None:
@@ -179,7 +179,7 @@ class PartialRolloutTrainer(PPOTrainer):
                 "async_training.partial_rollout=false, or start this run in a new trainer.default_local_dir."
             )
         state = torch.load(file, weights_only=True)
-        self.carried_groups = int(state["carried_groups"])
+        self.carried_groups = sum(len(worker["groups"]) for worker in state["workers"])
         pending = state["pending"]
         self.pending = (
             None if pending is None else RolloutBatch.from_dict(pending, batch_size=[len(pending["prompts"])])

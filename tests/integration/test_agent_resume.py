@@ -3,12 +3,11 @@ deterministic environments; per-turn seeds derive from the row seed and the turn
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
-from support import FLOAT32_TRAINING, varied_score
+from support import FLOAT32_TRAINING, metrics_by_step, varied_score
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("vllm")
@@ -62,18 +61,13 @@ def _run(cfg):
     return trainer, state
 
 
-def _metrics(out_dir) -> dict[int, dict]:
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return {rec["step"]: rec for rec in map(json.loads, f)}
-
-
 def test_agentic_resume_equals_uninterrupted(ray_cluster, tiny_model_dir, arithmetic_data, tmp_path):
     train = arithmetic_data[0]
     _, full_state = _run(_config(tiny_model_dir, train, tmp_path / "a", 3))
     _run(_config(tiny_model_dir, train, tmp_path / "b", 2))  # "killed" after the step-2 checkpoint
     resumed, resumed_state = _run(_config(tiny_model_dir, train, tmp_path / "b", 3))
     assert resumed.global_step == 3
-    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    a, b = metrics_by_step(tmp_path / "a"), metrics_by_step(tmp_path / "b")
     assert sorted(b) == [1, 2, 3]
     for key in (
         "critic/score/mean",

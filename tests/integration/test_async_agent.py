@@ -11,7 +11,6 @@ each step's trajectories (tool calls, environment turns) are generated while the
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -19,6 +18,7 @@ from support import (
     FLOAT32_TRAINING,
     SavedAndStopped,
     assert_same_computed_metrics,
+    metrics_by_step,
     started_trainer,
     stopping_after_save,
 )
@@ -86,11 +86,6 @@ def _overrides(model_dir: str, tmp, out: str, *extra: str) -> list[str]:
     ]
 
 
-def _metrics(run_dir: str) -> dict[int, dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {rec["step"]: rec for rec in map(json.loads, f)}
-
-
 def test_async_tool_loops_on_a_rollout_pool(tiny_model_dir, tmp_path):
     from fusedrl.trainer.async_trainer import AsyncPPOTrainer
 
@@ -104,7 +99,7 @@ def test_async_tool_loops_on_a_rollout_pool(tiny_model_dir, tmp_path):
     with started_trainer(_overrides(tiny_model_dir, tmp_path, out), trainer_cls=Recording) as trainer:
         trainer.fit()
         seen = trainer.seen
-    m = _metrics(out)
+    m = metrics_by_step(out)
     assert [m[s]["async/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert [sorted(set(b.policy_version.tolist())) for _, b in seen] == [[0], [0], [1]]
     for _, batch in seen:
@@ -136,5 +131,5 @@ def test_async_tool_loops_stopped_and_resumed_equal_uninterrupted(tiny_model_dir
     assert {"response_attention_mask", "agent_stats", "policy_version"} <= set(saved)
     with started_trainer(cut) as trainer:
         trainer.fit()
-    full, resumed = _metrics(full_dir), _metrics(cut_dir)
+    full, resumed = metrics_by_step(full_dir), metrics_by_step(cut_dir)
     assert_same_computed_metrics(full[3], resumed[3], machine=MACHINE)

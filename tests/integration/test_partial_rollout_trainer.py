@@ -15,15 +15,15 @@ some requests wait and be paused, so steps train on rows whose tokens two policy
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 from support import (
-    FLOAT32_TRAINING,
     SavedAndStopped,
     assert_same_computed_metrics,
+    corrected_grpo,
+    metrics_by_step,
     model_log_probs,
     started_trainer,
     stopping_after_save,
@@ -37,31 +37,8 @@ SYNC_TOL = 1e-4  # float32 engine vs float32 actor
 
 
 def _overrides(model_dir: str, train: str, run_dir: str, *extra: str, steps: int = 3) -> list[str]:
-    return [
-        f"data.train_files={train}",
-        f"actor_rollout_ref.model.path={model_dir}",
-        "data.train_batch_size=2",
-        "data.max_prompt_length=256",
-        "data.max_response_length=16",
-        "algorithm.adv_estimator=grpo",
-        "algorithm.rollout_correction.rollout_is=token",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.rollout.dtype=float32",
-        "actor_rollout_ref.rollout.max_num_seqs=6",
-        *FLOAT32_TRAINING,
-        "actor_rollout_ref.actor.use_kl_loss=false",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.actor.optim.lr=2e-3",
-        "trainer.n_gpus_per_node=1",
-        "trainer.val_before_train=false",
-        f"trainer.total_training_steps={steps}",
-        "trainer.save_freq=0",
-        "trainer.rollout_check_tol=1e-3",
-        "trainer.logger=[jsonl]",
-        f"trainer.default_local_dir={run_dir}",
-        *extra,
-    ]
+    base = corrected_grpo(model_dir, train, run_dir, steps=steps, max_response_length=16)
+    return [*base, "actor_rollout_ref.rollout.max_num_seqs=6", *extra]
 
 
 PARTIAL = [
@@ -69,11 +46,6 @@ PARTIAL = [
     "async_training.staleness_threshold=1.0",  # 4 groups in flight, 2 trained on
     "async_training.partial_rollout_max_resumes=2",
 ]
-
-
-def _metrics(run_dir: str) -> dict[int, dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {rec["step"]: rec for rec in map(json.loads, f)}
 
 
 def _recording_class():
@@ -110,7 +82,7 @@ def test_partial_rollout_trains_first_groups_with_per_token_versions(
         batch.token_versions = torch.where(batch.response_mask.bool(), trainer.actor_version - 4, 0)
         with pytest.raises(RuntimeError, match=r"bounds their age at 0..3"):
             trainer.check_token_ages(batch)
-    m = _metrics(out)
+    m = metrics_by_step(out)
     assert [m[s]["partial/new_groups"] for s in (1, 2, 3)] == [4.0, 2.0, 2.0]
     assert [m[s]["partial/carried_groups"] for s in (1, 2, 3)] == [2.0, 2.0, 2.0]
     mixed = 0
@@ -204,6 +176,6 @@ def test_partial_rollout_stopped_and_resumed_equals_uninterrupted(tiny_model_dir
     assert state["carried_groups"] == 2 and any(s["ids"] and not s["done"] for s in samples)
     with started_trainer(overrides(cut_dir)) as trainer:
         trainer.fit()
-    full, resumed = _metrics(full_dir), _metrics(cut_dir)
+    full, resumed = metrics_by_step(full_dir), metrics_by_step(cut_dir)
     assert resumed[3]["partial/token_age_max"] == full[3]["partial/token_age_max"]
     assert_same_computed_metrics(full[3], resumed[3])
