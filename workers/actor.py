@@ -168,7 +168,13 @@ class RefRole:
         """``log pi_ref(response)``: ``[B, Tr]``."""
         if batch.multi_modal_inputs is not None:
             mbs = self.cfg.log_prob_micro_batch_size_per_gpu
-            return vision_batched_log_probs(self.model, batch, temperature=temperature, micro_batch_size=mbs)
+            return vision_batched_log_probs(
+                self.model,
+                batch,
+                temperature=temperature,
+                micro_batch_size=mbs,
+                remove_padding=self.use_remove_padding,
+            )
         return batched_log_probs(
             self.model,
             batch,
@@ -258,7 +264,13 @@ class ActorRole:
         self.model.eval()
         if batch.multi_modal_inputs is not None and not with_sum_pi_squared:  # images: workers/vision.py
             mbs = micro_batch_size
-            return vision_batched_log_probs(self.model, batch, temperature=temperature, micro_batch_size=mbs)
+            return vision_batched_log_probs(
+                self.model,
+                batch,
+                temperature=temperature,
+                micro_batch_size=mbs,
+                remove_padding=self.use_remove_padding,
+            )
         lp, spp = batched_log_probs_and_sum_pi_squared(
             self.model,
             batch,
@@ -283,7 +295,13 @@ class ActorRole:
         if (
             mb.multi_modal_inputs is not None
         ):  # images ride with the rows: the M-RoPE pass (workers/vision.py)
-            log_prob, entropy = vision_log_probs(self.model, mb, temperature=temperature, with_entropy=True)
+            log_prob, entropy = vision_log_probs(
+                self.model,
+                mb,
+                temperature=temperature,
+                with_entropy=True,
+                remove_padding=self.use_remove_padding,
+            )
         else:
             log_prob, entropy = response_log_probs(
                 self.model,

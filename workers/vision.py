@@ -30,6 +30,7 @@ import torch
 
 from fusedrl.batch import RolloutBatch
 from fusedrl.data.multimodal import VisionInputs  # re-exported: the pass's input
+from fusedrl.workers.vision_packing import pack_vision_rows
 
 
 def vision_token_mask(tokens: torch.Tensor, vision_token_ids: Sequence[int]) -> torch.Tensor:
@@ -84,8 +85,11 @@ def _vision_forward(
     temperature: float,
     pad_token_id: int,
     with_entropy: bool,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """`vision_response_log_probs` plus, with ``with_entropy``, the entropy [B, Tr] of each position."""
+    """`vision_response_log_probs` plus, with ``with_entropy``, the entropy [B, Tr] of each position;
+    ``packed``: the rows' real tokens in one row (`fusedrl.workers.vision_packing`), the same values up to
+    summation order."""
     ids = vision_token_ids(model.config)
     response_vision = vision_token_mask(batch.responses, ids) & batch.response_mask.bool()  # [B, Tr]
     responses = batch.responses.masked_fill(response_vision, pad_token_id)  # [B, Tr]
@@ -95,18 +99,34 @@ def _vision_forward(
     positions = mrope_positions(model, input_ids, attention_mask, grids)  # [3, B, Tp+Tr]
     tp, tr = batch.prompts.shape[1], batch.responses.shape[1]
     kwargs = {} if grids is None else {"pixel_values": pixel_values, "image_grid_thw": grids}
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **kwargs
-    ).logits[:, tp - 1 : tp + tr - 1]  # [B, Tr, V]: position t predicts token t+1
-    logits = logits.float() / temperature  # [B, Tr, V]
-    token_logits = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1)  # [B, Tr]
-    log_z = torch.logsumexp(logits, dim=-1)  # [B, Tr]
-    log_probs = token_logits - log_z  # [B, Tr]
-    loss_mask = batch.response_mask * (response_vision.cumsum(dim=1) == 0)  # [B, Tr]: up to a vision token
+    if packed:
+        row = pack_vision_rows(input_ids, attention_mask, positions, batch.response_mask)
+        logits = model(
+            input_ids=row.input_ids,
+            position_ids=row.position_ids,
+            attention_mask=None,
+            logits_to_keep=row.pred_index,
+            use_cache=False,  # with a cache transformers reads no sequence boundaries from the positions
+            **kwargs,
+        ).logits[0]  # [M, V]: the positions that predict the response tokens
+        targets = responses[row.response_mask]  # [M]
+    else:
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **kwargs
+        ).logits[:, tp - 1 : tp + tr - 1]  # [B, Tr, V]: position t predicts token t+1
+        targets = responses  # [B, Tr]
+    logits = logits.float() / temperature  # [..., V]
+    token_logits = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [...]
+    log_z = torch.logsumexp(logits, dim=-1)  # [...]
+    log_probs = token_logits - log_z  # [...]
     entropy = None
     if with_entropy:  # H = logZ - sum_v p_v * logit_v
-        entropy = (log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)) * loss_mask  # [B, Tr]
-    return log_probs * loss_mask, entropy, loss_mask
+        entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [...]
+    if packed:  # [M] -> [B, Tr], 0 off the response tokens
+        log_probs = row.unpack(log_probs)
+        entropy = None if entropy is None else row.unpack(entropy)
+    loss_mask = batch.response_mask * (response_vision.cumsum(dim=1) == 0)  # [B, Tr]: up to a vision token
+    return log_probs * loss_mask, None if entropy is None else entropy * loss_mask, loss_mask
 
 
 def shard_vision_language_model(
@@ -176,7 +196,12 @@ def _pad_id(model: Any) -> int:
 
 
 def vision_log_probs(
-    model: Any, batch: RolloutBatch, *, temperature: float, with_entropy: bool = False
+    model: Any,
+    batch: RolloutBatch,
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+    remove_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The actor's loss pass on a batch whose rows carry ``multi_modal_inputs``: ``(log_probs [B, Tr],
     entropy [B, Tr] or None)``, both 0 outside `vision_response_log_probs`'s loss mask (the rollout already
@@ -188,21 +213,30 @@ def vision_log_probs(
         temperature=temperature,
         pad_token_id=_pad_id(model),
         with_entropy=with_entropy,
+        packed=remove_padding,
     )
     return log_probs, entropy
 
 
 @torch.no_grad()
 def vision_batched_log_probs(
-    model: Any, batch: RolloutBatch, *, temperature: float, micro_batch_size: int
+    model: Any,
+    batch: RolloutBatch,
+    *,
+    temperature: float,
+    micro_batch_size: int,
+    remove_padding: bool = False,
 ) -> torch.Tensor:
     """Old / reference log-probs [B, Tr] of a batch with images, in micro-batches of ``micro_batch_size``
-    consecutive rows (padded forwards: packing and token-budget micro-batches are not built for images)."""
+    consecutive rows, each padded or packed (``remove_padding``; token-budget micro-batches are not built for
+    images)."""
     step = max(1, int(micro_batch_size))
-    parts = [
-        vision_log_probs(model, batch[i : i + step], temperature=temperature)[0]
-        for i in range(0, batch.num_samples, step)
-    ]
+    parts = []
+    for i in range(0, batch.num_samples, step):
+        lp, _ = vision_log_probs(
+            model, batch[i : i + step], temperature=temperature, remove_padding=remove_padding
+        )
+        parts.append(lp)
     return torch.cat(parts, dim=0)
 
 

@@ -156,3 +156,49 @@ def test_sampled_vision_tokens_are_out_of_the_loss_and_the_gradient(vlm):
     _, g_start = grads(vision_start)
     assert all(torch.equal(g_pad[n], g_start[n]) for n in g_pad)
     model.zero_grad()
+
+
+def test_packed_rows_give_the_padded_log_probs_entropy_and_gradients(vlm):
+    """`use_remove_padding` on image rows: the real tokens of the 3 rows (2, 1 and 0 images) end to end in one
+    row, text positions (the mask's restarts) and M-RoPE positions packed with them; the log-probs, entropies
+    and gradients are the padded forward's (float32, up to summation order)."""
+    from fusedrl.workers.vision import _vision_forward
+    from fusedrl.workers.vision_packing import pack_vision_rows
+
+    model, proc = vlm
+    items = _items(proc)
+    batch = _batch(items, RESPONSES)
+    vision = VisionInputs.from_items(items)
+
+    def run(packed: bool):
+        model.zero_grad()
+        lp, ent, mask = _vision_forward(
+            model, batch, vision, temperature=0.7, pad_token_id=0, with_entropy=True, packed=packed
+        )
+        (-(lp * mask).sum() - 0.1 * ent.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return lp.detach(), ent.detach(), mask, grads
+
+    lp_pad, ent_pad, mask_pad, g_pad = run(False)
+    lp_pack, ent_pack, mask_pack, g_pack = run(True)
+    model.zero_grad()
+    assert torch.equal(mask_pad, mask_pack)
+    assert (lp_pack - lp_pad).abs().max() < 1e-5 and (ent_pack - ent_pad).abs().max() < 1e-5
+    assert (lp_pack[mask_pack == 0] == 0).all()
+    assert set(g_pack) == set(g_pad) and "model.visual.patch_embed.proj.weight" in g_pack
+    for name, g in g_pad.items():
+        assert (g_pack[name] - g).abs().max() <= 1e-4 * (1 + g.abs().max()), name
+    # The packed row: every real token once, text positions restarting per row, M-RoPE rows beside them.
+    input_ids, attention_mask, _ = batch.sequences()
+    from fusedrl.workers.vision import mrope_positions
+
+    mrope = mrope_positions(model, input_ids, attention_mask, vision.concatenated()[1])
+    row = pack_vision_rows(input_ids, attention_mask, mrope, batch.response_mask)
+    lengths = [len(it["prompt_ids"]) + len(r) for it, r in zip(items, RESPONSES)]
+    assert row.input_ids.shape == (1, sum(lengths)) and row.position_ids.shape == (4, 1, sum(lengths))
+    starts = (row.position_ids[0, 0] == 0).nonzero().flatten().tolist()
+    assert starts == [0, lengths[0], lengths[0] + lengths[1]]
+    # An image row's M-RoPE positions are not its text positions; the text-only row's are.
+    assert not torch.equal(row.position_ids[1, 0, : lengths[0]], row.position_ids[0, 0, : lengths[0]])
+    last = slice(lengths[0] + lengths[1], None)
+    assert all(torch.equal(row.position_ids[k, 0, last], row.position_ids[0, 0, last]) for k in (1, 2, 3))
