@@ -51,6 +51,10 @@ def prompt_data(
     from fusedrl.models.qwen_vl import is_vision_language_model, load_processor  # transformers' VL classes
 
     vision = is_vision_language_model(run.model.path)
+    if not vision:  # another VLM would read the prompts as text: refused while its images are in the files
+        from fusedrl.data.multimodal import check_image_model
+
+        check_image_model(run.model.path, data.train_files, data.image_key)
     processor = load_processor(run.model.path) if vision else None
     if vision and agent_tools is not None:
         raise ValueError("multi-turn rollouts of a vision-language model are not supported yet")

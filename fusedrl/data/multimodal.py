@@ -248,6 +248,34 @@ class VisionLanguageDataset:
         return {**item, "prompt_ids": list(item["prompt_ids"]), "extra_info": dict(item["extra_info"])}
 
 
+def check_image_model(model_path: str, files: Any, image_key: str) -> None:
+    """Refuse a run whose prompt files hold an image column (``image_key``) for a vision-language model the image
+    path does not know (a ``vision_config`` in its ``config.json``, a ``model_type`` other than Qwen2-VL /
+    Qwen2.5-VL): it would load as a text model and drop every image. Text models and image-free files pass."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from fusedrl.models.qwen_vl import VISION_LANGUAGE_MODEL_TYPES
+
+    config_path = os.path.join(os.fspath(model_path), "config.json")
+    if not os.path.isfile(config_path):
+        return
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    model_type = config.get("model_type")
+    if "vision_config" not in config or model_type in VISION_LANGUAGE_MODEL_TYPES:
+        return
+    for path in _as_file_list(files):
+        if os.path.isfile(path) and image_key in pq.read_schema(path).names:
+            raise DataError(
+                f"{path}: column {image_key!r} (data.image_key) holds images, but the model "
+                f"({model_path}) is a {model_type!r} vision-language model, which fusedrl's image path does not "
+                f"read yet (it reads {', '.join(VISION_LANGUAGE_MODEL_TYPES)}; docs/multimodal.md); a run would "
+                "drop every image. Use a Qwen2-VL / Qwen2.5-VL model or prompt files without images"
+            )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class VisionInputs:
     """Each row's images, decoded and processed (aligned with a `RolloutBatch`'s rows: `collate_vision`)."""
