@@ -131,12 +131,12 @@ def _sharded_vision_model(
     model_cfg: ModelConfig, fsdp_cfg: FsdpConfig | RefFsdpConfig, *, frozen: bool, freeze_tower: bool
 ) -> nn.Module:
     """A vision-language policy under FSDP2 (`fusedrl.workers.vision.shard_vision_language_model`: a unit
-    per vision block and decoder layer); ``freeze_tower``: ``actor.freeze_vision_tower``. LoRA, gradient
-    checkpointing and compiled layers are not built for it."""
-    if model_cfg.lora_rank or model_cfg.enable_gradient_checkpointing or model_cfg.compile_layers:
+    per vision block and decoder layer, checkpointed with ``model.enable_gradient_checkpointing``);
+    ``freeze_tower``: ``actor.freeze_vision_tower``. LoRA and compiled layers are not built for it."""
+    if model_cfg.lora_rank or model_cfg.compile_layers:
         raise ValueError(
-            "a vision-language model trains without LoRA, gradient checkpointing and compile_layers so far; "
-            "set actor_rollout_ref.model.lora_rank=0, enable_gradient_checkpointing=false, compile_layers=false"
+            "a vision-language model trains without LoRA and compile_layers so far; "
+            "set actor_rollout_ref.model.lora_rank=0 and compile_layers=false"
         )
     model = load_vision_language_model(model_cfg.path, to_dtype(fsdp_cfg.model_dtype))
     if freeze_tower:
@@ -145,7 +145,10 @@ def _sharded_vision_model(
     if frozen and param_dtype is not None and param_dtype != to_dtype(fsdp_cfg.model_dtype):
         model.to(param_dtype)  # the reference: cast once, no mixed precision (as `_sharded_model`)
         param_dtype = None
-    return shard_vision_language_model(model.to(device_type()), build_mesh(), param_dtype=param_dtype)
+    checkpointing = bool(model_cfg.enable_gradient_checkpointing)
+    return shard_vision_language_model(
+        model.to(device_type()), build_mesh(), param_dtype=param_dtype, gradient_checkpointing=checkpointing
+    )
 
 
 class RefRole:

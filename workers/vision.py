@@ -135,14 +135,20 @@ def shard_vision_language_model(
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
+    gradient_checkpointing: bool = False,
 ) -> Any:
     """FSDP2 for a Qwen2-VL / Qwen2.5-VL: one unit per vision block and per decoder layer, then the root.
 
     `fusedrl.workers.fsdp.apply_fsdp2` looks for the decoder layers at ``model.model.layers``; transformers 5
     holds a vision-language model's at ``model.model.language_model.layers`` and its vision blocks at
-    ``model.model.visual.blocks``."""
+    ``model.model.visual.blocks``. ``gradient_checkpointing`` (``model.enable_gradient_checkpointing``):
+    transformers' non-reentrant checkpointing of every vision block and decoder layer, as the text path's
+    (`fusedrl.workers.fsdp.shard_for_training`): in training mode their activations are recomputed in the
+    backward inside the FSDP2 unit."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     inner = model.model
     for unit in [*inner.visual.blocks, *inner.language_model.layers]:

@@ -2,7 +2,7 @@
 random Qwen2.5-VL on generated shape pictures (tests/vlm_support.py), float32 engine and actor.
 
 - Two fused workers: the driver splits the rows (and their images) over the ranks for generation, the
-  log-prob passes and the update. Each rank's engine sampled on its own rows' images: its log-probs equal a
+  log-prob passes and the update (with gradient checkpointing, as verl's scripts set it). Each rank's engine sampled on its own rows' images: its log-probs equal a
   plain transformers pass on each row's picture read from the parquet file by the row's uid, and not the
   pass with the other rank's pictures; the rollout-vs-actor gap stays at float32 noise at both steps.
 - A run stopped right after step 1's checkpoint and resumed gives step 2 as the uninterrupted run does
@@ -68,7 +68,12 @@ def test_two_workers_sample_and_train_on_their_own_rows_images(vlm_and_shapes, t
     from fusedrl.workers.vision import load_vision_language_model
 
     model_dir, train = vlm_and_shapes
-    with started_trainer(vlm_grpo(model_dir, train, tmp_path, workers=2), trainer_cls=RecordingTrainer) as t:
+    # verl's VL scripts all set enable_gradient_checkpointing: the actor recomputes its layers in the backward.
+    line = [
+        *vlm_grpo(model_dir, train, tmp_path, workers=2),
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+    ]
+    with started_trainer(line, trainer_cls=RecordingTrainer) as t:
         assert t.workers.world_size == 2
         t.fit()
         steps, batches, temperature = t.steps, t.batches, t.temperature
