@@ -95,12 +95,6 @@ def _role_problems(cfg: Any, role: str, key: str, ep: int) -> list[str]:
         "LoRA (`actor_rollout_ref.model.lora_rank` > 0) on expert-parallel experts is not supported. Set "
         "lora_rank=0 or the key to 1.",
     )
-    fsdp = f"actor_rollout_ref.{role}.fsdp_config"
-    for offload in ("param_offload", "optimizer_offload"):
-        need(
-            not _get(cfg, f"{fsdp}.{offload}"),
-            f"`{fsdp}.{offload}`=true has not been run with expert parallelism. Set it to false.",
-        )
     sp = _get(cfg, "actor_rollout_ref.actor.ulysses_sequence_parallel_size")
     need(
         sp in (None, 1),

@@ -178,8 +178,9 @@ def rejected_value(key: str, value: str) -> str | None:
             f"`{key}`={value}: Megatron is not supported; fusedrl trains with FSDP2 "
             "(drop the key, or set it to fsdp / fsdp2)."
         )
-    if old.endswith("strategy") and v not in ("fsdp", "fsdp2"):
-        return f"`{key}`={value}: use fsdp or fsdp2 (both mean FSDP2 in fusedrl)."
+    # verl's FSDP-turbo engine is FSDP2 with plans: fusedrl reads its expert-parallel size (and names the rest)
+    if old.endswith("strategy") and v not in ("fsdp", "fsdp2", "fsdp_turbo"):
+        return f"`{key}`={value}: use fsdp, fsdp2 or fsdp_turbo (all mean FSDP2 in fusedrl)."
     if old == "critic.model.lora_rank" and v not in ("0", "null", "none"):
         return (
             f"`{key}`={value}: fusedrl's critic has no LoRA. Drop the key (actor LoRA runs with critic-free "

@@ -49,7 +49,14 @@ def tiny_moe_dir(tmp_path_factory) -> str:
     return build_tiny_moe_model(str(tmp_path_factory.mktemp("tiny_moe")), seed=0)
 
 
-def _overrides(train: str, model: str, ep: int, out: str) -> list[str]:
+OFFLOAD = (  # verl's FSDP offload keys, as its MoE scripts set them (run_qwen3_30b_a3b_fsdp.sh)
+    "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+)
+
+
+def _overrides(train: str, model: str, ep: int, out: str, *extra: str) -> list[str]:
     return [
         f"data.train_files={train}",
         f"actor_rollout_ref.model.path={model}",
@@ -58,21 +65,26 @@ def _overrides(train: str, model: str, ep: int, out: str) -> list[str]:
         f"trainer.default_local_dir={out}",
         f"{EP_KEY.format('actor')}={ep}",
         f"{EP_KEY.format('ref')}={ep}",
+        *extra,
     ]
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_moe_dir, arithmetic_data, tmp_path_factory) -> dict:
-    """Per EP size: the step metrics, the expert-parallel modules, and (EP=2) the sync and resume checks."""
+    """Per EP size: the step metrics, the expert-parallel modules, and (EP=2) the sync and resume checks;
+    ``"2+offload"``: EP=2 with the parameters and optimizer state offloaded between phases (the steps only)."""
     train, _ = arithmetic_data
     out: dict = {}
-    for ep in (1, 2):
+    for ep, extra in ((1, ()), (2, ()), (2, OFFLOAD)):
+        name = f"{ep}+offload" if extra else ep
         folder = str(tmp_path_factory.mktemp(f"ep{ep}"))
-        with started_trainer(_overrides(train, tiny_moe_dir, ep, folder), trainer_cls=RecordingTrainer) as t:
+        overrides = _overrides(train, tiny_moe_dir, ep, folder, *extra)
+        with started_trainer(overrides, trainer_cls=RecordingTrainer) as t:
             r: dict = {"modules": t.workers.run_all(lambda w: w.expert_parallel_modules.remote())}
             t.fit()
             r["steps"] = t.steps
-            if ep == 2:
+            r["events"] = t.workers.run_all(lambda w: w.get_events.remote())
+            if name == 2:
                 after_fit = t.workers.run_all(lambda w: w.actor_state.remote())
                 prompts = t.next_prompts()
                 r["gap_after_sync"] = sync_gap(t, prompts)
@@ -90,7 +102,7 @@ def runs(tiny_moe_dir, arithmetic_data, tmp_path_factory) -> dict:
                 ]
                 r["gap_resumed"] = sync_gap(t, prompts)
                 r["export"] = _export_check(t, tiny_moe_dir, str(tmp_path_factory.mktemp("export")))
-        out[ep] = r
+        out[name] = r
     return out
 
 
@@ -131,6 +143,25 @@ def test_two_grpo_steps_with_ep2_equal_ep1(runs):
             assert abs(b[key] - a[key]) <= REL * abs(a[key]) + ABS, (step, key, a[key], b[key])
         assert a["actor/grad_norm"] > 0
     assert ep1[1]["actor/kl_loss"] > 0  # step 2 trains a policy that moved from the reference
+
+
+def test_offloaded_expert_parallel_steps_equal_ep1(runs):
+    """verl's param / optimizer offload with EP=2: the expert shards leave and come back with the rest of the
+    state between phases (`fusedrl.workers.memory`), and the two steps equal plain FSDP2's."""
+    ep1, off = runs[1]["steps"], runs["2+offload"]["steps"]
+    assert len(off) == 2
+    for step, (a, b) in enumerate(zip(ep1, off), 1):
+        for key in COMPARED:
+            assert abs(b[key] - a[key]) <= REL * abs(a[key]) + ABS, (step, key, a[key], b[key])
+        assert b["rollout/log_prob_abs_diff_max"] < SYNC_TOL
+    assert runs["2+offload"]["modules"] == runs[2]["modules"]
+    # The offloads ran (on CPU a move to the host copies nothing; the packing into host buffers with the expert
+    # shards is tests/unit/test_expert_parallel.py's test_offload_moves_the_expert_shards...).
+    for events in runs["2+offload"]["events"]:
+        assert {"actor.offload_params", "actor.offload_optimizer", "ref.offload_params"} <= set(events), (
+            events
+        )
+    assert not any("offload" in e for events in runs[2]["events"] for e in events)
 
 
 def test_engine_follows_the_expert_parallel_actor(runs):

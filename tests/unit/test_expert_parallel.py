@@ -172,8 +172,52 @@ def _run_checkpoints(rank: int, out: str, model_dir: str) -> dict:
     return results
 
 
+def _offload_steps(model_dir: str, rank: int, offload: bool) -> dict:
+    """FSDP2 + EP and AdamW: a step, then (``offload``) every parameter and moment moved into host buffers
+    and back, as `fusedrl.workers.memory.Offloader` does on a GPU (its CPU packing), then a second step.
+    Returns whether every local tensor (expert shards included) lay in the host buffers, and the parameters
+    after the second step."""
+    from transformers import AutoModelForCausalLM
+
+    from fusedrl.workers.expert_parallel import shard_experts
+    from fusedrl.workers.fsdp import apply_fsdp2, build_mesh
+    from fusedrl.workers.memory import Offloader
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    mesh = build_mesh()
+    shard_experts(model, mesh)
+    apply_fsdp2(model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(ids: torch.Tensor) -> None:
+        _loss(model, ids, forced=False).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(_batch(rank))
+    in_buffers = None
+    if offload:
+        mem = Offloader("actor", model, opt, param_offload=True, optimizer_offload=True, events=[])
+        mem.use_host_buffers = True
+        mem.offload_all()
+        bases = {mem._param_host.storage.data_ptr(), mem._optim_host.storage.data_ptr()}
+        local = [p.to_local() for p in model.parameters()]
+        moments = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+        in_buffers = all(
+            (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr() in bases
+            for t in [*local, *moments]
+        )
+        mem.load_all()
+    step(_batch(rank + 2))
+    return {
+        "in_buffers": in_buffers,
+        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+    }
+
+
 def _run_fsdp(rank: int, model_dir: str, out: str) -> None:
     results = {"ep2": _fsdp_step(model_dir, rank, True), "ep1": _fsdp_step(model_dir, rank, False)}
+    results["offload"] = {o: _offload_steps(model_dir, rank, o) for o in (True, False)}
     for name, ep in (("bf16_ep2", True), ("bf16_ep1", False)):
         results[name] = _fsdp_step(model_dir, rank, ep, torch.bfloat16)
     results["checkpoints"] = _run_checkpoints(rank, out, model_dir)
@@ -295,6 +339,9 @@ def _problems(tmp_path: Path, model: str, *overrides: str) -> list[str]:
     return []
 
 
+OFFLOAD_KEYS = ("param_offload", "optimizer_offload")
+
+
 def test_expert_parallel_size_is_checked_before_ray_starts(tmp_path):
     """EP=2 over the 2 workers of an 8-expert model is accepted, for the actor and the reference; a size that
     does not divide the experts or the workers, a group smaller than the workers, a dense model and the
@@ -316,16 +363,15 @@ def test_expert_parallel_size_is_checked_before_ray_starts(tmp_path):
     assert "smaller than the actor's 4 workers" in one(moe, f"{actor}=2", "trainer.n_gpus_per_node=4")
     for override, named in (
         ("actor_rollout_ref.model.lora_rank=8", "lora_rank"),
-        ("actor_rollout_ref.actor.fsdp_config.param_offload=true", "param_offload"),
-        ("actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "optimizer_offload"),
         ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size"),
         ("actor_rollout_ref.model.compile_layers=true", "compile_layers"),
         ("actor_rollout_ref.rollout.name=hf", "rollout.name"),
     ):
         problem = one(moe, f"{actor}=2", override)
         assert problem.startswith(f"`{actor}`=2") and named in problem, (override, problem)
-    ref_offload = one(moe, f"{ref}=2", "actor_rollout_ref.ref.fsdp_config.param_offload=true")
-    assert "actor_rollout_ref.ref.fsdp_config.param_offload" in ref_offload
+    # verl's offload keys run with expert parallelism (tests/integration/test_moe_expert_parallel.py).
+    offload = [f"actor_rollout_ref.{r}.fsdp_config.{k}=true" for r in ("actor", "ref") for k in OFFLOAD_KEYS]
+    assert _problems(tmp_path, moe, f"{actor}=2", f"{ref}=2", "trainer.n_gpus_per_node=2", *offload) == []
 
 
 def test_inside_fsdp2_a_clipped_step_equals_fsdp2_alone(ranks):
@@ -360,6 +406,18 @@ def test_under_bf16_mixed_precision_fsdp2_with_ep_matches_fsdp2_alone(ranks):
             got = ep2["grads"][name]
             cos = torch.nn.functional.cosine_similarity(got.flatten().float(), want.flatten().float(), dim=0)
             assert float(cos) >= 0.9999, (name, float(cos))
+
+
+def test_offload_moves_the_expert_shards_and_training_continues_exactly(ranks):
+    """verl's param / optimizer offload with EP: every local tensor, the expert shards and their AdamW moments
+    included, lies in the host buffers while offloaded (the GPU path's packing, run on CPU), and the step after
+    reloading gives bit for bit the parameters of a run that never offloaded."""
+    for rank, result in enumerate(ranks):
+        on, off = result["offload"][True], result["offload"][False]
+        assert on["in_buffers"] is True, rank
+        assert any("mlp.experts" in n for n in on["params"])
+        for name, want in off["params"].items():
+            assert torch.equal(on["params"][name], want), (rank, name)
 
 
 @pytest.mark.parametrize("direction", ["fsdp_to_ep", "ep_to_fsdp"])
