@@ -11,11 +11,10 @@ on the images equals the actor's before the first update (KL loss 0) and differs
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
-from support import FLOAT32_TRAINING, started_trainer, sync_gap, update_without_sync
+from support import started_trainer, sync_gap, update_without_sync
+from vlm_support import tiny_vlm_and_shapes, vlm_grpo
 
 from fusedrl.trainer.ppo_trainer import PPOTrainer
 
@@ -24,47 +23,11 @@ pytestmark = pytest.mark.integration
 vllm = pytest.importorskip("vllm")
 
 SYNC_TOL = 1e-4  # float32 engine vs float32 actor: ~1e-6 measured; a missed sync is orders larger
-COLOURS = [(220, 30, 30), (30, 160, 40), (40, 60, 220), (230, 200, 20)]
-
-
-def _shapes_png(seed: int) -> tuple[bytes, int]:
-    """A 56x56 picture of 1-3 coloured squares on grey (4 image tokens), and how many squares it holds."""
-    from PIL import Image, ImageDraw
-
-    gen = torch.Generator().manual_seed(seed)
-    count = 1 + int(torch.randint(3, (1,), generator=gen))
-    image = Image.new("RGB", (56, 56), (128, 128, 128))
-    draw = ImageDraw.Draw(image)
-    for k in range(count):
-        x, y = (int(v) for v in torch.randint(0, 44, (2,), generator=gen))
-        draw.rectangle([x, y, x + 10, y + 10], fill=COLOURS[(seed + k) % len(COLOURS)])
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue(), count
 
 
 @pytest.fixture(scope="module")
 def vlm_and_shapes(tmp_path_factory) -> tuple[str, str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from fusedrl.utils.tiny_vlm import build_tiny_vlm
-
-    model_dir = build_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")), seed=0)
-    rows = []
-    for r in range(8):
-        png, count = _shapes_png(r)
-        rows.append(
-            {
-                "data_source": "shapes",
-                "prompt": [{"role": "user", "content": "<image>How many squares?"}],
-                "images": [{"bytes": png}],
-                "reward_model": {"ground_truth": str(count)},
-            }
-        )
-    path = str(tmp_path_factory.mktemp("shapes") / "train.parquet")
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return model_dir, path
+    return tiny_vlm_and_shapes(tmp_path_factory)
 
 
 class RecordingTrainer(PPOTrainer):
@@ -83,27 +46,9 @@ def _vision_params(state: dict[str, torch.Tensor]) -> list[str]:
 @pytest.mark.parametrize("freeze", [False, True])
 def test_grpo_on_image_prompts_through_the_driver(vlm_and_shapes, tmp_path, freeze):
     model_dir, train = vlm_and_shapes
-    overrides = [
-        f"data.train_files={train}",
-        f"actor_rollout_ref.model.path={model_dir}",
-        "data.train_batch_size=4",
-        "data.max_prompt_length=48",
-        "data.max_response_length=12",
-        "actor_rollout_ref.rollout.n=2",
-        "algorithm.adv_estimator=grpo",
-        "trainer.val_before_train=false",
-        "actor_rollout_ref.rollout.dtype=float32",
-        *FLOAT32_TRAINING,
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.actor.optim.lr=1e-2",
-        "actor_rollout_ref.actor.optim.weight_decay=0.0",
-        "actor_rollout_ref.actor.use_kl_loss=true",  # the reference's pass on images too
-        "actor_rollout_ref.actor.kl_loss_coef=0.01",
+    overrides = [  # with a KL loss: the reference's pass on images too
+        *vlm_grpo(model_dir, train, tmp_path),
         f"actor_rollout_ref.actor.freeze_vision_tower={str(freeze).lower()}",
-        "trainer.n_gpus_per_node=1",
-        "trainer.total_training_steps=2",
-        f"trainer.default_local_dir={tmp_path}",
     ]
     with started_trainer(overrides, trainer_cls=RecordingTrainer) as trainer:
         first = next(iter(trainer.train_loader))
