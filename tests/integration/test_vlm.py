@@ -279,24 +279,60 @@ def test_engine_log_probs_on_image_prompts_equal_transformers(tiny_vlm_dir, tmp_
     assert "min_pixels / max_pixels" in r["mismatch"]
 
 
+class _Rig:
+    """One rank's engine (on ``items``, the rows of this rank) and FSDP2 actor over ``world`` ranks, as the
+    actor tests set them up: ``rollout(seeds)`` samples the rows, ``gap`` compares the engine's log-probs with
+    the actor's pass on the same batch (under the loss mask)."""
+
+    def __init__(self, model_dir: str, items: list[dict], world: int, freeze: bool = False) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        from fusedrl.third_party.vllm.engine import EngineConfig, VLLMEngine
+        from fusedrl.workers.rollout.base import SampleParams
+        from fusedrl.workers.vision import VisionInputs, freeze_vision_tower, shard_vision_language_model
+
+        self.items, self.vision = items, VisionInputs.from_items(items)
+        self.engine = VLLMEngine(
+            EngineConfig(
+                model_path=model_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=64 << 20,
+                enforce_eager=True, max_images_per_prompt=2,
+            )
+        )  # fmt: skip
+        self.actor = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+        self.frozen = freeze_vision_tower(self.actor) if freeze else 0
+        shard_vision_language_model(self.actor, init_device_mesh("cpu", (world,)))
+        self.optim = torch.optim.AdamW(self.actor.parameters(), lr=1e-2, weight_decay=0.0)
+        self.params = SampleParams(max_tokens=TR, temperature=1.0, stop_token_ids=(2,))
+
+    def rollout(self, seeds) -> tuple:
+        results = self.engine.generate(
+            [it["prompt_ids"] for it in self.items],
+            self.params,
+            seeds=seeds,
+            images=[it["images"] for it in self.items],
+        )
+        return _rollout_batch(self.items, results)
+
+    def gap(self, batch, engine_lp) -> float:
+        from fusedrl.workers.vision import vision_response_log_probs
+
+        with torch.no_grad():
+            lp, mask = vision_response_log_probs(
+                self.actor, batch, self.vision, temperature=1.0, pad_token_id=0
+            )
+        return float(((lp - engine_lp) * mask).abs().max())
+
+
 def _actor_body(port: int, args: str, out: str) -> None:
     """An FSDP2 actor (one rank) and the engine: one policy-gradient step on the engine's samples, then the
     in-place stream of the actor's gathered weights. ``args``: ``model_dir|freeze`` (freeze the vision tower)."""
     import os
 
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from fusedrl.third_party.vllm.engine import EngineConfig, VLLMEngine
     from fusedrl.workers.fsdp import stream_full_tensors
-    from fusedrl.workers.rollout.base import SampleParams
-    from fusedrl.workers.vision import (
-        VisionInputs,
-        freeze_vision_tower,
-        shard_vision_language_model,
-        vision_response_log_probs,
-    )
+    from fusedrl.workers.vision import vision_response_log_probs
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
@@ -305,46 +341,23 @@ def _actor_body(port: int, args: str, out: str) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     model_dir, freeze = args.split("|")
     data = _dataset(model_dir, os.path.dirname(out))
-    items = [data[i] for i in range(len(data))]
-    vision = VisionInputs.from_items(items)
-    engine = VLLMEngine(
-        EngineConfig(
-            model_path=model_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=64 << 20,
-            enforce_eager=True, max_images_per_prompt=2,
-        )
-    )  # fmt: skip
-    actor = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
-    r: dict = {"frozen": freeze_vision_tower(actor) if freeze == "True" else 0}
-    shard_vision_language_model(actor, init_device_mesh("cpu", (1,)))
-    optim = torch.optim.AdamW(actor.parameters(), lr=1e-2, weight_decay=0.0)
-    params = SampleParams(max_tokens=TR, temperature=1.0, stop_token_ids=(2,))
-
-    def rollout(seeds) -> tuple:
-        results = engine.generate(
-            [it["prompt_ids"] for it in items], params, seeds=seeds, images=[it["images"] for it in items]
-        )
-        return _rollout_batch(items, results)
-
-    def gap(batch, engine_lp) -> float:
-        with torch.no_grad():
-            lp, mask = vision_response_log_probs(actor, batch, vision, temperature=1.0, pad_token_id=0)
-        return float(((lp - engine_lp) * mask).abs().max())
-
-    batch, engine_lp = rollout(SEEDS)
-    r["gap_before"] = gap(batch, engine_lp)
-    before = {n: t.full_tensor().clone() for n, t in actor.state_dict().items()}
-    lp, mask = vision_response_log_probs(actor, batch, vision, temperature=1.0, pad_token_id=0)
+    rig = _Rig(model_dir, [data[i] for i in range(len(data))], world=1, freeze=freeze == "True")
+    r: dict = {"frozen": rig.frozen}
+    batch, engine_lp = rig.rollout(SEEDS)
+    r["gap_before"] = rig.gap(batch, engine_lp)
+    before = {n: t.full_tensor().clone() for n, t in rig.actor.state_dict().items()}
+    lp, mask = vision_response_log_probs(rig.actor, batch, rig.vision, temperature=1.0, pad_token_id=0)
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None]  # [B, 1]
     (-(lp * mask * advantages).sum() / mask.sum()).backward()
-    optim.step()
-    after = {n: t.full_tensor() for n, t in actor.state_dict().items()}
+    rig.optim.step()
+    after = {n: t.full_tensor() for n, t in rig.actor.state_dict().items()}
     r["unchanged"] = sorted(n for n in before if torch.equal(before[n], after[n]))
     r["visual_params"] = sum(".visual." in n for n in before)
-    stale_batch, stale_lp = rollout([21, 22, 23, 24])  # the engine before the sync
-    r["gap_without_sync"] = gap(stale_batch, stale_lp)
-    engine.update_weights(stream_full_tensors(actor))
-    batch, engine_lp = rollout([21, 22, 23, 24])
-    r["gap_after_sync"] = gap(batch, engine_lp)
+    stale_batch, stale_lp = rig.rollout([21, 22, 23, 24])  # the engine before the sync
+    r["gap_without_sync"] = rig.gap(stale_batch, stale_lp)
+    rig.engine.update_weights(stream_full_tensors(rig.actor))
+    batch, engine_lp = rig.rollout([21, 22, 23, 24])
+    r["gap_after_sync"] = rig.gap(batch, engine_lp)
     torch.save(r, out)
     os._exit(0)
 
@@ -370,52 +383,24 @@ def _two_rank_body(rank: int, model_dir: str, out_dir: str) -> None:
     both ranks, one step, the collective stream of the gathered weights into each engine."""
     import os
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from fusedrl.third_party.vllm.engine import EngineConfig, VLLMEngine
     from fusedrl.workers.fsdp import stream_full_tensors
-    from fusedrl.workers.rollout.base import SampleParams
-    from fusedrl.workers.vision import VisionInputs, shard_vision_language_model, vision_response_log_probs
+    from fusedrl.workers.vision import vision_response_log_probs
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
     os.makedirs(f"{out_dir}/{rank}")
     data = _dataset(model_dir, f"{out_dir}/{rank}")
-    items = [data[i] for i in range(rank, len(data), 2)]  # rank 0: rows 0, 2; rank 1: rows 1, 3
-    vision = VisionInputs.from_items(items)
-    engine = VLLMEngine(
-        EngineConfig(
-            model_path=model_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=64 << 20,
-            enforce_eager=True, max_images_per_prompt=2,
-        )
-    )  # fmt: skip
-    actor = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
-    shard_vision_language_model(actor, init_device_mesh("cpu", (2,)))
-    optim = torch.optim.AdamW(actor.parameters(), lr=1e-2, weight_decay=0.0)
-    params = SampleParams(max_tokens=TR, temperature=1.0, stop_token_ids=(2,))
-
-    def rollout(seeds) -> tuple:
-        results = engine.generate(
-            [it["prompt_ids"] for it in items], params, seeds=seeds, images=[it["images"] for it in items]
-        )
-        return _rollout_batch(items, results)
-
-    def gap(batch, engine_lp) -> float:
-        with torch.no_grad():
-            lp, mask = vision_response_log_probs(actor, batch, vision, temperature=1.0, pad_token_id=0)
-        return float(((lp - engine_lp) * mask).abs().max())
-
+    rig = _Rig(model_dir, [data[i] for i in range(rank, len(data), 2)], world=2)  # rank 0: rows 0, 2
     r: dict = {}
-    batch, engine_lp = rollout([11 + rank, 13 + rank])
-    r["gap_before"] = gap(batch, engine_lp)
-    lp, mask = vision_response_log_probs(actor, batch, vision, temperature=1.0, pad_token_id=0)
+    batch, engine_lp = rig.rollout([11 + rank, 13 + rank])
+    r["gap_before"] = rig.gap(batch, engine_lp)
+    lp, mask = vision_response_log_probs(rig.actor, batch, rig.vision, temperature=1.0, pad_token_id=0)
     (-(lp * mask).sum() / mask.sum() * (1.0 if rank == 0 else -1.0)).backward()
-    optim.step()
-    r["visual_shard"] = tuple(actor.model.visual.patch_embed.proj.weight.to_local().shape)
-    r["gap_without_sync"] = gap(*rollout([21 + rank, 23 + rank]))
-    engine.update_weights(stream_full_tensors(actor))
-    batch, engine_lp = rollout([21 + rank, 23 + rank])
-    r["gap_after_sync"] = gap(batch, engine_lp)
+    rig.optim.step()
+    r["visual_shard"] = tuple(rig.actor.model.visual.patch_embed.proj.weight.to_local().shape)
+    r["gap_without_sync"] = rig.gap(*rig.rollout([21 + rank, 23 + rank]))
+    rig.engine.update_weights(stream_full_tensors(rig.actor))
+    batch, engine_lp = rig.rollout([21 + rank, 23 + rank])
+    r["gap_after_sync"] = rig.gap(batch, engine_lp)
     torch.save(r, f"{out_dir}/rank{rank}.pt")
     torch.distributed.barrier()
     os._exit(0)  # skip engine teardown (vLLM destroys the process group)
