@@ -109,11 +109,14 @@ def test_geo3k_recipe_loads_with_the_tiny_vlm(tmp_path, example_modules):
     assert arr.rollout.dtype == "bfloat16" and arr.actor.fsdp_config.param_dtype == "bfloat16"
     assert cfg.custom_reward_function.path == str(EXAMPLE / "geo3k_reward.py")
     assert cfg.custom_reward_function.name == "compute_score"
-    assert cfg.trainer.n_gpus_per_node == 1 and cfg.trainer.total_epochs == 15
+    assert arr.model.use_remove_padding is True and arr.model.enable_gradient_checkpointing is True
+    assert arr.actor.use_dynamic_bsz is True and arr.actor.ppo_max_token_len_per_gpu == 16384
+    assert cfg.trainer.n_gpus_per_node == 8 and cfg.trainer.total_epochs == 15
+    assert cfg.data.train_batch_size == 512 and arr.actor.ppo_mini_batch_size == 128
 
 
 def test_geo3k_recipe_defaults_name_the_3b_model_and_env_overrides():
-    overrides = _recipe_overrides(NGPUS="8", EPOCHS="2")
+    overrides = _recipe_overrides(NGPUS="4", EPOCHS="2")
     assert "actor_rollout_ref.model.path=Qwen/Qwen2.5-VL-3B-Instruct" in overrides
-    assert "trainer.n_gpus_per_node=8" in overrides and "trainer.total_epochs=2" in overrides
+    assert "trainer.n_gpus_per_node=4" in overrides and "trainer.total_epochs=2" in overrides
     assert f"data.train_files={Path.home()}/data/geo3k/train.parquet" in overrides
