@@ -13,10 +13,7 @@ from vlm_support import tiny_vlm_and_shapes
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("vllm")
 
-VLM = [
-    "data.max_prompt_length=48",
-    "trainer.n_gpus_per_node=1",  # one fused worker: the engine and the FSDP2 actor of a VLM
-]
+VLM = ["data.max_prompt_length=48"]  # driver_args' 2 fused workers: each rank's rows and their images
 
 
 def test_image_run_sigkill_mid_step_then_resume_equals_uninterrupted(reward_file, tmp_path_factory, tmp_path):
