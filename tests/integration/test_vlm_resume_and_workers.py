@@ -11,12 +11,17 @@ random Qwen2.5-VL on generated shape pictures (tests/vlm_support.py), float32 en
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
-from support import SavedAndStopped, assert_same_computed_metrics, started_trainer, stopping_after_save
+from support import (
+    SavedAndStopped,
+    assert_same_computed_metrics,
+    metrics_by_step,
+    started_trainer,
+    stopping_after_save,
+)
 from vlm_support import tiny_vlm_and_shapes, vlm_grpo
 
 from fusedrl.trainer.ppo_trainer import PPOTrainer
@@ -102,11 +107,6 @@ def test_two_workers_sample_and_train_on_their_own_rows_images(vlm_and_shapes, t
     assert other > 1e-3, other
 
 
-def _metrics(run_dir) -> dict[int, dict]:
-    with open(os.path.join(str(run_dir), "metrics.jsonl")) as f:
-        return {rec["step"]: rec for rec in map(json.loads, f)}
-
-
 @pytest.mark.slow  # three runs of the driver, ~2.5 min on 2 cores
 def test_image_run_stopped_after_a_checkpoint_and_resumed_equals_uninterrupted(vlm_and_shapes, tmp_path):
     model_dir, train = vlm_and_shapes
@@ -129,7 +129,7 @@ def test_image_run_stopped_after_a_checkpoint_and_resumed_equals_uninterrupted(v
         resumed_batch = trainer.batches[0]
     rows = resumed_batch.field_list("multi_modal_inputs")
     assert len(rows) == 8 and all(r.image_grid_thw[0].shape == (1, 3) for r in rows)  # images came back
-    full, resumed = _metrics(full_dir), _metrics(cut_dir)
+    full, resumed = metrics_by_step(full_dir), metrics_by_step(cut_dir)
     assert sorted(full) == [1, 2] and 2 in resumed  # the stopped run died before logging step 1
     assert full[2]["actor/grad_norm"] > 0
     print(
