@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fusedrl.role_config import RoleConfigs, expert_parallel_size
+from fusedrl.role_config import RoleConfigs, expert_parallel_size, records_routed_experts
 from fusedrl.sft_role_config import SFTRoleConfigs
 
 logger = logging.getLogger(__name__)
@@ -144,6 +144,7 @@ def compiles_for(
     ulysses: bool,
     facts: DeviceFacts,
     expert_parallel: bool = False,
+    routing_replay: bool = False,
 ) -> tuple[bool, str]:
     """``model.compile_layers``: on only where `COMPILE_RULE` holds; the reason names the first condition
     that failed."""
@@ -153,6 +154,7 @@ def compiles_for(
         (lora, "LoRA"),
         (ulysses, "Ulysses"),
         (expert_parallel, "expert parallelism"),
+        (routing_replay, "recorded experts (rollout.enable_rollout_routing_replay / record_routed_experts)"),
         (facts.missing_cxx is not None, f"no C++ compiler ({facts.missing_cxx})"),
         (not packed, "padded rows"),
         (not half, "float32 compute"),
@@ -250,6 +252,7 @@ def resolve_configs(cfg: Any, facts: DeviceFacts, roles: Iterable[str] | None = 
             ulysses=int(actor.ulysses_sequence_parallel_size) > 1,
             facts=facts,
             expert_parallel=max(expert_parallel_size(actor_fsdp), expert_parallel_size(ref_fsdp)) > 1,
+            routing_replay=records_routed_experts(cfg.rollout),
         ),
     )
     c_compiled = pick(

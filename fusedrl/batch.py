@@ -65,6 +65,10 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
         token_versions: [B, Tr] int64 or None, the actor version that sampled each response token
                         (partial rollout, ``workers/rollout/partial.py``: a row resumed across steps mixes
                         versions); 0 on padding.
+        routed_experts: [B, Tp+Tr, L, k] uint8 (int16 above 255 experts) or None: the experts the engine's
+                        L mixture-of-experts layers chose for the token at each position of prompt + response
+                        (``rollout.enable_rollout_routing_replay``, `fusedrl.workers.routing_replay`); the
+                        dtype's largest value where the engine fed no token (padding, the last response token).
     Per-sample non-tensor values:
         uid:            list[str], the prompt's id; the n samples of one prompt share it (GRPO groups).
         data_source:    list[str], picks the scoring function.
@@ -94,6 +98,7 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
     reward_components: torch.Tensor | None = None
     policy_version: torch.Tensor | None = None
     token_versions: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
     uid: Any = None
     data_source: Any = None
     ground_truth: Any = None
@@ -173,6 +178,7 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
         """The fields a forward pass over prompt + response needs (and the multi-turn attention mask)."""
         base: tuple[str, ...] = ("prompts", "prompt_mask", "responses", "response_mask")
         base += ("response_attention_mask",) if self.response_attention_mask is not None else ()
+        base += ("routed_experts",) if self.routed_experts is not None else ()  # routing replay
         return base + self.image_fields()
 
     def image_fields(self) -> tuple[str, ...]:

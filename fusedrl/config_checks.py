@@ -483,6 +483,9 @@ def _across_sections(c: Checks) -> None:
     from fusedrl.lora import lora_problems
 
     problems.extend(lora_problems(cfg))
+    from fusedrl.routing_replay_checks import routing_replay_problems
+
+    problems.extend(routing_replay_problems(cfg))
     roles = ["actor", "rollout", *[r for r, on in needed_roles(cfg).items() if on]]
     placement = placement_problems(cfg, roles, problems)
     from fusedrl.async_config import async_problems, partial_rollout_problems

@@ -228,6 +228,8 @@ class RolloutConfig:
     max_num_batched_tokens: int
     max_model_len: int | None
     disable_log_stats: bool
+    enable_rollout_routing_replay: bool  # MoE: the actor's / reference's forwards use the engine's experts
+    record_routed_experts: bool  # MoE: the engine's experts recorded (implied by routing replay)
     multi_turn: MultiTurnConfig  # the agent package's own section type
     val_kwargs: ValKwargs
 
@@ -578,3 +580,8 @@ def role_configs_from_overrides(
     else:
         built = build_role_configs(plain, tokens=tokens or TokenIds(eos=0, pad=0))
     return resolve_configs(built, local_facts())[0]
+
+
+def records_routed_experts(rollout: RolloutConfig) -> bool:
+    """Whether the engine records each token's experts (`fusedrl.third_party.vllm.routed_experts`)."""
+    return bool(rollout.enable_rollout_routing_replay or rollout.record_routed_experts)

@@ -197,7 +197,6 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.rollout.checkpoint_engine.*", "weights stream in place within each worker"),
     ("actor_rollout_ref.rollout.skip_rollout", "no rollout dump / replay"),
     ("actor_rollout_ref.rollout.skip_dump_dir", "no rollout dump / replay"),
-    ("actor_rollout_ref.rollout.enable_rollout_routing_replay", "MoE router replay is not implemented"),
     ("actor_rollout_ref.rollout.quantization*", "the engine runs in rollout.dtype"),
     # --- data
     ("data.tokenizer", "the tokenizer is read from actor_rollout_ref.model.path"),

@@ -36,7 +36,7 @@ from fusedrl.data.dataset import PromptLoader, tokenizer_pad_id
 from fusedrl.lr_schedule import scheduled_lr
 from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
-from fusedrl.role_config import RoleConfigs, TokenIds, run_config
+from fusedrl.role_config import RoleConfigs, TokenIds, records_routed_experts, run_config
 from fusedrl.tracking import Tracker, timer
 from fusedrl.trainer import step_plan
 from fusedrl.trainer.data_setup import prompt_data
@@ -388,6 +388,7 @@ class PPOTrainer(RewardModelScoring):
     @property
     def response_fields(self) -> list[str]:
         extra = ["response_attention_mask", "agent_stats"] if self.multi_turn else []
+        extra += ["routed_experts"] if records_routed_experts(self.run.rollout) else []  # MoE routing replay
         return ["responses", "response_mask", "rollout_log_probs", *extra]
 
     def compute_rewards(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:

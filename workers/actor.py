@@ -44,6 +44,7 @@ from fusedrl.workers.logprob import (
 )
 from fusedrl.workers.optim_step import GuardedStepper, minibatch_updates, set_lr
 from fusedrl.workers.packing import can_share_prompts
+from fusedrl.workers.routing_replay import RoutingUse, take_routing_metrics
 from fusedrl.workers.ulysses import check_heads, sp_group
 from fusedrl.workers.vision import (
     freeze_vision_tower,
@@ -166,6 +167,8 @@ class RefRole:
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        # Routing replay (set by the worker from rollout.enable_rollout_routing_replay): the engine's experts.
+        self.routing: RoutingUse | None = None
 
     def compute_log_prob(self, batch: RolloutBatch, *, temperature: float) -> torch.Tensor:
         """``log pi_ref(response)``: ``[B, Tr]``."""
@@ -189,6 +192,7 @@ class RefRole:
             remove_padding=self.use_remove_padding,
             sp_group=self.sp_group,
             share_prompts=self.share_prompts,
+            routing=self.routing,
         )
 
 
@@ -249,6 +253,10 @@ class ActorRole:
         self._micro_index = 0  # micro-batches since the update began (part of a random loss's seed)
         self.stepper = GuardedStepper(self.model, self.optimizer, float(cfg.grad_clip))
         self._forward_log_probs: list[torch.Tensor] = []  # detached, per micro-batch, during `update`
+        # Routing replay / its measurement (set by the worker from the rollout's keys; `routing_replay`): the
+        # old-log-prob pass measures the routing mismatch, the update's metrics report it.
+        self.routing: RoutingUse | None = None
+        self._routing_metrics: dict[str, float] = {}
         self.forward_log_probs: torch.Tensor | None = None  # [B, Tr] after an update without old_log_probs
 
     # ------------------------------------------------------------------ inference
@@ -274,6 +282,7 @@ class ActorRole:
                 micro_batch_size=mbs,
                 remove_padding=self.use_remove_padding,
             )
+        take_routing_metrics()
         lp, spp = batched_log_probs_and_sum_pi_squared(
             self.model,
             batch,
@@ -284,7 +293,9 @@ class ActorRole:
             with_sum_pi_squared=with_sum_pi_squared,
             sp_group=self.sp_group,
             share_prompts=self.share_prompts,
+            routing=self.routing,
         )
+        self._routing_metrics = take_routing_metrics()  # reported with the next update's metrics
         return (lp, spp) if with_sum_pi_squared else lp
 
     # ------------------------------------------------------------------ training
@@ -314,6 +325,7 @@ class ActorRole:
                 remove_padding=self.use_remove_padding,
                 sp_group=self.sp_group,
                 share_prompts=self.share_prompts,
+                routing=self.routing,
             )  # [b, Tr]
         old_log_prob = mb.old_log_probs  # [b, Tr]
         if old_log_prob is None:
@@ -414,6 +426,7 @@ class ActorRole:
             )
         set_lr(self.optimizer, lr)
         self._micro_index = 0
+        take_routing_metrics()
         self.model.train()
         self._forward_log_probs = []
         orders: list[torch.Tensor] = []
@@ -441,6 +454,11 @@ class ActorRole:
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         out["actor/skipped_steps"] = float(self.stepper.num_skipped)
         out["actor/consecutive_skipped_steps"] = float(self.stepper.consecutive_skipped)
+        # The routing mismatch of the old-log-prob pass, else of this update's forwards (old log-probs from
+        # the update: one mini-batch, every forward before the step)
+        routing_metrics = self._routing_metrics if batch.old_log_probs is not None else {}
+        out.update(routing_metrics or take_routing_metrics())
+        self._routing_metrics = {}
         return out
 
     def _seed_kwargs(self) -> dict[str, int]:

@@ -30,6 +30,7 @@ from fusedrl.workers.chunked_head import head_token_stats
 from fusedrl.workers.fsdp import gathered_for_pass
 from fusedrl.workers.layer_compile import has_compiled_layers
 from fusedrl.workers.packing import can_share_prompts, pack_batch, prompt_groups
+from fusedrl.workers.routing_replay import RoutingUse, routed_forward
 
 B = TypeVar("B", RolloutBatch, dict)
 
@@ -183,6 +184,7 @@ def response_log_probs(
     with_sum_pi_squared: bool = False,
     sp_group: Any = None,
     share_prompts: bool = False,
+    routing: RoutingUse | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over prompt+response; returns ``(log_probs [B, Tr], entropy [B, Tr] | None)``, or with
     ``with_sum_pi_squared`` ``(log_probs, Σπ² [B, Tr])``. ``sp_group``: Ulysses sequence parallelism over
@@ -193,8 +195,20 @@ def response_log_probs(
     results are 0 on response padding; padded, the values on padding are meaningless (callers mask).
     ``share_prompts`` (with ``remove_padding``, ``model.share_prompt_prefix``): rows with the same prompt
     share one copy of it in the packed row, where the model runs fusedrl's CPU attention (elsewhere the
-    rows are packed whole; see `fusedrl.workers.packing.pack_shared_prompts`).
+    rows are packed whole; see `fusedrl.workers.packing.pack_shared_prompts`). ``routing``: what the forward
+    does with the batch's ``routed_experts`` when it has them (routing replay, `_routed`).
     """
+    if routing is not None and batch.routed_experts is not None:
+        return _routed(
+            model,
+            batch,
+            routing,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            remove_padding=remove_padding,
+            with_sum_pi_squared=with_sum_pi_squared,
+            sp_group=sp_group,
+        )
     if sp_group is not None:
         from fusedrl.workers.ulysses import ulysses_response_log_probs
 
@@ -259,6 +273,36 @@ def response_log_probs(
     return log_probs, entropy  # [B, Tr] each
 
 
+def _routed(
+    model: nn.Module, batch: RolloutBatch, routing: RoutingUse, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_log_probs` inside `routed_forward` with the batch's recorded experts laid out as the forward
+    flattens its tokens: packed, the real tokens row after row; padded, the ``[b, W]`` columns the forward
+    keeps (`TRIM_PADDING`), row-major. Rows are packed whole (a shared prompt would need one routing for
+    several rows). The response tokens are the ones measured."""
+    if kwargs["sp_group"] is not None:
+        raise NotImplementedError("routing replay with Ulysses sequence parallelism")
+    _, attention_mask, _ = batch.sequences()  # [b, Tp+Tr]
+    prompt_len = batch.prompts.shape[1]
+    response = torch.zeros_like(attention_mask, dtype=torch.bool)  # [b, Tp+Tr]
+    response[:, prompt_len:] = batch.response_mask.bool()
+    recorded = batch.routed_experts  # [b, Tp+Tr, L, k]
+    if kwargs["remove_padding"]:
+        keep = attention_mask.bool()  # the tokens `pack_batch` keeps, in its order
+        ids, counted = recorded[keep], response[keep]  # [N, L, k], [N]
+    else:
+        first, last = 0, batch.responses.shape[1]
+        if TRIM_PADDING:  # the columns `response_log_probs` keeps
+            first = min(int(batch.prompt_mask.any(0).float().argmax()), prompt_len - 1)
+            last = max(
+                int(batch.response_mask.any(0).nonzero().max()) + 1 if batch.response_mask.any() else 1, 1
+            )
+        cols = slice(first, prompt_len + last)
+        ids, counted = recorded[:, cols].flatten(0, 1), response[:, cols].flatten()  # [b*W, L, k], [b*W]
+    with routed_forward(model, ids, counted, routing):
+        return response_log_probs(model, batch, share_prompts=False, **kwargs)
+
+
 @torch.no_grad()
 def batched_log_probs(
     model: nn.Module,
@@ -270,6 +314,7 @@ def batched_log_probs(
     remove_padding: bool = False,
     sp_group: Any = None,
     share_prompts: bool = False,
+    routing: RoutingUse | None = None,
 ) -> torch.Tensor:
     """No-grad log-probs of the whole batch, ``[B, Tr]``: ``micro_batch_size`` rows per forward, or
     micro-batches of at most ``max_token_len`` real tokens when that is set (dynamic batch size).
@@ -284,6 +329,7 @@ def batched_log_probs(
         with_sum_pi_squared=False,
         sp_group=sp_group,
         share_prompts=share_prompts,
+        routing=routing,
     )[0]
 
 
@@ -299,6 +345,7 @@ def batched_log_probs_and_sum_pi_squared(
     with_sum_pi_squared: bool = True,
     sp_group: Any = None,
     share_prompts: bool = False,
+    routing: RoutingUse | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`batched_log_probs` and, from the same forwards, Σπ² ``[B, Tr]`` (None unless
     ``with_sum_pi_squared``); both 0 on padding."""
@@ -315,6 +362,7 @@ def batched_log_probs_and_sum_pi_squared(
                 with_sum_pi_squared=with_sum_pi_squared,
                 sp_group=sp_group,
                 share_prompts=share_prompts,
+                routing=routing,
             )
             for mb in mbs
         ]  # ([b_i, Tr], [b_i, Tr] | None) each

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -84,3 +85,98 @@ def own_routing(model: nn.Module) -> tuple[list[torch.Tensor], list]:
         for r in routers(model)
     ]
     return chosen, handles
+
+
+# ---------------------------------------------------------------------- the batch's recorded experts
+def not_routed(dtype: torch.dtype) -> int:
+    """The value `RolloutBatch.routed_experts` holds where the engine fed no token: the dtype's largest."""
+    return int(torch.iinfo(dtype).max)
+
+
+def routed_dtype(num_experts: int) -> torch.dtype:
+    """The compact dtype of recorded expert ids: uint8 up to 255 experts (255 marks 'not routed'), else int16."""
+    return torch.uint8 if num_experts < 255 else torch.int16
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingUse:
+    """What a log-prob forward does with a batch's ``routed_experts``: ``force`` them into the routers
+    (replay) and/or ``measure`` how often the routing differs from them (`MEASURED`)."""
+
+    force: bool
+    measure: bool
+
+
+# Response tokens counted in measured forwards since the last `take_routing_metrics`: [tokens, whose own
+# top-k differs from the engine's in some layer, whose experts used differ].
+MEASURED = [0, 0, 0]
+
+
+def take_routing_metrics() -> dict[str, float]:
+    """The routing mismatch of the measured forwards since the last call (then reset); empty if none ran.
+    ``moe/routing_mismatch``: the fraction of response tokens whose router's own top-k set differs from the
+    engine's in at least one layer; ``moe/replayed_routing_mismatch``: the same for the experts the forward
+    used (0 with replay, equal to the first without)."""
+    tokens, own, used = MEASURED
+    MEASURED[:] = [0, 0, 0]
+    if not tokens:
+        return {}
+    return {"moe/routing_mismatch": own / tokens, "moe/replayed_routing_mismatch": used / tokens}
+
+
+@contextlib.contextmanager
+def routed_forward(
+    model: nn.Module, recorded: torch.Tensor, counted: torch.Tensor, use: RoutingUse
+) -> Iterator[None]:
+    """Within the block, one forward of ``model`` over tokens whose engine routing is ``recorded``
+    ([tokens, moe_layers, top_k] of `RolloutBatch.routed_experts`, in the forward's flattened token order):
+    with ``use.force`` every token the engine routed goes to the engine's experts (the rest route as the
+    model does), with the weights of `replay_routing`; with ``use.measure`` the ``counted`` tokens ([tokens]
+    bool: the response tokens) the engine routed are added to `MEASURED`."""
+    found = routers(model)
+    if recorded.dim() != 3 or recorded.shape[1] != len(found):
+        raise ValueError(
+            f"routing replay: recorded experts of shape {tuple(recorded.shape)} for a model with {len(found)} "
+            "mixture-of-experts routers; expected [tokens, routers, top_k]"
+        )
+    known = recorded[:, 0, 0] != not_routed(recorded.dtype)  # [T]
+    own_differs = torch.zeros(recorded.shape[0], dtype=torch.bool)  # [T]
+    used_differs = torch.zeros(recorded.shape[0], dtype=torch.bool)  # [T]
+
+    def hook(layer: int):
+        def route(router: nn.Module, args: tuple, output: tuple) -> tuple:
+            logits, weights, own = output  # [T, E], [T, k], [T, k]
+            ids = recorded[:, layer].to(own.device, torch.long)  # [T, k]
+            if ids.shape != own.shape:
+                raise ValueError(
+                    f"routing replay: {ids.shape[0]} tokens x top-{ids.shape[1]} recorded for a forward of "
+                    f"{own.shape[0]} tokens x top-{own.shape[1]} (router {layer})"
+                )
+            forced = known.to(own.device).unsqueeze(-1) if use.force else None  # [T, 1]
+            used = own if forced is None else torch.where(forced, ids, own)  # [T, k]
+            with torch.no_grad():
+                theirs = ids.sort(-1).values
+                own_differs.logical_or_((own.sort(-1).values != theirs).any(-1).cpu() & known)
+                used_differs.logical_or_((used.sort(-1).values != theirs).any(-1).cpu() & known)
+            if forced is None:
+                return output
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # [T, E]
+            chosen = probs.gather(-1, used)  # [T, k]
+            if getattr(router, "norm_topk_prob", False):
+                chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+            # tokens the engine did not route keep the router's own output, bit for bit
+            return logits, torch.where(forced, chosen.to(weights.dtype), weights), used
+
+        return route
+
+    handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(found)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    if use.measure:
+        counted = counted.cpu() & known
+        MEASURED[0] += int(counted.sum())
+        MEASURED[1] += int((own_differs & counted).sum())
+        MEASURED[2] += int((used_differs & counted).sum())

@@ -36,7 +36,7 @@ import torch
 from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import seed_rng, shard_prefix
 from fusedrl.lora import lora_enabled
-from fusedrl.role_config import ModelConfig, RefConfig, RoleConfigs
+from fusedrl.role_config import ModelConfig, RefConfig, RoleConfigs, records_routed_experts
 from fusedrl.utils.hardware import bind_process_cpus
 from fusedrl.workers.actor import ActorRole, RefRole
 from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
@@ -60,6 +60,7 @@ from fusedrl.workers.reward_model import RewardModelRole
 from fusedrl.workers.rollout.base import EngineContext, Rollout, SamplingConfig
 from fusedrl.workers.rollout.partial import PartialRollout
 from fusedrl.workers.rollout.registry import EngineTraits, engine_spec
+from fusedrl.workers.routing_replay import RoutingUse
 from fusedrl.workers.vision import vision_model_token_ids
 from fusedrl.workers.weight_sync import WeightSyncEndpoint
 
@@ -155,6 +156,11 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
             )
         if "ref" in self.roles:
             self.ref = self._build_ref(cfg.model, cfg.ref, sp=int(cfg.actor.ulysses_sequence_parallel_size))
+        if records_routed_experts(cfg.rollout):  # the engine's experts: replayed (and measured) in forwards
+            replay = bool(cfg.rollout.enable_rollout_routing_replay)
+            for role, measure in ((self.actor, True), (self.ref, False)):
+                if isinstance(role, (ActorRole, RefRole)):
+                    role.routing = RoutingUse(force=replay, measure=measure)
         if "critic" in self.roles:
             self.critic = CriticRole(cfg.critic, rollout_n=n)
         if "reward_model" in self.roles:
