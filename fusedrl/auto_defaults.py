@@ -134,6 +134,12 @@ def packs_for(value: Any, attn_implementation: str | None, facts: DeviceFacts) -
     return False, f"{where} attends a packed row through a dense mask"
 
 
+def _is_vision_language(path: str) -> bool:
+    from fusedrl.models.qwen_vl import is_vision_language_model  # transformers: only where resolved
+
+    return is_vision_language_model(path)
+
+
 def compiles_for(
     value: Any,
     *,
@@ -145,6 +151,7 @@ def compiles_for(
     facts: DeviceFacts,
     expert_parallel: bool = False,
     routing_replay: bool = False,
+    vision_language: bool = False,
 ) -> tuple[bool, str]:
     """``model.compile_layers``: on only where `COMPILE_RULE` holds; the reason names the first condition
     that failed."""
@@ -152,6 +159,7 @@ def compiles_for(
         return bool(value), "explicit"
     reasons = [
         (lora, "LoRA"),
+        (vision_language, "a vision-language model"),
         (ulysses, "Ulysses"),
         (expert_parallel, "expert parallelism"),
         (routing_replay, "recorded experts (rollout.enable_rollout_routing_replay / record_routed_experts)"),
@@ -253,6 +261,7 @@ def resolve_configs(cfg: Any, facts: DeviceFacts, roles: Iterable[str] | None = 
             facts=facts,
             expert_parallel=max(expert_parallel_size(actor_fsdp), expert_parallel_size(ref_fsdp)) > 1,
             routing_replay=records_routed_experts(cfg.rollout),
+            vision_language=_is_vision_language(model.path),
         ),
     )
     c_compiled = pick(

@@ -483,6 +483,9 @@ def _across_sections(c: Checks) -> None:
     from fusedrl.lora import lora_problems
 
     problems.extend(lora_problems(cfg))
+    from fusedrl.vision_language_checks import vision_language_problems
+
+    problems.extend(vision_language_problems(cfg))
     from fusedrl.routing_replay_checks import routing_replay_problems
 
     problems.extend(routing_replay_problems(cfg))

@@ -194,6 +194,7 @@ def test_packing_follows_the_named_attention():
         ({"lora": True}, "LoRA"),
         ({"ulysses": True}, "Ulysses"),
         ({"expert_parallel": True}, "expert parallelism"),
+        ({"vision_language": True}, "a vision-language model"),
         ({"facts": dataclasses.replace(AMX_CPU, missing_cxx="g++")}, "no C++ compiler (g++)"),
     ],
 )
@@ -214,7 +215,7 @@ def test_the_compile_rule(kwargs, why):
     )  # refused combinations: config checks
 
 
-def test_compile_reads_the_planned_steps_and_the_role():
+def test_compile_reads_the_planned_steps_and_the_role(tmp_path):
     short = _configs(total_steps=LONG - 1)
     assert resolve_configs(short, AMX_CPU)[0].model.compile_layers is False
     # Without a count from the trainer (roles built directly), trainer.total_training_steps decides.
@@ -225,6 +226,11 @@ def test_compile_reads_the_planned_steps_and_the_role():
     assert (
         lora.model.compile_layers is False and lora.critic.model.compile_layers is True
     )  # the critic has no LoRA
+    vlm_dir = tmp_path / "vlm"
+    vlm_dir.mkdir()
+    (vlm_dir / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    vlm = resolve_configs(_configs(f"{ARR}.model.path={vlm_dir}"), AMX_CPU)[0]
+    assert vlm.model.compile_layers is False  # a VLM's layers are not compiled (the worker refuses them)
     sp = resolve_configs(_configs(f"{ARR}.actor.ulysses_sequence_parallel_size=2"), AMX_CPU)[0]
     assert sp.model.compile_layers is False and sp.critic.model.compile_layers is True
     fp32 = resolve_configs(_configs(f"{DTYPE_KEYS[0]}=float32"), AMX_CPU)[0]
