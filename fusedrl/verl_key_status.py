@@ -80,7 +80,7 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ),
     ("actor_rollout_ref.ref.fsdp_config.optimizer_offload", "the reference has no optimizer"),
     ("reward_model.model.fsdp_config.param_offload", "the reward model stays on the device"),
-    ("*.strategy", "always FSDP2 (fsdp and fsdp2 both mean it; megatron is rejected)"),
+    ("*.strategy", "always FSDP2 (fsdp, fsdp2 and fsdp_turbo all mean it; megatron is rejected)"),
     ("*.use_torch_compile", _ENTROPY_COMPILE),
     ("*entropy_checkpointing", "entropy is computed in one pass per micro-batch"),
     ("*entropy_from_logits_with_chunking", "entropy is computed in one pass per micro-batch"),

@@ -60,7 +60,7 @@ setting under both names is a problem naming the two keys. Outside the table:
   except verl's `overlong_buffer_cfg.{{enable,len,penalty_factor}}` and `max_resp_len`, which set
   `reward_model.overlong_buffer.*` (DAPO's overlong shaping, applied by `reward_manager=dapo`); any other
   `overlong_buffer_cfg.*` entry is named as unread.
-- Rejected values besides the rows': `*.strategy=megatron` (`fsdp` and `fsdp2` both mean FSDP2),
+- Rejected values besides the rows': `*.strategy=megatron` (`fsdp`, `fsdp2` and `fsdp_turbo` all mean FSDP2),
   `actor_rollout_ref.rollout.name=sglang|trtllm` (engines: `vllm`, `hf`, `fake`), `--config-name` other than
   `ppo_trainer`.
 
