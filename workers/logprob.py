@@ -174,6 +174,20 @@ def _head_log_probs(
     )
 
 
+def kept_columns(batch: RolloutBatch) -> tuple[int, int]:
+    """``(first prompt column, response columns)`` that a padded forward keeps (all without `TRIM_PADDING`).
+
+    Columns that are padding in every row change nothing (positions count real tokens; masked keys get no
+    attention weight) but cost a full forward/backward each: prompts are left-padded to
+    data.max_prompt_length, responses right-padded to the longest allowed. Keep >= 1 column of each."""
+    prompt_len, resp_len = batch.prompts.shape[1], batch.responses.shape[1]
+    if not TRIM_PADDING:
+        return 0, resp_len
+    first = min(int(batch.prompt_mask.any(0).float().argmax()), prompt_len - 1)
+    last = max(int(batch.response_mask.any(0).nonzero().max()) + 1 if batch.response_mask.any() else 1, 1)
+    return first, last
+
+
 def response_log_probs(
     model: nn.Module,
     batch: RolloutBatch,
@@ -235,13 +249,8 @@ def response_log_probs(
         return packed.unpack(log_probs), None if entropy is None else packed.unpack(entropy)  # [B, Tr]
     input_ids, attention_mask, position_ids = batch.sequences()  # [B, Tp+Tr] each
     prompt_len, resp_len = batch.prompts.shape[1], batch.responses.shape[1]
-    first, last = 0, resp_len
+    first, last = kept_columns(batch)
     if TRIM_PADDING:
-        # Columns that are padding in every row change nothing (positions count real tokens; masked keys get
-        # no attention weight) but cost a full forward/backward each: prompts are left-padded to
-        # data.max_prompt_length, responses right-padded to the longest allowed. Keep >= 1 column of each.
-        first = min(int(batch.prompt_mask.any(0).float().argmax()), prompt_len - 1)
-        last = max(int(batch.response_mask.any(0).nonzero().max()) + 1 if batch.response_mask.any() else 1, 1)
         input_ids, attention_mask, position_ids = (
             t[:, first : prompt_len + last] for t in (input_ids, attention_mask, position_ids)
         )  # [B, Tp' + Tr'] each
@@ -291,12 +300,7 @@ def _routed(
         keep = attention_mask.bool()  # the tokens `pack_batch` keeps, in its order
         ids, counted = recorded[keep], response[keep]  # [N, L, k], [N]
     else:
-        first, last = 0, batch.responses.shape[1]
-        if TRIM_PADDING:  # the columns `response_log_probs` keeps
-            first = min(int(batch.prompt_mask.any(0).float().argmax()), prompt_len - 1)
-            last = max(
-                int(batch.response_mask.any(0).nonzero().max()) + 1 if batch.response_mask.any() else 1, 1
-            )
+        first, last = kept_columns(batch)  # the columns `response_log_probs` keeps
         cols = slice(first, prompt_len + last)
         ids, counted = recorded[:, cols].flatten(0, 1), response[:, cols].flatten()  # [b*W, L, k], [b*W]
     with routed_forward(model, ids, counted, routing):
