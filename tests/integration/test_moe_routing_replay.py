@@ -197,3 +197,30 @@ def test_grpo_with_routing_replay(tiny_moe_dir, arithmetic_data, tmp_path):
         assert metrics["moe/replayed_routing_mismatch"] == 0.0
         assert metrics["moe/routing_mismatch"] == 0.0  # float32 engine and actor route alike anyway
         assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
+
+
+@pytest.mark.slow  # ~30-60 s on 2 shared cores; bf16 routing differences depend on the CPU's bf16 kernels
+@pytest.mark.parametrize("key", ["record_routed_experts", "enable_rollout_routing_replay"])
+def test_bf16_actor_reports_routing_mismatch(tiny_moe_dir, arithmetic_data, tmp_path, key):
+    """bf16 mixed-precision actor and reference (the CPU default) against the float32 engine: the step metrics
+    report the tokens the actor's routers send elsewhere; recorded only, the forwards use those routes
+    (replayed mismatch = own); replayed, they use the engine's (replayed mismatch 0)."""
+    train, _ = arithmetic_data
+    with started_trainer(
+        [
+            f"data.train_files={train}",
+            f"actor_rollout_ref.model.path={tiny_moe_dir}",
+            *two_step_grpo(),
+            "data.max_response_length=32",
+            "actor_rollout_ref.rollout.temperature=1.0",
+            "actor_rollout_ref.actor.fsdp_config.param_dtype=bf16",
+            "actor_rollout_ref.ref.fsdp_config.param_dtype=bf16",
+            f"actor_rollout_ref.rollout.{key}=true",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ]
+    ) as trainer:
+        metrics = trainer.fit()
+    own, used = metrics["moe/routing_mismatch"], metrics["moe/replayed_routing_mismatch"]
+    print(f"{key}: moe/routing_mismatch {own:.4f}, moe/replayed_routing_mismatch {used:.4f}")
+    assert 0.0 < own < 0.2
+    assert used == (0.0 if key == "enable_rollout_routing_replay" else own)
