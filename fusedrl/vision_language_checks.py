@@ -1,7 +1,7 @@
 """Config checks of a vision-language policy (a Qwen2-VL / Qwen2.5-VL model folder: docs/multimodal.md), run by
 `fusedrl.config_checks.validate` before Ray starts. The image path is built and tested for the fused pool's
-single-turn synchronous rollouts with full fine-tuning (packed or padded rows, gradient checkpointing, a frozen
-or trained vision tower, one or more workers); what it has not been built for is refused here, each problem
+single-turn synchronous rollouts (full fine-tuning or LoRA, packed or padded rows, gradient checkpointing, a
+frozen or trained vision tower, one or more workers); what it has not been built for is refused here, each problem
 naming the key and the fix, instead of when the workers start (or, for the paths that send the engine no images,
 never)."""
 
@@ -24,11 +24,6 @@ def vision_language_problems(cfg: Any) -> list[str]:
         return []
     what = f"`{ARR}.model.path` ({path}) is a vision-language model"
     checks = [
-        (
-            f"{ARR}.model.lora_rank",
-            not _get(cfg, f"{ARR}.model.lora_rank"),
-            "LoRA is not built for it yet. Set 0 (full fine-tuning).",
-        ),
         (
             f"{ARR}.model.compile_layers",
             _get(cfg, f"{ARR}.model.compile_layers") is not True,

@@ -104,7 +104,7 @@ def _sharded_model(
         param_dtype=fsdp_cfg.param_dtype,
     )
     if is_vision_language_model(model_cfg.path):  # Qwen2-VL / Qwen2.5-VL (docs/multimodal.md)
-        return _sharded_vision_model(model_cfg, fsdp_cfg, frozen=frozen, freeze_tower=freeze_tower)
+        return _sharded_vision_model(model_cfg, fsdp_cfg, frozen=frozen, freeze_tower=freeze_tower, lora=lora)
     model = load_causal_lm(
         model_cfg.path,
         fsdp_cfg.model_dtype,
@@ -129,19 +129,30 @@ def _sharded_model(
 
 
 def _sharded_vision_model(
-    model_cfg: ModelConfig, fsdp_cfg: FsdpConfig | RefFsdpConfig, *, frozen: bool, freeze_tower: bool
+    model_cfg: ModelConfig,
+    fsdp_cfg: FsdpConfig | RefFsdpConfig,
+    *,
+    frozen: bool,
+    freeze_tower: bool,
+    lora: bool = False,
 ) -> nn.Module:
     """A vision-language policy under FSDP2 (`fusedrl.workers.vision.shard_vision_language_model`: a unit
     per vision block and decoder layer, checkpointed with ``model.enable_gradient_checkpointing``);
-    ``freeze_tower``: ``actor.freeze_vision_tower``. LoRA and compiled layers are not built for it."""
-    if model_cfg.lora_rank or model_cfg.compile_layers:
+    ``freeze_tower``: ``actor.freeze_vision_tower``; ``lora`` (the actor of a LoRA run): PEFT adapters where
+    ``model.target_modules`` / ``exclude_modules`` put them (verl's VL script keeps them off the tower), only
+    they train. Compiled layers are not built for it."""
+    if model_cfg.compile_layers:
         raise ValueError(
-            "a vision-language model trains without LoRA and compile_layers so far; "
-            "set actor_rollout_ref.model.lora_rank=0 and compile_layers=false"
+            "a vision-language model trains without compile_layers so far; "
+            "set actor_rollout_ref.model.compile_layers=false"
         )
     model = load_vision_language_model(model_cfg.path, to_dtype(fsdp_cfg.model_dtype))
     if freeze_tower:
         freeze_vision_tower(model)
+    if lora:
+        from fusedrl.workers.lora import add_lora
+
+        model = add_lora(model, model_cfg)
     param_dtype = to_dtype(fsdp_cfg.param_dtype) if fsdp_cfg.param_dtype else None
     if frozen and param_dtype is not None and param_dtype != to_dtype(fsdp_cfg.model_dtype):
         model.to(param_dtype)  # the reference: cast once, no mixed precision (as `_sharded_model`)

@@ -126,6 +126,17 @@ class LoraRefView:
         from fusedrl.workers.logprob import batched_log_probs, token_budget
 
         self.actor.model.eval()
+        if batch.multi_modal_inputs is not None:  # images: the vision-language pass (`workers/vision.py`)
+            from fusedrl.workers.vision import vision_batched_log_probs
+
+            with self.actor.model.disable_adapter():
+                return vision_batched_log_probs(
+                    self.actor.model,
+                    batch,
+                    temperature=temperature,
+                    micro_batch_size=self.cfg.log_prob_micro_batch_size_per_gpu,
+                    remove_padding=self.actor.use_remove_padding,
+                )
         with self.actor.model.disable_adapter():
             return batched_log_probs(
                 self.actor.model,

@@ -44,6 +44,13 @@ def vision_token_ids(config) -> tuple[int, ...]:
     return tuple(int(getattr(config, n)) for n in names if getattr(config, n, None) is not None)
 
 
+def vlm_core(model: Any) -> Any:
+    """The ``Qwen2_5_VLModel`` (vision tower + text decoder, ``get_rope_index``) inside ``model``: a
+    conditional-generation model, the same under PEFT's LoRA wrappers (``get_base_model``), or the core itself."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base if hasattr(base, "get_rope_index") else base.model
+
+
 def mrope_positions(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, grids: torch.Tensor | None
 ) -> torch.Tensor:
@@ -51,7 +58,7 @@ def mrope_positions(
     ``get_rope_index``; ``input_ids`` must hold image tokens only where the prompts' images are."""
     image_id = int(model.config.image_token_id)
     types = (input_ids == image_id).long() * attention_mask  # [B, T]: 1 on image tokens
-    inner = model.model if hasattr(model, "model") else model
+    inner = vlm_core(model)
     positions, _ = inner.get_rope_index(
         input_ids, mm_token_type_ids=types, image_grid_thw=grids, attention_mask=attention_mask
     )
@@ -150,7 +157,7 @@ def shard_vision_language_model(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    inner = model.model
+    inner = vlm_core(model)
     for unit in [*inner.visual.blocks, *inner.language_model.layers]:
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
@@ -162,7 +169,7 @@ def freeze_vision_tower(model: Any) -> int:
     get no gradient, so the optimizer leaves them. Call before sharding. The weight stream still carries them
     (the engine's completeness check wants every checkpoint tensor). Returns the number of frozen tensors."""
     frozen = 0
-    for p in model.model.visual.parameters():
+    for p in vlm_core(model).visual.parameters():
         p.requires_grad_(False)
         frozen += 1
     return frozen

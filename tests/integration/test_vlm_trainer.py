@@ -81,3 +81,33 @@ def test_grpo_on_image_prompts_through_the_driver(vlm_and_shapes, tmp_path, free
         assert vision_moved == []
     else:
         assert len(vision_moved) == len(vision), sorted(set(vision) - set(vision_moved))
+
+
+def test_lora_grpo_on_image_prompts(vlm_and_shapes, tmp_path):
+    """LoRA on a vision-language policy, as verl's tuning/lora/run_qwen2_5_vl_7b_fsdp.sh sets it (all linear
+    modules of the decoder adapted, the vision tower excluded): only the adapters train, the reference is the
+    actor with its adapters off (KL 0 at step 1, > 0 at step 2), and the merged modules streamed into the
+    engine give the actor's log-probs on the images after each update (a missed sync is seen)."""
+    model_dir, train = vlm_and_shapes
+    overrides = [
+        *vlm_grpo(model_dir, train, tmp_path),
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.lora_alpha=16",
+        "actor_rollout_ref.model.target_modules=all-linear",
+        "actor_rollout_ref.model.exclude_modules=.*visual.*",
+    ]
+    with started_trainer(overrides, trainer_cls=RecordingTrainer) as trainer:
+        first = next(iter(trainer.train_loader))
+        before = trainer.workers.run_all(lambda w: w.actor_state.remote())[0]
+        trainer.fit()
+        after = trainer.workers.run_all(lambda w: w.actor_state.remote())[0]
+        gaps = [m["rollout/log_prob_abs_diff_max"] for m in trainer.steps]
+        print("LoRA VLM rollout gap per step:", gaps)
+        assert len(gaps) == 2 and max(gaps) < SYNC_TOL, gaps
+        assert abs(trainer.steps[0]["actor/kl_loss"]) < 1e-6 and trainer.steps[1]["actor/kl_loss"] > 0
+        assert sync_gap(trainer, first) < SYNC_TOL
+        update_without_sync(trainer, first)
+        assert sync_gap(trainer, first) > 1e-3
+    moved = sorted(n for n in before if not torch.equal(before[n], after[n]))
+    assert moved and all("lora_" in n for n in moved), moved  # only adapter matrices train
+    assert not any("visual" in n for n in moved) and not any("visual" in n and "lora_" in n for n in before)
