@@ -1,7 +1,7 @@
 """Config checks of the engine's recorded experts (``actor_rollout_ref.rollout.enable_rollout_routing_replay``,
 verl's key, and fusedrl's ``rollout.record_routed_experts``; docs/moe.md), run by `fusedrl.config_checks.validate`
 before Ray starts. Either key is accepted only where it takes effect as built and tested: a mixture-of-experts
-text model, the vLLM engine, single-turn synchronous rollouts, and none of the training features the replayed
+text model, the vLLM engine, synchronous rollouts (single-turn or agent loops), and none of the training features the replayed
 forward has not been run with. Each problem names the key and the fix."""
 
 from __future__ import annotations
@@ -39,11 +39,6 @@ def routing_replay_problems(cfg: Any) -> list[str]:
         engine == "vllm",
         f"`actor_rollout_ref.rollout.name`={engine}: only the vLLM engine records its experts (hf and fake "
         "do not). Use rollout.name=vllm.",
-    )
-    need(
-        not _get(cfg, "actor_rollout_ref.rollout.multi_turn.enable"),
-        "multi-turn agent loops (`actor_rollout_ref.rollout.multi_turn.enable`=true) do not carry recorded "
-        "experts. Set multi_turn.enable=false.",
     )
     need(
         not _get(cfg, "async_training.max_staleness") and not _get(cfg, "async_training.partial_rollout"),

@@ -266,6 +266,7 @@ class AgentRunner:
         At most ``max_tokens`` (and ``max_tokens_per_turn``, and what is left of the response budget)."""
         index, turn = traj.index, traj.turns_requested
         traj.turns_requested += 1
+        traj.turn_starts.append(len(traj.response_ids))
         s = self._sampling
         params = SampleParams(
             max_tokens=min(

@@ -36,6 +36,9 @@ class Trajectory:
     stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAT_NAMES, 0.0))
     created_tools: set[str] = field(default_factory=set)  # tools whose per-trajectory state exists
     turns_requested: int = 0
+    # Per requested turn, where its sampled tokens start in ``response_ids`` (the context it continued): the
+    # engine's recorded experts of turn ``t`` are those of request ``f"{index}.{t}"`` (routing replay).
+    turn_starts: list[int] = field(default_factory=list)
 
     @property
     def remaining(self) -> int:

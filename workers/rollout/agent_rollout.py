@@ -52,6 +52,8 @@ class AgentRollout(EngineRollout):
         tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)
         self.renderer = ChatRenderer(tokenizer, self.tools.schemas() or None)
         self.runner = AgentRunner(self.engine, self.renderer, self.tools, self.multi_turn)
+        # routing replay: the vLLM rollout's recorder of each request's experts (`RecordingRollout`)
+        self.recorder = getattr(inner, "recorder", None)
 
     def generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
         extra = batch.field_list("extra_info") or [{} for _ in range(batch.num_samples)]
@@ -74,11 +76,16 @@ class AgentRollout(EngineRollout):
                     seed=int(seeds[i]),
                 )
             )
-        trajs = self.runner.run(
+        run = lambda: self.runner.run(  # noqa: E731
             rows,
             turn_sampling(sampling, stop_token_id=self.eos_token_id),
             max_response_length=min(sampling.max_tokens, self.max_response_length),
         )
+        if self.recorder is None:
+            trajs = run()
+        else:
+            with self.recorder.recording():
+                trajs = run()
         b, tr = batch.num_samples, self.max_response_length
         responses = torch.full((b, tr), self.pad_token_id, dtype=torch.long)  # [B, Tr]
         mask = torch.zeros((b, tr), dtype=torch.long)  # [B, Tr]
@@ -97,4 +104,6 @@ class AgentRollout(EngineRollout):
         batch.agent_stats = torch.tensor([t.stat_row() for t in trajs], dtype=torch.float32).view(
             b, len(STAT_NAMES)
         )  # [B, K]
+        if self.recorder is not None:  # each sampled token's experts, from the turn that sampled it
+            batch.routed_experts = self.recorder.trajectory_rows(batch, [t.turn_starts for t in trajs])
         return batch
