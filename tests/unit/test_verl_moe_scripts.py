@@ -163,7 +163,12 @@ def moe_files(tmp_path_factory) -> dict[str, str]:
 
     root = tmp_path_factory.mktemp("verl_moe_lines")
     train, test = write_arithmetic_parquet(str(root / "data"), n_train=32, n_test=4, seed=0)
-    return {"model": build_tiny_moe_model(root / "model"), "train": train, "test": test, "run": str(root / "run")}
+    return {
+        "model": build_tiny_moe_model(root / "model"),
+        "train": train,
+        "test": test,
+        "run": str(root / "run"),
+    }
 
 
 def _local(files: dict[str, str], line: list[str]) -> list[str]:
