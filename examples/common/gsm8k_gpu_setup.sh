@@ -13,15 +13,9 @@ NGPUS="${NGPUS:-1}"
 PRINT_ONLY=0
 if [ "${1:-}" = "--print-overrides" ]; then PRINT_ONLY=1; shift; fi
 
-if [ "$PRINT_ONLY" = 0 ]; then
-    if [ ! -f "$DATA_DIR/train.parquet" ]; then
-        "$PY" "$ROOT/examples/data_preprocess/gsm8k.py" --local_dir "$DATA_DIR"
-    fi
-    if [ ! -d "$MODEL_PATH" ]; then  # a hub id: fetch it once (huggingface_hub caches it), use the folder
-        MODEL_PATH="$("$PY" -c 'import sys, huggingface_hub as h; print(h.snapshot_download(sys.argv[1]))' \
-            "$MODEL_PATH")"
-    fi
-fi
+# shellcheck source=examples/common/gpu_inputs.sh
+source "$ROOT/examples/common/gpu_inputs.sh"
+prepare_gpu_inputs "$ROOT/examples/data_preprocess/gsm8k.py"
 
 # data: TRAIN_BATCH prompts a step; GSM8K prompts with the chat template fit in 512 tokens
 DATA=(
