@@ -60,4 +60,10 @@ def routing_replay_problems(cfg: Any) -> list[str]:
         "compiled decoder layers (`actor_rollout_ref.model.compile_layers`=true) do not run the routers' "
         "hooks. Set it to false (auto stays off with the key).",
     )
+    tp = _get(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size")
+    need(
+        tp in (None, 1),
+        f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp}: a tensor-parallel engine's experts are not "
+        "recorded (its ranks' routers are not read). Set it to 1.",
+    )
     return out

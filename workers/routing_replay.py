@@ -31,6 +31,27 @@ def routers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
+def _layer_ids(source: torch.Tensor, layer: int, own: torch.Tensor, what: str) -> torch.Tensor:
+    """Router ``layer``'s ids [T, k] of ``source`` [tokens, layers, top_k], checked against the forward's."""
+    ids = source[:, layer].to(own.device, torch.long)  # [T, k]
+    if ids.shape != own.shape:
+        raise ValueError(
+            f"{what}: {ids.shape[0]} tokens x top-{ids.shape[1]} for a forward of {own.shape[0]} tokens x "
+            f"top-{own.shape[1]} (router {layer})"
+        )
+    return ids
+
+
+def _replayed_weights(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The weights [T, k] the router gives experts ``ids``: its own probabilities of them (from ``logits``
+    [T, E]), renormalised over them when the model normalises its top-k (``norm_topk_prob``)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # [T, E]
+    weights = probs.gather(-1, ids)  # [T, k]
+    if getattr(router, "norm_topk_prob", False):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
+
+
 @contextlib.contextmanager
 def replay_routing(model: nn.Module, expert_ids: torch.Tensor, stats: dict | None = None) -> Iterator[None]:
     """Within the block, every router of ``model`` sends token ``t`` of the forward to experts
@@ -48,16 +69,8 @@ def replay_routing(model: nn.Module, expert_ids: torch.Tensor, stats: dict | Non
     def hook(layer: int):
         def forced(router: nn.Module, args: tuple, output: tuple) -> tuple:
             logits, _, own = output  # [T, E], [T, k], [T, k]
-            ids = expert_ids[:, layer].to(own.device, torch.long)  # [T, k]
-            if ids.shape != own.shape:
-                raise ValueError(
-                    f"replay_routing: {ids.shape[0]} tokens x top-{ids.shape[1]} replayed into a forward of "
-                    f"{own.shape[0]} tokens x top-{own.shape[1]} (router {layer})"
-                )
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # [T, E]
-            weights = probs.gather(-1, ids)  # [T, k]
-            if getattr(router, "norm_topk_prob", False):
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+            ids = _layer_ids(expert_ids, layer, own, "replay_routing")  # [T, k]
+            weights = _replayed_weights(router, logits, ids)  # [T, k]
             with torch.no_grad():
                 same = (own.sort(-1).values == ids.sort(-1).values).all(-1)  # [T]
                 differ[0] += int((~same).sum())
@@ -146,12 +159,7 @@ def routed_forward(
     def hook(layer: int):
         def route(router: nn.Module, args: tuple, output: tuple) -> tuple:
             logits, weights, own = output  # [T, E], [T, k], [T, k]
-            ids = recorded[:, layer].to(own.device, torch.long)  # [T, k]
-            if ids.shape != own.shape:
-                raise ValueError(
-                    f"routing replay: {ids.shape[0]} tokens x top-{ids.shape[1]} recorded for a forward of "
-                    f"{own.shape[0]} tokens x top-{own.shape[1]} (router {layer})"
-                )
+            ids = _layer_ids(recorded, layer, own, "routing replay")  # [T, k]
             forced = known.to(own.device).unsqueeze(-1) if use.force else None  # [T, 1]
             used = own if forced is None else torch.where(forced, ids, own)  # [T, k]
             with torch.no_grad():
@@ -160,10 +168,7 @@ def routed_forward(
                 used_differs.logical_or_((used.sort(-1).values != theirs).any(-1).cpu() & known)
             if forced is None:
                 return output
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # [T, E]
-            chosen = probs.gather(-1, used)  # [T, k]
-            if getattr(router, "norm_topk_prob", False):
-                chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+            chosen = _replayed_weights(router, logits, used)  # [T, k]
             # tokens the engine did not route keep the router's own output, bit for bit
             return logits, torch.where(forced, chosen.to(weights.dtype), weights), used
 

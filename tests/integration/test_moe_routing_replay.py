@@ -152,7 +152,7 @@ def test_engine_records_its_experts_and_replay_routes_as_the_engine(tiny_moe_dir
 
 def test_routing_replay_refused_where_it_cannot_take_effect(tiny_model_dir, tiny_moe_dir, arithmetic_data):
     """The key is refused before Ray starts, naming it and the fix: a dense model, an engine that does not
-    record (hf), Ulysses; on the MoE model with vLLM it loads."""
+    record (hf), Ulysses, a tensor-parallel engine; on the MoE model with vLLM it loads."""
     from fusedrl.config import ConfigError
 
     key = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
@@ -160,6 +160,7 @@ def test_routing_replay_refused_where_it_cannot_take_effect(tiny_model_dir, tiny
         "has no experts": (tiny_model_dir, []),
         "only the vLLM engine": (tiny_moe_dir, ["actor_rollout_ref.rollout.name=hf"]),
         "Ulysses": (tiny_moe_dir, ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]),
+        "tensor-parallel engine": (tiny_moe_dir, ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
     }
     for expected, (model, extra) in cases.items():
         with pytest.raises(ConfigError) as err:
@@ -267,3 +268,32 @@ def test_agent_loops_carry_each_turns_experts(tiny_moe_dir, arithmetic_data, tmp
         assert float(gap.max()) < SYNC_TOL
         metrics = trainer.fit()
         assert metrics["moe/replayed_routing_mismatch"] == 0.0
+
+
+@pytest.mark.slow  # two runs of 2 GRPO steps with 2 workers: ~1 min
+def test_routing_replay_with_expert_parallel_experts(tiny_moe_dir, arithmetic_data, tmp_path):
+    """Replay with the experts spread over the 2 workers (expert parallelism 2): the forced experts decide where
+    each token is dispatched, and the steps equal replay on plain FSDP2 (losses, entropy, norms), the old
+    log-probs are the engine's, and no token is routed apart."""
+    train, _ = arithmetic_data
+    ep_key = "actor_rollout_ref.{}.fsdp_config.turbo_config.distributed.expert_parallel_size"
+    runs = {}
+    for ep in (1, 2):
+        with started_trainer(
+            [
+                f"data.train_files={train}",
+                f"actor_rollout_ref.model.path={tiny_moe_dir}",
+                *two_step_grpo(),
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                *(f"{ep_key.format(role)}={ep}" for role in ("actor", "ref")),
+                f"trainer.default_local_dir={tmp_path / f'ep{ep}'}",
+            ]
+        ) as trainer:
+            steps = []
+            for trainer.global_step in (1, 2):
+                steps.append(trainer.train_step())
+            runs[ep] = steps
+    for a, b in zip(runs[1], runs[2]):
+        assert b["moe/replayed_routing_mismatch"] == 0.0 and b["rollout/log_prob_abs_diff_max"] < SYNC_TOL
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+            assert abs(b[key] - a[key]) <= 1e-5 * abs(a[key]) + 1e-6, (key, a[key], b[key])

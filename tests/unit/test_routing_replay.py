@@ -88,7 +88,7 @@ def test_wrong_shapes_are_refused(moe):
     ):
         pass
     with (
-        pytest.raises(ValueError, match="replayed into a forward of 10 tokens"),
+        pytest.raises(ValueError, match="for a forward of 10 tokens"),
         torch.no_grad(),
         replay_routing(moe, torch.zeros(7, 2, 2, dtype=torch.long)),
     ):
