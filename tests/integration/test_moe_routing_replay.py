@@ -171,6 +171,8 @@ def test_routing_replay_refused_where_it_cannot_take_effect(tiny_model_dir, tiny
     assert cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay is True
 
 
+# slow since 2026-12-06 (CI budget): test_agent_loops_carry_each_turns_experts trains 2 replayed steps by default
+@pytest.mark.slow
 def test_grpo_with_routing_replay(tiny_moe_dir, arithmetic_data, tmp_path):
     """Two GRPO steps with verl's key on (2 fused workers, float32 on both sides): the rows carry the engine's
     experts (uint8, every fed position), the actor's old log-probs with them are the engine's within the rollout

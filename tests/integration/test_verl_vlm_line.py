@@ -38,6 +38,8 @@ SIZES = [  # the script's sizes for 8 GPUs, scaled to 2 CPU workers and 56x56 pi
 
 
 # 20-50 s on 2 cores (two workers, each with its engine and FSDP2 shard).
+# slow since 2026-12-06 (CI budget): tests/unit/test_verl_vlm_scripts.py loads the line in the default suite
+@pytest.mark.slow
 def test_verl_qwen2_5_vl_geo3k_line_runs_on_images(tmp_path_factory, tmp_path):
     model_dir, train = tiny_vlm_and_shapes(tmp_path_factory)
     test = write_shapes_parquet(tmp_path / "test.parquet", rows=4)

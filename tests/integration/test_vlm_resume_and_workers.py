@@ -67,6 +67,8 @@ def _own_image_log_probs(model, batch, items_by_uid, temperature, shift: int = 0
 
 
 # ~1.5 min on 2 cores (two workers, each with its engine and FSDP2 shard).
+# slow since 2026-12-06 (CI budget): the SIGKILL test (tests/reliability/test_vlm_crash.py) runs 2 workers in CI
+@pytest.mark.slow
 def test_two_workers_sample_and_train_on_their_own_rows_images(vlm_and_shapes, tmp_path):
     from fusedrl.data.multimodal import VisionLanguageDataset
     from fusedrl.models.qwen_vl import load_processor

@@ -43,7 +43,10 @@ def _vision_params(state: dict[str, torch.Tensor]) -> list[str]:
 
 
 # 30-60 s each on 2 cores (Ray, the engine and the actor start per run).
-@pytest.mark.parametrize("freeze", [False, True])
+@pytest.mark.parametrize(
+    "freeze",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # frozen tower: slow (CI budget)
+)
 def test_grpo_on_image_prompts_through_the_driver(vlm_and_shapes, tmp_path, freeze):
     model_dir, train = vlm_and_shapes
     overrides = [  # with a KL loss: the reference's pass on images too
