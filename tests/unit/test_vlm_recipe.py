@@ -97,7 +97,9 @@ def test_geo3k_recipe_loads_with_the_tiny_vlm(tmp_path, example_modules):
     assert overrides[-1] == "trainer.logger=[console]"  # the user's overrides come last
     said: list[str] = []
     cfg = load_config(overrides, report=said.append)  # validated: no ConfigError
-    assert said == []  # no key of the recipe is dropped or without effect
+    assert not [
+        line for line in said if "no effect" in line or "dropped" in line
+    ]  # every key of the recipe counts
     run = run_config(cfg)
     assert run.data.image_key == "images" and run.actor.freeze_vision_tower is False
     arr = cfg.actor_rollout_ref
@@ -106,7 +108,14 @@ def test_geo3k_recipe_loads_with_the_tiny_vlm(tmp_path, example_modules):
     assert cfg.algorithm.adv_estimator == "grpo" and arr.rollout.n == 5
     assert arr.actor.use_kl_loss is True and arr.actor.kl_loss_type == "low_var_kl"
     assert arr.actor.kl_loss_coef == pytest.approx(0.01) and arr.actor.optim.lr == pytest.approx(1e-6)
-    assert arr.rollout.dtype == "bfloat16" and arr.actor.fsdp_config.param_dtype == "bfloat16"
+    # bf16 as written (the GPU recipe's); a CPU without native bf16 (`make test-avx2`) loads it as float32,
+    # with fusedrl's one-line message (fusedrl.cpu_dtype)
+    assert {
+        "actor_rollout_ref.rollout.dtype=bfloat16",
+        "actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16",
+    } <= set(overrides)
+    assert arr.rollout.dtype == arr.actor.fsdp_config.param_dtype
+    assert arr.rollout.dtype in ("bfloat16", "float32")
     assert cfg.custom_reward_function.path == str(EXAMPLE / "geo3k_reward.py")
     assert cfg.custom_reward_function.name == "compute_score"
     assert arr.model.use_remove_padding is True and arr.model.enable_gradient_checkpointing is True
