@@ -120,6 +120,24 @@ def single_rank_group(port: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def vllm_engine_rank(port: int) -> None:
+    """Make this spawned process rank 0 of a one-rank gloo group that an in-process vLLM engine joins (the
+    engine's worker environment, one torch thread). Not torn down: such test bodies end with ``os._exit``
+    (vLLM destroys the process group itself)."""
+    import os
+
+    import torch.distributed as dist
+
+    from fusedrl.workers.rollout.registry import engine_spec
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+    )
+    os.environ.update(dict(engine_spec("vllm").traits.worker_env))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
 def gloo_rank(rank: int, world_size: int, port: int, body: Callable[..., None], args: tuple) -> None:
     """``mp.spawn`` target: join a ``world_size``-rank gloo group (one torch thread), run
     ``body(rank, *args)``, leave the group."""

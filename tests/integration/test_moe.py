@@ -23,6 +23,7 @@ from support import (
     sync_gap,
     two_step_grpo,
     update_without_sync,
+    vllm_engine_rank,
 )
 
 pytestmark = pytest.mark.integration
@@ -67,9 +68,7 @@ def _routing_differs(engine, hf, prompt: list[int]) -> float:
 
 
 def _engine_body(port: int, args: str, out: str) -> None:
-    import os
 
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from fusedrl.plugins import load_function
@@ -79,12 +78,7 @@ def _engine_body(port: int, args: str, out: str) -> None:
     from fusedrl.workers.rollout.registry import engine_spec
 
     model_dir, dtype = args.split("|")
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
-    )
-    os.environ.update(dict(engine_spec("vllm").traits.worker_env))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    vllm_engine_rank(port)
     cfg = role_configs_from_overrides(
         [
             "data.train_files=unused",

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import padded_batch, small_grpo_config, spawned_result, started_trainer, two_step_grpo
+from support import (
+    padded_batch,
+    small_grpo_config,
+    spawned_result,
+    started_trainer,
+    two_step_grpo,
+    vllm_engine_rank,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -33,9 +40,7 @@ def tiny_moe_dir(tmp_path_factory) -> str:
 
 
 def _engine_body(port: int, args: str, out: str) -> None:
-    import os
 
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from vllm.model_executor.layers.fused_moe.router import cpu_router
 
@@ -49,12 +54,7 @@ def _engine_body(port: int, args: str, out: str) -> None:
     from fusedrl.workers.routing_replay import RoutingUse, take_routing_metrics
 
     model_dir, dtype, trainer_dtype = args.split("|")
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
-    )
-    os.environ.update(dict(engine_spec("vllm").traits.worker_env))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    vllm_engine_rank(port)
     cfg = role_configs_from_overrides(
         [
             "data.train_files=unused",
