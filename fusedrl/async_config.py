@@ -43,7 +43,8 @@ def partial_rollout_problems(cfg: Any, placement: Placement, problems: list[str]
     """Append every problem of ``async_training.partial_rollout`` and its two settings against the run:
     partial rollout runs in the fused pool (the engine in the actor's processes), one engine per worker
     (no tensor parallelism), on an engine that can pause requests, on groups split whole over the workers;
-    what stale samples need (`stale_sample_problems`). The two settings are refused when it is off."""
+    what stale samples need (`stale_sample_problems`); agent loops (``multi_turn``) on the continuous
+    schedule (`fusedrl.workers.rollout.partial_agent`). The two settings are refused when it is off."""
     a = cfg.async_training
     on, threshold, resumes = a.partial_rollout, a.staleness_threshold, a.partial_rollout_max_resumes
     if not isinstance(on, bool):
@@ -90,7 +91,13 @@ def partial_rollout_problems(cfg: Any, placement: Placement, problems: list[str]
             f"{setting}: `data.train_batch_size`={bsz} prompt groups do not split whole over {workers} rollout "
             f"workers (a group's samples stay on one engine); use a multiple of {workers}."
         )
-    stale_sample_problems(cfg, setting, off, problems)
+    stale_sample_problems(cfg, setting, off, problems, multi_turn=True)
+    agent = rollout.get("multi_turn")
+    if agent is not None and agent.enable and agent.get("schedule", "continuous") != "continuous":
+        problems.append(
+            f"{setting} with `actor_rollout_ref.rollout.multi_turn.schedule`={agent.schedule}: partial rollout "
+            f"of agent loops runs the continuous schedule only; set schedule=continuous or {off}."
+        )
 
 
 def async_problems(cfg: Any, placement: Placement, problems: list[str]) -> None:

@@ -16,6 +16,11 @@ is the one that version gave it, and the loss weighs it by the truncated ratio p
 this step's update. A sample paused ``async_training.partial_rollout_max_resumes`` times finishes in the
 step that resumes it, so a token's age is bounded (`age_bound`; checked every step).
 
+Agent loops (``multi_turn``) run the same schedule on `fusedrl.workers.rollout.partial_agent`: a trajectory
+is suspended mid-turn or between turns. Their coroutines cannot be saved, so a step that saves a checkpoint
+drains first (`drains_this_step`): its rollout runs every trajectory in flight to its end, and the groups
+beyond the quota are carried finished.
+
 Prompts come from the loader in its batches; the first step sends the extra groups too, so the driver
 keeps the prompts it drew but has not sent (``pending``). A checkpoint saves them and every worker's carried
 groups (``partial_rollout.pt``); a resumed run continues the paused requests as the uninterrupted run does.
@@ -70,6 +75,15 @@ class PartialRolloutTrainer(PPOTrainer):
         bsz = self.run.data.train_batch_size
         return self.run.async_training.partial_rollout_max_resumes + math.ceil((self.in_flight - bsz) / bsz)
 
+    @property
+    def drains_this_step(self) -> bool:
+        """Agent loops (``multi_turn``) on a step that saves a checkpoint (``trainer.save_freq``): every
+        trajectory in flight runs to its end before the step returns its batch, so the checkpoint holds no
+        suspended coroutine (`fusedrl.workers.rollout.partial_agent`). The uninterrupted run drains at the
+        same steps, so a run resumed from the checkpoint equals it."""
+        tr = self.run.trainer
+        return bool(self.multi_turn) and step_plan.due(tr.save_freq, self.global_step, self.total_steps)
+
     def take_prompts(self, groups: int) -> RolloutBatch:
         """The next ``groups`` prompts: those drawn and not sent first, then the loader's."""
         parts = [self.pending] if self.pending is not None else []
@@ -100,14 +114,16 @@ class PartialRolloutTrainer(PPOTrainer):
         rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
         sampling, version = self.sampling(False), self.actor_version
         quota = self.run.data.train_batch_size // self.rollout_workers
+        drain = self.drains_this_step
         shards = rollout.run_split(
-            lambda w, shard: w.rollout_generate_partial.remote(shard, sampling, version, quota), batch
+            lambda w, shard: w.rollout_generate_partial.remote(shard, sampling, version, quota, drain), batch
         )
         rollout.run_all(lambda w: w.rollout_sleep.remote())
         self.rollout_stale = self.rollout_discards_weights
         self.group_for("actor").run_all(lambda w: w.load_actor.remote())
         self.carried_groups += new - self.run.data.train_batch_size
         metrics["partial/new_groups"] = float(new)
+        metrics["partial/drained"] = float(drain)
         metrics["partial/carried_groups"] = float(self.carried_groups)
         return concat(shards)
 

@@ -59,6 +59,7 @@ from fusedrl.workers.phase import EnginePhase
 from fusedrl.workers.reward_model import RewardModelRole
 from fusedrl.workers.rollout.base import EngineContext, Rollout, SamplingConfig
 from fusedrl.workers.rollout.partial import PartialRollout
+from fusedrl.workers.rollout.partial_agent import PartialAgentRollout, partial_rollout_for
 from fusedrl.workers.rollout.registry import EngineTraits, engine_spec
 from fusedrl.workers.routing_replay import RoutingUse
 from fusedrl.workers.vision import vision_model_token_ids
@@ -108,7 +109,8 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         self.critic_mem: Offloader | None = None
         self.last_rollout_memory: dict[str, float] = {}
         self.phase = EnginePhase()  # the engine asleep or not, its weights current, stale or discarded
-        self.partial: PartialRollout | None = None  # async_training.partial_rollout: groups carried over
+        # async_training.partial_rollout: the groups carried over
+        self.partial: PartialRollout | PartialAgentRollout | None = None
 
     # ------------------------------------------------------------------ setup
     def bind_cpus(self, cpus: Sequence[int]) -> list[int]:
@@ -391,14 +393,15 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         return {name: getattr(out, name) for name in fields}
 
     def rollout_generate_partial(
-        self, batch: RolloutBatch, sampling: SamplingConfig, version: int, quota: int
+        self, batch: RolloutBatch, sampling: SamplingConfig, version: int, quota: int, drain: bool = False
     ) -> RolloutBatch:
-        """Partial rollout (``async_training.partial_rollout``, `workers.rollout.partial`): ``quota`` whole
-        groups, the first to finish among those this worker carries and the new rows of ``batch``, sampled
-        by policy ``version`` from here on; the rows come back whole, with ``token_versions``."""
+        """Partial rollout (``async_training.partial_rollout``, `workers.rollout.partial`, agent loops:
+        `workers.rollout.partial_agent`): ``quota`` whole groups, the first to finish among those this worker
+        carries and the new rows of ``batch``, sampled by policy ``version`` from here on; the rows come back
+        whole, with ``token_versions``. ``drain``: everything in flight runs to its end first."""
         self.events.append("rollout.generate_partial")
         out = self._partial_rollout().generate_partial(
-            _to_device(batch), sampling, version=version, quota=quota
+            _to_device(batch), sampling, version=version, quota=quota, drain=drain
         )
         return out.cpu()
 
@@ -409,18 +412,10 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
     def rollout_load_partial_state(self, state: dict[str, Any]) -> None:
         self._partial_rollout().load_state(state)
 
-    def _partial_rollout(self) -> PartialRollout:
+    def _partial_rollout(self) -> PartialRollout | PartialAgentRollout:
         if self.partial is None:
             rollout = self._need(self.rollout, "rollout", "rollout_generate_partial")
-            cfg = self.config
-            self.partial = PartialRollout(
-                rollout.engine,
-                n=cfg.rollout.n,
-                max_resumes=cfg.async_training.partial_rollout_max_resumes,
-                max_response_length=cfg.data.max_response_length,
-                eos_token_id=cfg.tokens.eos,
-                pad_token_id=cfg.tokens.pad,
-            )
+            self.partial = partial_rollout_for(rollout, self.config)
         return self.partial
 
     # ------------------------------------------------------------------ log-probs

@@ -264,6 +264,19 @@ class AgentRunner:
     ) -> tuple[list[int], list[float], str]:
         """One assistant turn continuing ``traj``: ``(sampled ids, their log-probs, "stop" | "length")``.
         At most ``max_tokens`` (and ``max_tokens_per_turn``, and what is left of the response budget)."""
+        # never paused: the engine builds only the final output (as its batch generate)
+        request_id, params = self.turn_request(traj, max_tokens, pausable=False)
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        self.engine.submit(request_id, traj.context_ids(), params)
+        self._wake.set()
+        return await future
+
+    def turn_request(
+        self, traj: Trajectory, max_tokens: int | None, *, pausable: bool
+    ) -> tuple[str, SampleParams]:
+        """The request id and sampling of ``traj``'s next turn (counted as requested): at most ``max_tokens``,
+        ``max_tokens_per_turn`` and what is left of the budget; seeded by `turn_seed`."""
         index, turn = traj.index, traj.turns_requested
         traj.turns_requested += 1
         traj.turn_starts.append(len(traj.response_ids))
@@ -277,14 +290,9 @@ class AgentRunner:
             top_k=s.top_k,
             stop_token_ids=(s.stop_token_id,),
             seed=turn_seed(traj.seed, turn),
-            pausable=False,  # never paused: the engine builds only the final output (as its batch generate)
+            pausable=pausable,
         )
-        request_id = f"{index}.{turn}"
-        future = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = future
-        self.engine.submit(request_id, traj.context_ids(), params)
-        self._wake.set()
-        return await future
+        return f"{index}.{turn}", params
 
     async def call_tools(self, traj: Trajectory, calls: list[ToolCall], row: dict[str, Any]) -> list[str]:
         limit = self.cfg.max_parallel_calls

@@ -39,6 +39,11 @@ class Trajectory:
     # Per requested turn, where its sampled tokens start in ``response_ids`` (the context it continued): the
     # engine's recorded experts of turn ``t`` are those of request ``f"{index}.{t}"`` (routing replay).
     turn_starts: list[int] = field(default_factory=list)
+    # Partial rollout (`fusedrl.agent.resumable`): per response token, the policy version that sampled it (0
+    # on observation tokens, as on padding); ``turn_versions`` is what the runner hands the next
+    # `add_sampled` (its turn may span a weight sync). Without it, sampled tokens take version 0.
+    versions: list[int] = field(default_factory=list)
+    turn_versions: list[int] | None = None
 
     @property
     def remaining(self) -> int:
@@ -49,7 +54,10 @@ class Trajectory:
         return self.prompt_ids + self.response_ids
 
     def add_sampled(self, ids: list[int], log_probs: list[float], text: str) -> None:
+        versions = self.turn_versions if self.turn_versions is not None else [0] * len(ids)
+        self.turn_versions = None
         ids, log_probs = ids[: self.remaining], log_probs[: self.remaining]
+        self.versions += list(versions[: len(ids)]) + [0] * (len(ids) - len(versions))
         self.response_ids += ids
         self.mask += [1] * len(ids)
         self.log_probs += log_probs
@@ -62,6 +70,7 @@ class Trajectory:
 
     def add_observation(self, ids: list[int], messages: list[dict[str, Any]]) -> None:
         self.response_ids += ids
+        self.versions += [0] * len(ids)
         self.mask += [0] * len(ids)
         self.log_probs += [0.0] * len(ids)
         self.messages += messages

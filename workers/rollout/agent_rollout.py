@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fusedrl.agent import STAT_NAMES, AgentRunner, ChatRenderer, ToolSet
+from fusedrl.agent.trajectory import Trajectory
 from fusedrl.batch import RolloutBatch
 from fusedrl.workers.rollout.base import (
     EngineContext,
@@ -56,28 +57,8 @@ class AgentRollout(EngineRollout):
         self.recorder = getattr(inner, "recorder", None)
 
     def generate(self, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
-        extra = batch.field_list("extra_info") or [{} for _ in range(batch.num_samples)]
-        uids = batch.field_list("uid") or [str(i) for i in range(batch.num_samples)]
-        ground_truth = batch.field_list("ground_truth") or [None] * batch.num_samples
-        data_source = batch.field_list("data_source") or [None] * batch.num_samples
-        seeds = batch.sample_seeds.tolist() if batch.sample_seeds is not None else range(batch.num_samples)
-        rows = []
-        for i, ids in enumerate(unpadded_prompts(batch)):
-            info = dict(extra[i] or {})
-            rows.append(
-                dict(
-                    prompt_ids=ids,
-                    extra_info=info,
-                    agent_name=info.get("agent_name"),
-                    messages=info.get("raw_prompt"),
-                    uid=uids[i],
-                    ground_truth=ground_truth[i],
-                    data_source=data_source[i],
-                    seed=int(seeds[i]),
-                )
-            )
         run = lambda: self.runner.run(  # noqa: E731
-            rows,
+            agent_rows(batch),
             turn_sampling(sampling, stop_token_id=self.eos_token_id),
             max_response_length=min(sampling.max_tokens, self.max_response_length),
         )
@@ -86,24 +67,60 @@ class AgentRollout(EngineRollout):
         else:
             with self.recorder.recording():
                 trajs = run()
-        b, tr = batch.num_samples, self.max_response_length
-        responses = torch.full((b, tr), self.pad_token_id, dtype=torch.long)  # [B, Tr]
-        mask = torch.zeros((b, tr), dtype=torch.long)  # [B, Tr]
-        attn = torch.zeros((b, tr), dtype=torch.long)  # [B, Tr]
-        log_probs = torch.zeros((b, tr), dtype=torch.float32)  # [B, Tr]
-        for i, t in enumerate(trajs):
-            n = len(t.response_ids)  # <= Tr: the runner keeps every trajectory within the budget
-            responses[i, :n] = torch.as_tensor(t.response_ids, dtype=torch.long)
-            mask[i, :n] = torch.as_tensor(t.mask, dtype=torch.long)
-            attn[i, :n] = 1
-            log_probs[i, :n] = torch.as_tensor(t.log_probs, dtype=torch.float32)
-        batch.responses = responses
-        batch.response_mask = mask
-        batch.response_attention_mask = attn
-        batch.rollout_log_probs = log_probs
-        batch.agent_stats = torch.tensor([t.stat_row() for t in trajs], dtype=torch.float32).view(
-            b, len(STAT_NAMES)
-        )  # [B, K]
+        attach_trajectories(
+            batch, trajs, max_response_length=self.max_response_length, pad_token_id=self.pad_token_id
+        )
         if self.recorder is not None:  # each sampled token's experts, from the turn that sampled it
             batch.routed_experts = self.recorder.trajectory_rows(batch, [t.turn_starts for t in trajs])
         return batch
+
+
+def agent_rows(batch: RolloutBatch) -> list[dict[str, Any]]:
+    """What the agent runner reads of each row of ``batch``: prompt ids, ``extra_info``, the loop's name,
+    the chat messages, uid, ground truth, data source and the row's sampling seed."""
+    extra = batch.field_list("extra_info") or [{} for _ in range(batch.num_samples)]
+    uids = batch.field_list("uid") or [str(i) for i in range(batch.num_samples)]
+    ground_truth = batch.field_list("ground_truth") or [None] * batch.num_samples
+    data_source = batch.field_list("data_source") or [None] * batch.num_samples
+    seeds = batch.sample_seeds.tolist() if batch.sample_seeds is not None else range(batch.num_samples)
+    rows = []
+    for i, ids in enumerate(unpadded_prompts(batch)):
+        info = dict(extra[i] or {})
+        rows.append(
+            dict(
+                prompt_ids=ids,
+                extra_info=info,
+                agent_name=info.get("agent_name"),
+                messages=info.get("raw_prompt"),
+                uid=uids[i],
+                ground_truth=ground_truth[i],
+                data_source=data_source[i],
+                seed=int(seeds[i]),
+            )
+        )
+    return rows
+
+
+def attach_trajectories(
+    batch: RolloutBatch, trajs: Sequence[Trajectory], *, max_response_length: int, pad_token_id: int
+) -> RolloutBatch:
+    """Set one trajectory per row of ``batch`` on it (the fields of the module docstring)."""
+    b, tr = batch.num_samples, max_response_length
+    responses = torch.full((b, tr), pad_token_id, dtype=torch.long)  # [B, Tr]
+    mask = torch.zeros((b, tr), dtype=torch.long)  # [B, Tr]
+    attn = torch.zeros((b, tr), dtype=torch.long)  # [B, Tr]
+    log_probs = torch.zeros((b, tr), dtype=torch.float32)  # [B, Tr]
+    for i, t in enumerate(trajs):
+        n = len(t.response_ids)  # <= Tr: the runner keeps every trajectory within the budget
+        responses[i, :n] = torch.as_tensor(t.response_ids, dtype=torch.long)
+        mask[i, :n] = torch.as_tensor(t.mask, dtype=torch.long)
+        attn[i, :n] = 1
+        log_probs[i, :n] = torch.as_tensor(t.log_probs, dtype=torch.float32)
+    batch.responses = responses
+    batch.response_mask = mask
+    batch.response_attention_mask = attn
+    batch.rollout_log_probs = log_probs
+    batch.agent_stats = torch.tensor([t.stat_row() for t in trajs], dtype=torch.float32).view(
+        b, len(STAT_NAMES)
+    )  # [B, K]
+    return batch

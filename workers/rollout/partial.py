@@ -83,11 +83,12 @@ class PartialRollout(EngineRollout):
         return sum(len(g) for g in self.carried)
 
     def generate_partial(
-        self, batch: RolloutBatch, sampling: SamplingConfig, *, version: int, quota: int
+        self, batch: RolloutBatch, sampling: SamplingConfig, *, version: int, quota: int, drain: bool = False
     ) -> RolloutBatch:
         """``quota`` whole groups, the first to finish among the carried ones and the new ones of ``batch``,
         sampled by policy ``version`` from here on. Groups in flight are the carried plus the new: a caller
-        that sends ``quota`` new groups a call keeps as many in flight as its first call sent."""
+        that sends ``quota`` new groups a call keeps as many in flight as its first call sent. ``drain``:
+        every request runs to its end (the groups beyond the quota are carried finished)."""
         if batch.num_samples % self.n:
             raise ValueError(f"generate_partial: {batch.num_samples} rows are not groups of n={self.n}")
         if quota < 1 or quota > len(self.carried) + batch.num_samples // self.n:
@@ -119,6 +120,8 @@ class PartialRollout(EngineRollout):
                 left = budget - len(s.ids)
                 self.engine.submit(rid, s.prompt + s.ids, replace(params, seed=seed, max_tokens=left))
         overdue = [g for g in groups if any(s.resumes >= self.max_resumes and not s.done for s in g)]
+        if drain:
+            overdue = groups
         while running and (len(finished) < quota or not all(all(s.done for s in g) for g in overdue)):
             for rid, ids, lps, _ in self.engine.step():
                 group, s = running.pop(rid)
