@@ -73,3 +73,18 @@ class BrokenToolsLoop(AgentLoop):
         _, stopped = await assistant_turn(traj, ctx)
         if append_observation(traj, ctx, [{"role": "user", "content": "and now?"}], after_stop=stopped):
             await assistant_turn(traj, ctx)
+
+
+@register_agent_loop("plugin_user_turns")
+class UserTurnsLoop(AgentLoop):
+    """Three turns with a user message between them, all on the engine's loop (no tool thread): its timing
+    is the engine's alone, so runs that pause it are reproducible."""
+
+    async def run(self, row, traj, ctx):
+        _, stopped = await assistant_turn(traj, ctx)
+        for k in range(2):
+            if not append_observation(
+                traj, ctx, [{"role": "user", "content": f"more {k}"}], after_stop=stopped
+            ):
+                return
+            _, stopped = await assistant_turn(traj, ctx)

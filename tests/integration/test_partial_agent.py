@@ -27,7 +27,7 @@ PLUGIN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "agent_plugins
 SYNC_TOL = 1e-4  # float32 engine vs float32 actor
 
 
-def _write_data(path: str) -> str:
+def _write_data(path: str, agent: str | None = None) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -37,7 +37,7 @@ def _write_data(path: str) -> str:
             prompt=[{"role": "user", "content": f"What is {k} plus {k + 1}?"}],
             reward_model={"ground_truth": str(2 * k + 1)},
             extra_info={"index": k},
-            agent_name="plugin_broken_tools" if k % 2 == 0 else "plugin_count_env",
+            agent_name=agent or ("plugin_broken_tools" if k % 2 == 0 else "plugin_count_env"),
         )
         for k in range(16)
     ]
@@ -143,3 +143,81 @@ def test_agent_trajectories_span_a_sync_with_per_token_versions(tiny_model_dir, 
     assert mixed > 0, "no trajectory was carried across a sync and continued under new weights"
     assert max(m[s]["partial/token_age_max"] for s in (2, 3)) >= 1.0
     assert all(m[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+
+
+def _user_turn_overrides(model_dir: str, tmp, out: str, *extra: str) -> list[str]:
+    """The loop without tool threads (``plugin_user_turns``) on every row: reproducible pauses. ``extra``
+    replaces keys already set."""
+    data = _write_data(str(tmp / "user_turns.parquet"), agent="plugin_user_turns")
+    merged: dict[str, str] = {}
+    for item in [*_overrides(model_dir, tmp, out), f"data.train_files={data}", *extra]:
+        merged[item.split("=", 1)[0]] = item
+    return list(merged.values())
+
+
+@pytest.mark.slow  # two runs, ~1.5 min on 2 cores
+def test_nothing_extra_in_flight_samples_as_the_synchronous_multi_turn_run(tiny_model_dir, tmp_path):
+    """``staleness_threshold=0``, ``partial_rollout_max_resumes=0``: every trajectory in flight is trained
+    on and none is paused, so step 1's trajectories are the synchronous run's (in the order they finished)."""
+    from fusedrl.trainer.partial_trainer import PartialRolloutTrainer
+    from fusedrl.trainer.ppo_trainer import PPOTrainer
+
+    rows = {}
+    for name, base in (("sync", PPOTrainer), ("partial", PartialRolloutTrainer)):
+
+        class Keep(base):  # type: ignore[valid-type, misc]
+            def compute_log_probs(self, batch):
+                self.batch = super().compute_log_probs(batch).clone()
+                return self.batch
+
+        extra = (
+            ["async_training.partial_rollout=false", "async_training.staleness_threshold=0.1"]
+            if name == "sync"
+            else ["async_training.staleness_threshold=0", "async_training.partial_rollout_max_resumes=0"]
+        )
+        out = str(tmp_path / name)
+        over = _user_turn_overrides(tiny_model_dir, tmp_path, out, "trainer.total_training_steps=1", *extra)
+        if name == "sync":
+            over = [o for o in over if not o.startswith("async_training.partial_rollout_max_resumes")]
+        with started_trainer(over, trainer_cls=Keep) as t:
+            t.fit()
+            batch = t.batch
+        rows[name] = sorted(
+            (u, r.tolist(), m.tolist(), [round(x, 4) for x in lp.tolist()])
+            for u, r, m, lp in zip(
+                batch.field_list("uid"), batch.responses, batch.response_mask, batch.rollout_log_probs
+            )
+        )
+    assert rows["sync"] == rows["partial"]
+    assert any(0 in m[: sum(m)] for _, _, m, _ in rows["sync"]), "no observation inside a trajectory"
+
+
+@pytest.mark.slow  # two runs and a resume, ~2.5 min on 2 cores
+def test_stopped_after_a_draining_checkpoint_and_resumed_equals_uninterrupted(tiny_model_dir, tmp_path):
+    """``save_freq=2``: step 1 carries trajectories (paused mid-turn), step 2 drains and saves; a run that
+    stops there and resumes gives step 3 as the uninterrupted run does."""
+    from support import SavedAndStopped, assert_same_computed_metrics, stopping_after_save
+
+    from fusedrl.trainer.partial_trainer import PartialRolloutTrainer
+
+    full_dir, cut_dir = str(tmp_path / "full"), str(tmp_path / "cut")
+    with started_trainer(
+        _user_turn_overrides(tiny_model_dir, tmp_path, full_dir, "trainer.save_freq=2")
+    ) as t:
+        t.fit()
+    cut = _user_turn_overrides(tiny_model_dir, tmp_path, cut_dir, "trainer.save_freq=2")
+    with (
+        pytest.raises(SavedAndStopped) as crash,
+        started_trainer(cut, trainer_cls=stopping_after_save(PartialRolloutTrainer)) as t,
+    ):
+        t.fit()
+    state = torch.load(os.path.join(str(crash.value), "partial_rollout.pt"), weights_only=True)
+    groups = [g for worker in state["workers"] for g in worker["groups"]]
+    assert len(groups) == 2 and all(g["finished"] for g in groups)  # drained: finished groups only
+    with started_trainer(cut) as t:
+        t.fit()
+    full, resumed = metrics_by_step(full_dir), metrics_by_step(cut_dir)
+    assert full[1]["partial/carried_groups"] == 2.0 and full[1]["partial/token_age_max"] == 0.0
+    assert [full[s]["partial/drained"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert max(full[s]["partial/token_age_max"] for s in (2, 3)) == 1.0  # carried across a sync
+    assert_same_computed_metrics(full[3], resumed[3])
