@@ -102,3 +102,14 @@ def test_groups_must_split_whole_over_the_workers(tiny_model_dir, arithmetic_dat
 def test_partial_rollout_with_importance_weights_loads(tiny_model_dir, arithmetic_data):
     cfg = _config(tiny_model_dir, arithmetic_data, *ON, "async_training.staleness_threshold=0.5")
     assert cfg.async_training.partial_rollout and cfg.async_training.staleness_threshold == 0.5
+
+
+def test_multi_turn_agent_loops_load_on_the_continuous_schedule_only(tiny_model_dir, arithmetic_data):
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    cfg = _config(tiny_model_dir, arithmetic_data, *ON, f"{mt}.enable=true")
+    assert cfg.async_training.partial_rollout and cfg.actor_rollout_ref.rollout.multi_turn.enable
+    (bad,) = _problems(tiny_model_dir, arithmetic_data, *ON, f"{mt}.enable=true", f"{mt}.schedule=turn_sync")
+    assert (
+        f"`{mt}.schedule`=turn_sync" in bad
+        and "set schedule=continuous or async_training.partial_rollout=false" in bad
+    )
