@@ -95,6 +95,7 @@ def test_a_trajectory_paused_mid_turn_resumes_under_the_next_version():
         [-(p + 1) / 100 if m else 0.0 for p, m in enumerate(mask)]
     )
     assert out2.policy_version.tolist() == [0]  # its oldest token
+    pr.close()
 
 
 def test_a_trajectory_waiting_on_its_environment_is_carried_and_the_call_runs_on():
@@ -115,6 +116,7 @@ def test_a_trajectory_waiting_on_its_environment_is_carried_and_the_call_runs_on
     ids, mask, versions = _row(out2, 0)
     assert ids == [100, 101, 102, 103, *OBS, 106, 107, EOS] and versions == [0, 0, 0, 0, 0, 0, 1, 1, 1]
     assert out2.agent_stats is not None
+    pr.close()
 
 
 def test_a_group_at_its_resume_cap_finishes_before_the_call_returns():
@@ -128,6 +130,7 @@ def test_a_group_at_its_resume_cap_finishes_before_the_call_returns():
     out = pr.generate_partial(scripted_batch([8], seed0=6), SAMPLING, version=2, quota=1)
     assert out.ground_truth == ["16"]  # finished groups come first
     assert _row(out, 0)[2] == [0] * 8 + [1] * 2 + [0, 0] + [1] * 4
+    pr.close()
 
 
 def test_draining_runs_everything_in_flight_and_the_saved_state_resumes_exactly():
@@ -150,3 +153,4 @@ def test_draining_runs_everything_in_flight_and_the_saved_state_resumes_exactly(
     b.load_state(state)
     assert drained and run(a, 2, [9], 4) == run(b, 2, [9], 4)
     assert run(a, 3, [10], 5) == run(b, 3, [10], 5)
+    a.close(), b.close()

@@ -110,6 +110,10 @@ class PartialAgentRollout:
                 ]
         return concat([g.out for g in taken if g.out is not None])
 
+    def close(self) -> None:
+        """Cancel every suspended trajectory (the worker's end, or a test's)."""
+        self.runner.close()
+
     # ------------------------------------------------------------------ groups
     def _start(self, rows: RolloutBatch, budget: int) -> _Group:
         group = _Group(rows)
