@@ -89,8 +89,8 @@ class PartialAgentRollout:
                 f"{batch.num_samples // self.n} new are in flight"
             )
         budget = min(sampling.max_tokens, self.max_response_length)
-        for g in range(batch.num_samples // self.n):
-            self._start(batch[g * self.n : (g + 1) * self.n], budget)
+        for k in range(batch.num_samples // self.n):
+            self._start(batch[k * self.n : (k + 1) * self.n], budget)
         overdue = [g for g in self.groups if not g.done and any(r >= self.max_resumes for r in g.resumes)]
 
         def enough() -> bool:
