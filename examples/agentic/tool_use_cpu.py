@@ -29,7 +29,7 @@ Stages (all local, nothing downloaded): 1. data, 2. model + tokenizer, 3. SFT wa
 evaluation of the three models with one multi-turn evaluator (Hugging Face generate, the same tool).
 
     python examples/agentic/tool_use_cpu.py [--seed 0] [--grpo-steps 20] [--out runs/agentic] [--no-baseline]
-        [--async-staleness K]
+        [--async-staleness K | --partial-rollout X]
 """
 
 from __future__ import annotations
@@ -282,6 +282,7 @@ def grpo_overrides(data: dict[str, str], model_dir: str, run_dir: str, args: arg
             f"data.seed={args.seed}",
             f"actor_rollout_ref.rollout.seed={args.seed}",
             *async_overrides(args.async_staleness),
+            *partial_overrides(args.partial_rollout),
         ],
     )
 
@@ -297,6 +298,19 @@ def async_overrides(staleness: int) -> list[str]:
         "trainer.placement.roles={rollout: gen}",
         "algorithm.rollout_correction.rollout_is=token",
         f"async_training.max_staleness={staleness}",
+    ]
+
+
+def partial_overrides(threshold: float) -> list[str]:
+    """``--partial-rollout X`` > 0: partial rollout in the fused pool (2 fused workers), X of a batch more
+    tool-loop trajectories in flight; those still running when a step's groups have finished continue under
+    the next step's weights (docs/placement.md, "Multi-turn agent loops")."""
+    if threshold <= 0:
+        return []
+    return [
+        "algorithm.rollout_correction.rollout_is=token",
+        "async_training.partial_rollout=true",
+        f"async_training.staleness_threshold={threshold}",
     ]
 
 
@@ -318,7 +332,16 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="K > 0: GRPO with the engine on a pool of its own, K steps ahead (async_training.max_staleness)",
     )
+    p.add_argument(
+        "--partial-rollout",
+        type=float,
+        default=0.0,
+        help="X > 0: GRPO with partial rollout in the fused pool, X of a batch more trajectories in flight "
+        "(async_training.partial_rollout, staleness_threshold)",
+    )
     args = p.parse_args(argv)
+    if args.async_staleness and args.partial_rollout:
+        p.error("--async-staleness and --partial-rollout are two schedules; choose one")
 
     import ray
 
@@ -348,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         + (
             f"1 training + 1 rollout worker, {args.async_staleness} step(s) ahead"
             if args.async_staleness
+            else f"2 fused workers, partial rollout ({args.partial_rollout:g} of a batch more in flight)"
+            if args.partial_rollout
             else "2 fused workers"
         ),
         flush=True,

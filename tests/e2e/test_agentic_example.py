@@ -24,10 +24,15 @@ GAIN = 0.15  # seed 0 measured +53 points after 20 steps, +55 after 5 (vLLM vali
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_agentic_example_grpo_learns_to_use_the_tool(tmp_path, staleness):
-    """``staleness`` 1: the same example with the engine on a pool of its own, each step's tool-loop
-    trajectories generated while the previous step trained (one-step-off asynchronous multi-turn)."""
+@pytest.mark.parametrize(
+    "schedule", [["--async-staleness", "0"], ["--async-staleness", "1"], ["--partial-rollout", "0.5"]]
+)
+def test_agentic_example_grpo_learns_to_use_the_tool(tmp_path, schedule):
+    """``--async-staleness 1``: the same example with the engine on a pool of its own, each step's tool-loop
+    trajectories generated while the previous step trained (one-step-off asynchronous multi-turn).
+    ``--partial-rollout 0.5``: in the fused pool, half a batch more trajectories in flight, those still
+    running when a step's groups have finished carried across the sync (seed 0: 54.7% -> 96.9% held-out in
+    10 steps, docs/placement.md)."""
     out = tmp_path / "agentic"
     proc = subprocess.run(
         [
@@ -40,8 +45,7 @@ def test_agentic_example_grpo_learns_to_use_the_tool(tmp_path, staleness):
             "--test-freq",
             str(STEPS),
             "--no-baseline",
-            "--async-staleness",
-            str(staleness),
+            *schedule,
         ],
         capture_output=True,
         text=True,
