@@ -154,3 +154,15 @@ def test_draining_runs_everything_in_flight_and_the_saved_state_resumes_exactly(
     assert drained and run(a, 2, [9], 4) == run(b, 2, [9], 4)
     assert run(a, 3, [10], 5) == run(b, 3, [10], 5)
     a.close(), b.close()
+    # the state saved without a drain (a preemption's): the unfinished groups restart from their prompts
+    c = _rollout()
+    c.load_state(saved)
+    restarted = run(c, 7, [13], 9, drain=True)
+    # L=14 and L=15 start over (in `a` L=14 was 8 positions in): the new L=13 finishes first
+    assert [g for g, _ in restarted] == ["13"]
+    assert [g.rows.ground_truth for g in c.finished] == [["14"], ["15"]]
+    for group in c.finished:
+        assert group.out is not None
+        sampled = group.out.response_mask.bool()
+        assert (group.out.token_versions[sampled] == 7).all()  # every token sampled again, by version 7
+    c.close()
