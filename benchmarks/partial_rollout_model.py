@@ -121,10 +121,15 @@ def simulate(
     fixed: float,
     per_request: float,
     seed: int = 0,
+    pool: list[int] | None = None,
 ) -> dict:
+    """One schedule's figures; lengths lognormal (``median``, ``sigma``), or drawn with replacement from
+    ``pool`` (measured lengths) when given."""
     rng = random.Random(seed)
 
     def lengths(k: int) -> list[int]:
+        if pool:
+            return [min(max_len, rng.choice(pool)) for _ in range(k * n)]
         return [min(max_len, max(1, round(median * math.exp(rng.gauss(0.0, sigma))))) for _ in range(k * n)]
 
     engine = ScriptedEngine(fixed, per_request)
