@@ -2,7 +2,8 @@
 
 The YAML under ``fusedrl/trainer/config`` is the single source of truth for keys and defaults. Every
 problem found is collected and reported in one `ConfigError`, each naming the key, the bad value and the
-fix, so a user fixes a command line once instead of once per crash.
+fix, so a user fixes a command line once instead of once per crash. `load_config` returns the run typed
+(`fusedrl.run_config.RunConfig`); `compose_config` returns the composed DictConfig (any config name).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import difflib
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,14 +28,19 @@ from fusedrl.config_base import (
     trainer_yaml,
 )
 
+if TYPE_CHECKING:
+    from fusedrl.run_config import RunConfig
+
 __all__ = [
     "CONFIG_DIR",
     "ConfigError",
     "cli_main",
+    "compose_config",
     "import_plugin",
     "load_config",
     "logger_names",
     "needed_roles",
+    "role_configs_from_overrides",
     "to_plain_dict",
     "trainer_yaml",
 ]
@@ -66,6 +72,20 @@ def _print_line(line: str) -> None:
 
 
 def load_config(
+    overrides: Sequence[str] = (),
+    validate_config: bool = True,
+    report: Callable[[str], None] = _print_line,
+) -> RunConfig:
+    """The PPO-family run from ``ppo_trainer.yaml`` and ``key=value`` overrides (verl's accepted), typed: a
+    `RunConfig` whose ``source`` is the composed DictConfig. Every problem is raised at once in one
+    `ConfigError` before anything is built (`compose_config`); unless ``validate_config`` is false, the
+    typed sections hold checked values."""
+    from fusedrl.run_config import RunConfig
+
+    return RunConfig.of(compose_config(overrides, "ppo_trainer", validate_config, report))
+
+
+def compose_config(
     overrides: Sequence[str] = (),
     config_name: str = "ppo_trainer",
     validate_config: bool = True,
@@ -130,13 +150,14 @@ def load_config(
 
 def cli_main(
     argv: Sequence[str] | None,
-    load: Callable[[list[str]], DictConfig],
-    run: Callable[[DictConfig], Any],
+    load: Callable[[list[str]], Any],
+    run: Callable[[Any], Any],
     *,
     prog: str = "fusedrl",
     show_config: bool = True,
 ) -> int:
-    """The body of every entry point: ``key=value`` overrides -> validated config -> ``run(config)``.
+    """The body of every entry point: ``key=value`` overrides -> validated config (a `RunConfig` or, SFT,
+    a DictConfig) -> ``run(config)``.
 
     Config problems are all printed at once to stderr, before anything starts, and the exit code is 2.
     A run stopped by SIGTERM / SIGINT (checkpointed; rerunning resumes) exits with 75
@@ -149,7 +170,9 @@ def cli_main(
         print(f"{prog}: {err}", file=sys.stderr)
         return 2
     if show_config:
-        print(OmegaConf.to_yaml(config), flush=True)
+        from fusedrl.run_config import RunConfig
+
+        print(OmegaConf.to_yaml(config.source if isinstance(config, RunConfig) else config), flush=True)
     from fusedrl.controller.preemption import Preempted
 
     try:
@@ -158,3 +181,24 @@ def cli_main(
         print(f"{prog}: {err}", file=sys.stderr, flush=True)
         return err.exit_code
     return 0
+
+
+def role_configs_from_overrides(
+    overrides: Sequence[str] = (), *, tokens: Any = None, config_name: str = "ppo_trainer"
+) -> Any:
+    """The YAML + ``key=value`` overrides (not validated) as the typed configs a worker receives: for tests
+    and benchmarks that build roles or workers without the trainer. ``config_name`` ``sft_trainer`` gives
+    `SFTRoleConfigs` (``total_steps`` 1); ``tokens``: a `TokenIds` ((0, 0) when None). The ``auto`` keys
+    are resolved for this process's device, where such callers build their roles
+    (`fusedrl.auto_defaults`; a worker resolving them again changes nothing)."""
+    from fusedrl.auto_defaults import local_facts, resolve_configs
+    from fusedrl.role_config import TokenIds, build_role_configs
+
+    plain = to_plain_dict(compose_config(list(overrides), config_name=config_name, validate_config=False))
+    if config_name == "sft_trainer":
+        from fusedrl.sft_role_config import build_sft_role_configs
+
+        built: Any = build_sft_role_configs(plain, total_steps=1)
+    else:
+        built = build_role_configs(plain, tokens=tokens or TokenIds(eos=0, pad=0))
+    return resolve_configs(built, local_facts())[0]

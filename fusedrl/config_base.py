@@ -79,8 +79,24 @@ def logger_names(cfg: Any) -> list[str]:
     return [str(value)] if isinstance(value, str) else [str(v) for v in value]
 
 
-def to_plain_dict(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config as plain Python containers (what crosses into the workers)."""
-    out = OmegaConf.to_container(cfg, resolve=True)
+def missing_keys(cfg: Any, prefix: str = "") -> list[str]:
+    """Keys set to ``???``. Interpolations to them (``${...}``) are not resolved, so each missing key is
+    reported once, under its own name."""
+    out: list[str] = []
+    if isinstance(cfg, DictConfig):
+        for k in cfg:
+            node = cfg._get_node(k)
+            full = f"{prefix}{k!s}"
+            if isinstance(node, DictConfig):
+                out.extend(missing_keys(node, full + "."))
+            elif node is not None and not node._is_interpolation() and node._is_missing():
+                out.append(full)
+    return out
+
+
+def to_plain_dict(cfg: Any) -> dict[str, Any]:
+    """The resolved config (a DictConfig, or a `fusedrl.run_config.RunConfig`'s ``source``) as plain Python
+    containers."""
+    out = OmegaConf.to_container(cfg if OmegaConf.is_config(cfg) else cfg.source, resolve=True)
     assert isinstance(out, dict)
     return out  # type: ignore[return-value]

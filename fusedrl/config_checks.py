@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from fusedrl.config_base import ConfigError, import_plugin, logger_names, needed_roles
+from fusedrl.config_base import ConfigError, import_plugin, logger_names, missing_keys, needed_roles
 from fusedrl.config_sections import (
     FILTER_METRICS,
     auto_key_problems,
@@ -28,21 +28,6 @@ def _looks_like_hub_id(path: str) -> bool:
     import re
 
     return not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
-
-
-def _missing_keys(cfg: Any, prefix: str = "") -> list[str]:
-    """Keys set to ``???``. Interpolations to them (``${...}``) are not resolved, so each missing key is
-    reported once, under its own name."""
-    out: list[str] = []
-    if isinstance(cfg, DictConfig):
-        for k in cfg:
-            node = cfg._get_node(k)
-            full = f"{prefix}{k!s}"
-            if isinstance(node, DictConfig):
-                out.extend(_missing_keys(node, full + "."))
-            elif node is not None and not node._is_interpolation() and node._is_missing():
-                out.append(full)
-    return out
 
 
 def _get(cfg: DictConfig, key: str) -> Any:
@@ -530,7 +515,7 @@ def validate(cfg: DictConfig) -> None:
     """Check a composed config; raise one `ConfigError` listing every problem (every section's)."""
     c = Checks(cfg)
     c.problems.extend(
-        f"`{key}`: required, not set. Pass `{key}=...` on the command line." for key in _missing_keys(cfg)
+        f"`{key}`: required, not set. Pass `{key}=...` on the command line." for key in missing_keys(cfg)
     )
     for check in SECTION_CHECKS:
         check(c)

@@ -553,12 +553,14 @@ def build_role_configs(
 def run_config(
     config: Any, *, tokens: TokenIds | None = None, agent_tools: Any = (), total_steps: int | None = None
 ) -> RoleConfigs:
-    """The composed (validated) DictConfig as the typed `RoleConfigs` the driver reads and the workers
-    receive, ``auto`` keys unresolved; ``tokens`` (0, 0) when no tokenizer is at hand (tests)."""
+    """The composed (validated) DictConfig, or a `fusedrl.run_config.RunConfig`, as the typed `RoleConfigs`
+    the workers receive, ``auto`` keys unresolved; ``tokens`` (0, 0) when no tokenizer is at hand (tests)."""
     from omegaconf import OmegaConf
 
-    plain: Any = OmegaConf.to_container(config, resolve=True)
     tokens = tokens or TokenIds(eos=0, pad=0)
+    if not OmegaConf.is_config(config):  # a RunConfig: typed already
+        return config.roles(tokens=tokens, agent_tools=agent_tools, total_steps=total_steps)
+    plain: Any = OmegaConf.to_container(config, resolve=True)
     return build_role_configs(plain, tokens=tokens, agent_tools=agent_tools, total_steps=total_steps)
 
 
@@ -570,9 +572,9 @@ def role_configs_from_overrides(
     `SFTRoleConfigs` (``total_steps`` 1). The ``auto`` keys are resolved for this process's device, where
     such callers build their roles (`fusedrl.auto_defaults`; a worker resolving them again changes nothing)."""
     from fusedrl.auto_defaults import local_facts, resolve_configs
-    from fusedrl.config import load_config, to_plain_dict  # omegaconf/hydra: only here
+    from fusedrl.config import compose_config, to_plain_dict  # omegaconf/hydra: only here
 
-    plain = to_plain_dict(load_config(list(overrides), config_name=config_name, validate_config=False))
+    plain = to_plain_dict(compose_config(list(overrides), config_name=config_name, validate_config=False))
     if config_name == "sft_trainer":
         from fusedrl.sft_role_config import build_sft_role_configs
 

@@ -39,6 +39,7 @@ DRIVER = [
     "trainer/reward_scoring.py",
     "trainer/dynamic_sampling.py",
     "trainer/async_trainer.py",
+    "trainer/runtime.py",
 ]
 # A partial DictConfig / dict from a library caller (no RoleConfigs at hand) into typed sections.
 ADAPTERS = {("fusedrl/rewards/__init__.py", "typed_reward_sections")}

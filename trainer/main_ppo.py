@@ -11,10 +11,12 @@ from collections.abc import Sequence
 from omegaconf import DictConfig
 
 from fusedrl.config import cli_main, load_config
+from fusedrl.run_config import RunConfig
 
 
-def run_ppo(config: DictConfig, trainer_cls: type | None = None) -> dict[str, float]:
-    """Start Ray, build the trainer (``trainer_cls`` lets a user plug in a subclass), train, clean up."""
+def run_ppo(config: RunConfig | DictConfig, trainer_cls: type | None = None) -> dict[str, float]:
+    """Start Ray, build the trainer (``trainer_cls`` lets a user plug in a subclass), train, clean up.
+    ``config``: `load_config`'s typed run (a composed DictConfig is typed first)."""
     from fusedrl.trainer.runtime import started_trainer
 
     with started_trainer(config, trainer_cls=trainer_cls) as trainer:

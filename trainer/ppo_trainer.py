@@ -36,7 +36,8 @@ from fusedrl.data.dataset import PromptLoader, tokenizer_pad_id
 from fusedrl.lr_schedule import scheduled_lr
 from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
-from fusedrl.role_config import RoleConfigs, TokenIds, records_routed_experts, run_config
+from fusedrl.role_config import RoleConfigs, TokenIds, records_routed_experts
+from fusedrl.run_config import RunConfig, as_run_config
 from fusedrl.tracking import Tracker, timer
 from fusedrl.trainer import step_plan
 from fusedrl.trainer.data_setup import prompt_data
@@ -54,16 +55,17 @@ class PPOTrainer(RewardModelScoring):
     (`RoleConfigs`, also the workers'); ``self.config`` (DictConfig) stays for subclasses reading keys."""
 
     def __init__(
-        self, config: DictConfig, *, compute_score: Any = None, tools: list[Any] | None = None
+        self, config: RunConfig | DictConfig, *, compute_score: Any = None, tools: list[Any] | None = None
     ) -> None:
         from transformers import AutoTokenizer
 
         from fusedrl.config import import_plugin
 
-        self.config = config
+        typed = as_run_config(config)  # `fusedrl.config.load_config`'s; a composed DictConfig is typed here
+        self.config: DictConfig = typed.source
         # Multi-turn agent rollouts (docs/agentic.md): tools given in Python join the YAML's.
         self.agent_tools = list(tools or [])
-        run = run_config(config, agent_tools=self.agent_tools)  # tokens and steps: below
+        run = typed.roles(agent_tools=self.agent_tools)  # tokens and steps: below
         self.multi_turn = run.rollout.multi_turn.enable
         for module in run.algorithm.custom_modules:
             import_plugin(module)  # idempotent with validate(); needed when validation was skipped
@@ -83,7 +85,7 @@ class PPOTrainer(RewardModelScoring):
             run_dir=tr.default_local_dir,
             project_name=tr.project_name,
             experiment_name=tr.experiment_name,
-            config=to_plain_dict(config),
+            config=to_plain_dict(self.config),
             total_steps=self.total_steps,
         )
         kl = run.algorithm.kl_ctrl

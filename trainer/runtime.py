@@ -1,9 +1,11 @@
 """Ray start-up for the trainers: `init_ray` sizes a local runtime; `started_trainer` brings up Ray, a
-trainer and its workers for the duration of a ``with`` block (entry points, benchmarks, tests)."""
+trainer and its workers for the duration of a ``with`` block (entry points, benchmarks, tests). Both read
+the typed run (`fusedrl.run_config.RunConfig`; SFT: `SFTRoleConfigs`)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -11,13 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
+from fusedrl.run_config import RunConfig, as_run_config
+
 if TYPE_CHECKING:
+    from fusedrl.sft_role_config import SFTRoleConfigs
     from fusedrl.trainer.ppo_trainer import PPOTrainer
 
 
 @contextlib.contextmanager
 def started_trainer(
-    config: DictConfig,
+    config: RunConfig | DictConfig,
     *,
     trainer_cls: type | None = None,
     compute_score: Any = None,
@@ -25,16 +30,18 @@ def started_trainer(
     tools: list[Any] | None = None,
 ) -> Iterator[PPOTrainer]:
     """Ray up (`init_ray`), the trainer built (``trainer_cls``: a user subclass) and its workers started
-    (``role_groups``: see `PPOTrainer.init_workers`; ``tools``: Python tools for multi-turn rollouts); on exit the workers and trackers are closed, and Ray
-    is shut down if this call started it."""
+    (``role_groups``: see `PPOTrainer.init_workers`; ``tools``: Python tools for multi-turn rollouts); on exit
+    the workers and trackers are closed, and Ray is shut down if this call started it. ``config``:
+    `fusedrl.config.load_config`'s `RunConfig` (a composed DictConfig is typed first)."""
     import ray
 
+    run = as_run_config(config)
     owns_ray = not ray.is_initialized()
-    init_ray(config)
+    init_ray(run)
     kwargs: dict[str, Any] = {} if compute_score is None else {"compute_score": compute_score}
     if tools:
         kwargs["tools"] = tools  # multi-turn agent rollouts: tools given in Python
-    trainer = trainer_class(config, trainer_cls)(config, **kwargs)
+    trainer = trainer_class(run, trainer_cls)(run, **kwargs)
     try:
         trainer.init_workers(role_groups)
         yield trainer
@@ -44,7 +51,7 @@ def started_trainer(
             ray.shutdown()
 
 
-def trainer_class(config: DictConfig, trainer_cls: type | None) -> type:
+def trainer_class(config: RunConfig | DictConfig, trainer_cls: type | None) -> type:
     """The trainer to build: ``trainer_cls`` (a user subclass) if given, else `AsyncPPOTrainer` when
     ``async_training.max_staleness`` > 0, `PartialRolloutTrainer` with ``async_training.partial_rollout``
     and `PPOTrainer` otherwise. A given class must derive from the one the config asks for (ValueError
@@ -53,12 +60,13 @@ def trainer_class(config: DictConfig, trainer_cls: type | None) -> type:
     from fusedrl.trainer.partial_trainer import PartialRolloutTrainer
     from fusedrl.trainer.ppo_trainer import PPOTrainer
 
-    staleness = int(config.async_training.max_staleness)
+    run = as_run_config(config)
+    staleness = run.async_training.max_staleness
     needed: type = PPOTrainer
     setting = ""
     if staleness > 0:
         needed, setting = AsyncPPOTrainer, f"async_training.max_staleness={staleness}"
-    elif bool(config.async_training.partial_rollout):
+    elif run.async_training.partial_rollout:
         needed, setting = PartialRolloutTrainer, "async_training.partial_rollout=true"
     if trainer_cls is None:
         return needed
@@ -71,48 +79,60 @@ def trainer_class(config: DictConfig, trainer_cls: type | None) -> type:
     return trainer_cls
 
 
-def run_slots(config: DictConfig) -> int:
+def typed_run(config: RunConfig | SFTRoleConfigs | DictConfig) -> RunConfig | SFTRoleConfigs:
+    """``config`` typed: a PPO-family `RunConfig`, or the SFT trainer's `SFTRoleConfigs` (its composed
+    DictConfig has no ``actor_rollout_ref``)."""
+    from fusedrl.sft_role_config import SFTRoleConfigs, build_sft_role_configs
+
+    if isinstance(config, (RunConfig, SFTRoleConfigs)):
+        return config
+    if "actor_rollout_ref" in config:
+        return RunConfig.of(config)
+    from fusedrl.config import to_plain_dict
+
+    return build_sft_role_configs(to_plain_dict(config), total_steps=1)
+
+
+def run_slots(config: RunConfig | SFTRoleConfigs | DictConfig) -> int:
     """Device slots the run reserves: every pool's (RL trainer, ``trainer.placement``), or
     ``trainer.nnodes x trainer.n_gpus_per_node`` (SFT trainer, which has no placement section)."""
-    if "placement" not in config.trainer:
-        return int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+    run = typed_run(config)
+    if not isinstance(run, RunConfig):
+        return run.trainer.nnodes * run.trainer.n_gpus_per_node
     from fusedrl.placement_config import read_placement
 
-    placement = read_placement(config.trainer)
+    placement = read_placement(dataclasses.asdict(run.trainer))
     return sum(placement.pools[p].world_size for p in {"global", *placement.role_pool.values()})
 
 
-def init_ray(config: DictConfig) -> None:
+def init_ray(config: RunConfig | SFTRoleConfigs | DictConfig) -> None:
     """Start a local Ray runtime sized for the run (no dashboard; workers get the engine env vars), or
     join the running cluster at ``RAY_ADDRESS`` (several machines, docs/placement.md)."""
     import ray
 
     if ray.is_initialized():
         return
-    num_cpus = config.trainer.ray_num_cpus or max(os.cpu_count() or 1, run_slots(config))
-    from omegaconf import OmegaConf
-
-    from fusedrl.workers.rollout.registry import engine_traits
-
-    engine = OmegaConf.select(config, "actor_rollout_ref.rollout.name", default=None)  # none in SFT runs
-    for module in OmegaConf.select(config, "algorithm.custom_modules", default=None) or []:
-        from fusedrl.config import import_plugin
-
-        import_plugin(str(module))  # an engine registered there (idempotent with the config check)
+    run = typed_run(config)
+    num_cpus = run.trainer.ray_num_cpus or max(os.cpu_count() or 1, run_slots(run))
     env = {
-        **(dict(engine_traits(engine).worker_env) if engine is not None else {}),
         "TOKENIZERS_PARALLELISM": "false",
         # vLLM's INFO lines (one per request batch, per reload) would drown the per-step log.
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     }
+    user_kwargs: Any = None  # trainer.ray_init (verl's ray_kwargs.ray_init.*): the user's ray.init arguments
+    if isinstance(run, RunConfig):  # an SFT run has no engine, plugins or ray_init
+        from fusedrl.config import import_plugin
+        from fusedrl.workers.rollout.registry import engine_traits
+
+        for module in run.algorithm.custom_modules:
+            import_plugin(module)  # an engine registered there (idempotent with the config check)
+        env = {**engine_traits(run.rollout.name).worker_env, **env}
+        user_kwargs = dict(run.trainer.ray_init or {})
     for key in ("PYTHONPATH", "HF_HUB_OFFLINE", "OMP_NUM_THREADS"):
         if key in os.environ:
             env[key] = os.environ[key]
     from fusedrl.ray_config import ray_init_kwargs
 
-    # trainer.ray_init (verl's ray_kwargs.ray_init.*): the user's ray.init arguments over fusedrl's
-    user = config.trainer.get("ray_init")
-    user_kwargs: Any = OmegaConf.to_container(user, resolve=True) if user is not None else None
     if os.environ.get("RAY_ADDRESS"):  # a running (multi-node) cluster: join it as it is sized
         ray.init(
             **ray_init_kwargs(
@@ -126,7 +146,7 @@ def init_ray(config: DictConfig) -> None:
     base = {
         "num_cpus": int(num_cpus),
         "include_dashboard": False,
-        "object_store_memory": int(float(config.trainer.ray_object_store_gb) * (1 << 30)),
+        "object_store_memory": int(float(run.trainer.ray_object_store_gb) * (1 << 30)),
         "runtime_env": {"env_vars": env},
         "logging_level": logging.WARNING,
     }

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fusedrl.auto_defaults import announce_resolved
 from fusedrl.checkpoint import RESUME_MODES, load_run_checkpoint, save_run_checkpoint
-from fusedrl.config import ConfigError, load_config, logger_names, to_plain_dict
+from fusedrl.config import ConfigError, compose_config, logger_names, to_plain_dict
 from fusedrl.config_sections import check_number
 from fusedrl.controller import WorkerGroup
 from fusedrl.controller.placement import slot_pool
@@ -179,14 +179,14 @@ def load_sft_config(overrides: Sequence[str] = ()) -> DictConfig:
     (unknown keys included) in one `ConfigError`."""
     problems: list[str] = []
     try:
-        cfg = load_config(overrides, config_name=CONFIG_NAME, validate_config=False)
+        cfg = compose_config(overrides, config_name=CONFIG_NAME, validate_config=False)
     except ConfigError as err:
         unknown = {p.split("`")[1] for p in err.problems if "unknown key" in p}
         if len(unknown) != len(err.problems):  # a parse error: nothing to validate
             raise
         problems.extend(err.problems)
         usable = [ov for ov in overrides if ov.split("=", 1)[0] not in unknown]
-        cfg = load_config(usable, config_name=CONFIG_NAME, validate_config=False)
+        cfg = compose_config(usable, config_name=CONFIG_NAME, validate_config=False)
     try:
         validate_sft(cfg)
     except ConfigError as err:

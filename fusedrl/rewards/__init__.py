@@ -31,7 +31,8 @@ ON_ERROR = ("raise", "zero")
 def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..., Any] | None = None) -> Any:
     """The reward manager named by ``reward_model.reward_manager``, configured from ``config``.
 
-    ``config`` is the trainer's typed `fusedrl.role_config.RoleConfigs`, or (library use, tests) a partial
+    ``config`` is the trainer's typed `fusedrl.role_config.RoleConfigs` (or `load_config`'s `RunConfig`), or
+    (library use, tests) a partial
     trainer config (DictConfig or plain dict) whose missing reward keys take the YAML's defaults
     (`typed_reward_sections`). Keys read:
 
@@ -51,8 +52,9 @@ def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable[..
     """
     from fusedrl.rewards.manager import BatchRewardManager, DAPORewardManager, NaiveRewardManager
     from fusedrl.role_config import RoleConfigs
+    from fusedrl.run_config import RunConfig
 
-    if isinstance(config, RoleConfigs):
+    if isinstance(config, (RoleConfigs, RunConfig)):
         run = config
         rm, custom, max_len = run.reward_model, run.custom_reward_function, run.data.max_response_length
     else:

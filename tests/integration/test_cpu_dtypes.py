@@ -118,7 +118,7 @@ def test_no_native_bf16_runs_float32_with_one_line(
     assert "Fake AVX2-only" in lines[0] and "float32" in lines[0]
     for key in BF16_KEYS:
         assert f"`{key}`" in lines[0]
-        assert str(OmegaConf.select(cfg, key)) == "float32"
+        assert str(OmegaConf.select(cfg.source, key)) == "float32"
 
     with runtime.started_trainer(cfg, compute_score=varied_score) as trainer:
         assert rollout_check_bound(trainer.run) == 1e-3  # float32 on both sides: the tight bound

@@ -352,7 +352,7 @@ def test_the_driver_reads_auto_conservatively():
     cfg = load_config(
         ["data.train_files=t", f"{ARR}.model.path=/m", f"{ARR}.rollout.dtype=float32"], validate_config=False
     )
-    assert OmegaConf.select(cfg, DTYPE_KEYS[0]) == AUTO
+    assert OmegaConf.select(cfg.source, DTYPE_KEYS[0]) == AUTO  # the composed config, as written
     cfg = run_config(cfg)  # the typed config the driver reads
     assert rollout_check_bound(cfg) == 0.1  # unresolved: the actor may compute in bf16
     assert rollout_check_bound(cfg, {DTYPE_KEYS[0]: None}) == 1e-3  # resolved float32 on both sides
@@ -368,10 +368,10 @@ def test_the_driver_reads_auto_conservatively():
 def test_the_emulated_bf16_switch_leaves_auto_alone():
     from omegaconf import OmegaConf
 
-    from fusedrl.config import load_config
+    from fusedrl.config import compose_config
     from fusedrl.cpu_dtype import apply_cpu_dtype_policy
 
-    cfg = load_config(["data.train_files=t", f"{ARR}.model.path=/m"], validate_config=False)
+    cfg = compose_config(["data.train_files=t", f"{ARR}.model.path=/m"], validate_config=False)
     switched = apply_cpu_dtype_policy(cfg, detect=lambda: (False, "CPU fake AVX2"))
     assert switched == [f"{ARR}.rollout.dtype"]  # verl's explicit bf16 engine default, not the auto keys
     assert [OmegaConf.select(cfg, key) for key in DTYPE_KEYS] == [AUTO] * 3
@@ -404,7 +404,7 @@ def test_config_checks_accept_auto_and_name_bad_values():
 
 
 def test_roles_refuse_unresolved_auto_and_test_configs_come_resolved():
-    from fusedrl.role_config import role_configs_from_overrides
+    from fusedrl.config import role_configs_from_overrides
 
     with pytest.raises(
         ValueError, match=r"critic.model: use_remove_padding=auto reached the role unresolved"
@@ -417,11 +417,13 @@ def test_roles_refuse_unresolved_auto_and_test_configs_come_resolved():
 
 
 def _sft_configs(*overrides: str):
-    from fusedrl.config import load_config, to_plain_dict
+    from fusedrl.config import compose_config, to_plain_dict
     from fusedrl.sft_role_config import build_sft_role_configs
 
     plain = to_plain_dict(
-        load_config(["data.train_files=t", "model.path=/m", *overrides], "sft_trainer", validate_config=False)
+        compose_config(
+            ["data.train_files=t", "model.path=/m", *overrides], "sft_trainer", validate_config=False
+        )
     )
     return build_sft_role_configs(plain, total_steps=5)
 

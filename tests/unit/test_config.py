@@ -103,7 +103,7 @@ def test_verl_style_keys_exist_with_defaults(base):
         "trainer.total_training_steps",
     ):
         parent, _, leaf = key.rpartition(".")
-        assert leaf in OmegaConf.select(cfg, parent), key
+        assert leaf in OmegaConf.select(cfg.source, parent), key
     # Defaults from trainer/config/ppo_trainer.yaml.
     assert cfg.data.train_batch_size == 8
     # verl's defaults for the keys verl also has: PPO with a critic, one sample, no KL loss, validate first.
@@ -213,7 +213,7 @@ def test_unknown_key_without_close_match_suggests_plus(base):
 
 def test_new_key_with_plus_is_accepted(base):
     cfg = load_config([*base, "+trainer.my_note=hello"])
-    assert cfg.trainer.my_note == "hello"
+    assert cfg.source.trainer.my_note == "hello"  # a new key: in the composed config, not the typed sections
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])

@@ -9,7 +9,7 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
-from fusedrl.config import load_config
+from fusedrl.config import compose_config
 from fusedrl.controller.placement import cluster_has_gpus, resource_pool
 from fusedrl.placement_config import PoolSpec
 
@@ -43,7 +43,7 @@ def test_slots_are_cpus_where_the_cluster_has_no_gpu(cpu_cluster_gpu_head):
 
 
 def _config(*overrides: str):
-    return load_config(["data.train_files=t", f"{ARR}.model.path=/m", *overrides], validate_config=False)
+    return compose_config(["data.train_files=t", f"{ARR}.model.path=/m", *overrides], validate_config=False)
 
 
 def test_rollout_check_bound_follows_the_workers_engine_dtype(gpu_cluster_cpu_head, monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from support import small_grpo_config
 
-from fusedrl.config import ConfigError, load_config
+from fusedrl.config import ConfigError, compose_config
 from fusedrl.controller.placement import plan_groups
 from fusedrl.placement_config import GLOBAL_POOL, PoolSpec, read_placement
 from fusedrl.workers.weight_sync import ALIGN, bucket_plan, bucket_size
@@ -23,7 +23,7 @@ def test_default_is_one_fused_pool(tiny_model_dir, arithmetic_data):
     cfg = _config(
         tiny_model_dir, arithmetic_data, "trainer.nnodes=2", "trainer.n_gpus_per_node=3", validate=False
     )
-    placement = read_placement(cfg.trainer)
+    placement = read_placement(cfg.source.trainer)
     assert placement.pools == {GLOBAL_POOL: PoolSpec(nnodes=2, slots_per_node=3)}
     assert placement.role_pool == {} and not placement.rollout_apart
     roles = ["actor", "rollout", "ref"]
@@ -37,7 +37,7 @@ def test_default_is_one_fused_pool(tiny_model_dir, arithmetic_data):
 
 def test_separate_rollout_pool(tiny_model_dir, arithmetic_data):
     cfg = _config(tiny_model_dir, arithmetic_data, GEN, "trainer.placement.roles={rollout: gen}")
-    placement = read_placement(cfg.trainer)
+    placement = read_placement(cfg.source.trainer)
     assert placement.rollout_apart
     assert placement.world_of("actor") == placement.world_of("rollout") == 1
     assert placement.total_slots(["actor", "rollout"]) == 2
@@ -103,7 +103,7 @@ def test_rollout_pool_sized_for_tensor_parallelism(tiny_model_dir, arithmetic_da
         "trainer.placement.roles={rollout: gen}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
     )
-    assert read_placement(ok.trainer).world_of("rollout") == 2
+    assert read_placement(ok.source.trainer).world_of("rollout") == 2
     with pytest.raises(ConfigError, match="must divide the number of rollout workers \\(3"):
         _config(
             tiny_model_dir,
@@ -164,7 +164,7 @@ def test_ray_is_sized_for_every_pool_and_for_sft(tiny_model_dir, arithmetic_data
     two_pools = _config(tiny_model_dir, arithmetic_data, GEN, "trainer.placement.roles={rollout: gen}")
     assert run_slots(two_pools) == 2
     # The SFT config has no placement section (init_ray once failed on it with a ConfigKeyError).
-    sft = load_config(
+    sft = compose_config(
         ["trainer.nnodes=1", "trainer.n_gpus_per_node=2"], config_name="sft_trainer", validate_config=False
     )
     assert run_slots(sft) == 2

@@ -13,12 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from fusedrl.role_config import (
-    RoleConfigs,
-    TokenIds,
-    build_role_configs,
-    role_configs_from_overrides,
-)
+from fusedrl.config import role_configs_from_overrides
+from fusedrl.role_config import RoleConfigs, TokenIds, build_role_configs
 from fusedrl.sft_role_config import SFTRoleConfigs, build_sft_role_configs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,10 +112,10 @@ def test_ppo_builder_gives_the_yaml_defaults_and_pickles():
 
 
 def test_sft_builder_gives_the_yaml_defaults():
-    from fusedrl.config import load_config, to_plain_dict
+    from fusedrl.config import compose_config, to_plain_dict
 
     plain = to_plain_dict(
-        load_config(["data.train_files=t.parquet", "model.path=/m"], "sft_trainer", validate_config=False)
+        compose_config(["data.train_files=t.parquet", "model.path=/m"], "sft_trainer", validate_config=False)
     )
     cfg = build_sft_role_configs(plain, total_steps=7)
     built = _as_plain(cfg)

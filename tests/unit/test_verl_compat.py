@@ -184,7 +184,7 @@ def test_verl_command_line_loads(files, family):
             continue
         from omegaconf import OmegaConf
 
-        got = OmegaConf.select(cfg, key, default="<absent>")
+        got = OmegaConf.select(cfg.source, key, default="<absent>")
         if got != "<absent>":
             assert _same(got, value), (key, got, value)
     assert len(lines) <= 1  # at most one console line names the ignored keys
@@ -216,7 +216,7 @@ def test_unread_plus_key_is_reported_and_reward_kwargs_are_not(files):
         ],
         report=lines.append,
     )
-    assert cfg.trainer.my_note == "hello" and cfg.reward_model.reward_kwargs.format_score == 0.1
+    assert cfg.source.trainer.my_note == "hello" and cfg.reward_model.reward_kwargs["format_score"] == 0.1
     assert len(lines) == 1 and "trainer.my_note (added with +, but nothing in fusedrl reads it)" in lines[0]
     assert "format_score" not in lines[0]
 
@@ -306,7 +306,8 @@ def test_global_micro_batches_split_over_each_roles_data_parallel_ranks(files):
     cfg = load_config([*placed, *globals_], validate_config=False)
     written = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
     assert (
-        data_parallel_size(cfg.trainer, "actor", 2) == 4 and data_parallel_size(cfg.trainer, "critic", 2) == 1
+        data_parallel_size(cfg.source.trainer, "actor", 2) == 4
+        and data_parallel_size(cfg.source.trainer, "critic", 2) == 1
     )
     run = run_config(cfg)
     assert run.actor.ppo_micro_batch_size_per_gpu == 2  # 8 / (8 workers / sp 2)

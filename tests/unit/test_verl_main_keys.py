@@ -98,7 +98,8 @@ def _main_line(files, reward_file, family: str) -> list[str]:
 @pytest.mark.parametrize("family", sorted(MAIN_FAMILIES))
 def test_verl_main_command_line_loads(files, reward_file, family):
     lines: list[str] = []
-    cfg = load_config(_main_line(files, reward_file, family), report=lines.append)  # no ConfigError
+    # the composed config (RunConfig.source): where each verl key landed, free-form mappings included
+    cfg = load_config(_main_line(files, reward_file, family), report=lines.append).source  # no ConfigError
     assert len(lines) <= 1
     said = lines[0] if lines else ""
     assert "unknown" not in said
@@ -221,11 +222,9 @@ def test_v1_trainer_modes(files):
         report=lambda line: None,
     )
     assert cfg.async_training.max_staleness == 1
-    assert cfg.trainer.placement.roles.rollout == "rollout"
-    assert (
-        cfg.trainer.placement.pools.rollout.nnodes,
-        cfg.trainer.placement.pools.rollout.n_gpus_per_node,
-    ) == (1, 1)
+    placement = cfg.source.trainer.placement  # as composed (the typed pools are plain mappings)
+    assert placement.roles.rollout == "rollout"
+    assert (placement.pools.rollout.nnodes, placement.pools.rollout.n_gpus_per_node) == (1, 1)
     with pytest.raises(ConfigError) as info:
         load_config([*_common(files), "trainer.v1.trainer_mode=colocate_async"])
     assert len(info.value.problems) == 1
@@ -286,7 +285,7 @@ def test_py_executable_program_must_exist(files, tmp_path, monkeypatch):
     assert len(info.value.problems) == 2
     assert "no extra vllm (its extras: cpu)" in info.value.problems[0] and "uv.lock" in info.value.problems[1]
     cfg = load_config([*_common(files), "ray_kwargs.ray_init.runtime_env.py_executable='uv run --extra cpu'"])
-    assert cfg.trainer.ray_init.runtime_env.py_executable == "uv run --extra cpu"
+    assert cfg.source.trainer.ray_init.runtime_env.py_executable == "uv run --extra cpu"
     with pytest.raises(ConfigError) as info:
         load_config([*_common(files), "+ray_kwargs.ray_init.num_gpu=1"])
     assert "ray.init has no parameter 'num_gpu'" in info.value.problems[0]
