@@ -198,7 +198,23 @@ def update_without_sync(trainer, prompts) -> None:
     batch = trainer.compute_ref_log_probs(batch)
     batch = trainer.compute_advantages(batch)
     trainer.update_actor(batch)
-    trainer.rollout_stale = False  # a choreography that forgets the sync (generate would re-sync first)
+    forget_sync_before_next_rollout(trainer)  # (generate's own sync would stream the update first)
+
+
+def forget_sync_before_next_rollout(trainer) -> None:
+    """A choreography that forgets the sync: the next `generate` skips its sync step (the workers, which
+    decide whether a stream is needed, are never asked). Explicit syncs before it still stream."""
+    generate = trainer.generate
+
+    def generate_without_sync(*args, **kwargs):
+        del trainer.generate
+        trainer.sync_weights = lambda force=False: {}
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            del trainer.sync_weights
+
+    trainer.generate = generate_without_sync
 
 
 def two_step_grpo() -> list[str]:

@@ -79,8 +79,6 @@ class InFlight:
 class AsyncPPOTrainer(PPOTrainer):
     """`PPOTrainer` whose generation of the next step overlaps this step's training (module docstring)."""
 
-    rollout_stale: bool  # (set by PPOTrainer.__init__; declared for mypy)
-
     def __init__(self, config: DictConfig, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.max_staleness = max_staleness(self.run)
@@ -94,7 +92,10 @@ class AsyncPPOTrainer(PPOTrainer):
     def submit_generation(self, prompts: RolloutBatch, step: int) -> InFlight:
         """Send step ``step``'s generation (seeds of that step) to the rollout workers without waiting."""
         batch, to_send = self.generation_request(prompts, False, 0, step)
-        if self.rollout_stale:  # level-2 sleep threw the engine's weights away: restore the current ones
+        # The rollout workers decide whether their engines need the weights (`sync_weights`), answering
+        # for now: with generations queued only an engine whose sleep discards them can need a stream, and
+        # then the stream (the actor pool takes part) waits for them, as `sync_weights` does.
+        if not self.queue or self.rollout_discards_weights:
             self.sync_weights()
         batch.policy_version = torch.full((batch.num_samples,), self.engine_version, dtype=torch.long)  # [B]
         rollout = self.group_for("rollout")
@@ -110,7 +111,6 @@ class AsyncPPOTrainer(PPOTrainer):
         flight.calls = [wake, gen, sleep]
         for ref in gen.refs:
             ref.future().add_done_callback(lambda _f, fl=flight: self._answered(fl))
-        self.rollout_stale = self.rollout_discards_weights
         return flight
 
     def _answered(self, flight: InFlight) -> None:
@@ -209,11 +209,11 @@ class AsyncPPOTrainer(PPOTrainer):
         self.actor_version += 1
         return metrics
 
-    def sync_weights(self) -> Metrics:
+    def sync_weights(self, force: bool = False) -> Metrics:
         """The generation in flight finishes on the weights it started with; then the actor's new weights
-        go into the engine (``engine_version`` follows)."""
+        go into the engine where the rollout workers need them (``engine_version`` follows)."""
         metrics = self.finish_in_flight()
-        metrics.update(super().sync_weights())
+        metrics.update(super().sync_weights(force))
         self.engine_version = self.actor_version
         return metrics
 

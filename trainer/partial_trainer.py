@@ -48,8 +48,6 @@ STATE_FILE = "partial_rollout.pt"
 class PartialRolloutTrainer(PPOTrainer):
     """`PPOTrainer` whose steps train on the first groups to finish (module docstring)."""
 
-    rollout_stale: bool  # (set by PPOTrainer.__init__; declared for mypy)
-
     def __init__(self, config: DictConfig, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.actor_version = 0  # actor updates so far: the version the engine samples with
@@ -109,8 +107,7 @@ class PartialRolloutTrainer(PPOTrainer):
         new = self.in_flight - self.carried_groups
         batch, _ = self.generation_request(self.take_prompts(new), False, 0, self.global_step)
         rollout = self.group_for("rollout")
-        if self.rollout_stale:
-            self.sync_weights()
+        self.sync_weights()  # the rollout workers decide whether their engines need the weights
         rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
         sampling, version = self.sampling(False), self.actor_version
         quota = self.run.data.train_batch_size // self.rollout_workers
@@ -119,7 +116,6 @@ class PartialRolloutTrainer(PPOTrainer):
             lambda w, shard: w.rollout_generate_partial.remote(shard, sampling, version, quota, drain), batch
         )
         rollout.run_all(lambda w: w.rollout_sleep.remote())
-        self.rollout_stale = self.rollout_discards_weights
         self.group_for("actor").run_all(lambda w: w.load_actor.remote())
         self.carried_groups += new - self.run.data.train_batch_size
         metrics["partial/new_groups"] = float(new)

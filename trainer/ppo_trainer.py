@@ -22,8 +22,8 @@ import torch
 from omegaconf import DictConfig
 
 from fusedrl.algorithms import get_adv_estimator, get_adv_traits
-from fusedrl.algorithms.kl_control import apply_kl_in_reward, build_kl_controller
-from fusedrl.algorithms.rollout_correction import correct_advantages
+from fusedrl.algorithms.kl_control import build_kl_controller, penalize_rewards
+from fusedrl.algorithms.rollout_correction import correct_batch
 from fusedrl.balance import balance_over_ranks
 from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import load_run_checkpoint, save_run_checkpoint, seed_rng
@@ -93,9 +93,6 @@ class PPOTrainer(RewardModelScoring):
         self.global_step = 0
         self.ckpt_root = tr.default_local_dir
         self.groups = RoleGroups()
-        # The engines' weights differ from the actor's (after an update, or after a level-2 sleep threw
-        # them away) until the next `sync_weights`; `generate` re-syncs first when they do.
-        self.rollout_stale = False
         self._data_iter: Iterator[RolloutBatch] | None = None
 
     # ------------------------------------------------------------------ setup
@@ -112,7 +109,6 @@ class PPOTrainer(RewardModelScoring):
         (`group_for`). A rollout on a pool of its own gets the weights by broadcast, not in place.
         """
         self.groups = RoleGroups.start_placed(WorkerDict, self.run, self.run_roles(), role_groups)
-        self.rollout_stale = self.rollout_discards_weights  # the engines slept once built
 
     def group_for(self, role: str) -> WorkerGroup:
         """The worker group holding ``role``."""
@@ -180,42 +176,70 @@ class PPOTrainer(RewardModelScoring):
         return last
 
     def train_step(self) -> Metrics:
-        """One RL step. Every stage is a method a subclass may override."""
-        metrics: Metrics = {}
-        with timer("step", metrics):
-            batch = self.collect_batch(metrics)  # generate + reward (+ dynamic sampling)
-            batch = self.balance_batch(batch, metrics)
-            if self.reward_model_overlaps:  # it scores while the actor computes log-probs
-                self.submit_reward_model_scores(batch)
-            reuse = self.old_log_probs_from_update(batch)
-            metrics["actor/old_log_prob_from_update"] = float(reuse)
-            if not reuse:
-                with timer("old_log_prob", metrics):
-                    batch = self.compute_log_probs(batch)
-            if self.use_reference:
-                with timer("ref", metrics):
-                    batch = self.compute_ref_log_probs(batch)
-            batch = self.await_reward_model_scores(batch, metrics)
-            if self.run.algorithm.use_kl_in_reward:
-                batch = self.apply_kl_penalty(batch, metrics)
-            if self.use_critic:
-                with timer("values", metrics):
-                    batch = self.compute_values(batch)
-            with timer("adv", metrics):
-                batch = self.compute_advantages(batch)
-                batch = self.apply_rollout_correction(batch, metrics)
-            if self.use_critic:
-                with timer("update_critic", metrics):
-                    metrics.update(self.update_critic(batch))
-            # trainer.critic_warmup: the first N steps train only the critic (the policy, and so the
-            # engine's weights, stay as they were).
-            if self.actor_trains_this_step:
-                with timer("update_actor", metrics):
-                    metrics.update(self.update_actor(batch))
-                with timer("sync_weights", metrics):
-                    metrics.update(self.sync_weights())
-        metrics.update(self.batch_metrics(batch, metrics["timing_s/step"]))
-        return metrics
+        """One RL step, one line per phase; a subclass may override each phase or the methods it calls."""
+        m: Metrics = {}
+        with timer("step", m):
+            batch = self.step_rollout(m)  # generate + reward (+ dynamic sampling), balanced over the ranks
+            batch = self.step_log_probs(batch, m)  # old log-probs, unless the update's own forward gives them
+            batch = self.step_reference(
+                batch, m
+            )  # reference log-probs; reward-model scores, KL in the reward
+            batch = self.step_values(batch, m)  # the critic's values (GAE)
+            batch = self.step_advantages(batch, m)  # advantages, then the rollout correction
+            self.step_update_critic(batch, m)
+            self.step_update_actor(batch, m)  # not during trainer.critic_warmup
+            self.step_sync(m)  # after an update; the workers stream only where an engine needs it
+        m.update(self.batch_metrics(batch, m["timing_s/step"]))
+        return m
+
+    # ------------------------------------------------------------------ the step's phases
+    def step_rollout(self, metrics: Metrics) -> RolloutBatch:
+        batch = self.balance_batch(self.collect_batch(metrics), metrics)
+        if self.reward_model_overlaps:  # it scores while the actor computes log-probs
+            self.submit_reward_model_scores(batch)
+        return batch
+
+    def step_log_probs(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
+        reuse = self.old_log_probs_from_update(batch)
+        metrics["actor/old_log_prob_from_update"] = float(reuse)
+        if reuse:
+            return batch
+        with timer("old_log_prob", metrics):
+            return self.compute_log_probs(batch)
+
+    def step_reference(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
+        if self.use_reference:
+            with timer("ref", metrics):
+                batch = self.compute_ref_log_probs(batch)
+        batch = self.await_reward_model_scores(batch, metrics)
+        return self.apply_kl_penalty(batch, metrics) if self.run.algorithm.use_kl_in_reward else batch
+
+    def step_values(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
+        if not self.use_critic:
+            return batch
+        with timer("values", metrics):
+            return self.compute_values(batch)
+
+    def step_advantages(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
+        with timer("adv", metrics):
+            return self.apply_rollout_correction(self.compute_advantages(batch), metrics)
+
+    def step_update_critic(self, batch: RolloutBatch, metrics: Metrics) -> None:
+        if self.use_critic:
+            with timer("update_critic", metrics):
+                metrics.update(self.update_critic(batch))
+
+    def step_update_actor(self, batch: RolloutBatch, metrics: Metrics) -> None:
+        # trainer.critic_warmup: the first N steps train only the critic (the policy stays as it was).
+        if self.actor_trains_this_step:
+            with timer("update_actor", metrics):
+                metrics.update(self.update_actor(batch))
+
+    def step_sync(self, metrics: Metrics) -> None:
+        # Only after an update: a warm-up step's engine keeps its weights (or the next rollout restores them).
+        if self.actor_trains_this_step:
+            with timer("sync_weights", metrics):
+                metrics.update(self.sync_weights())
 
     def check_health(self, metrics: Metrics) -> None:
         """Stop the run, with a report, on non-finite updates or a rollout that diverges from the actor
@@ -237,7 +261,6 @@ class PPOTrainer(RewardModelScoring):
         # verl's actor.checkpoint.save_contents=[..., hf_model]: also a Hugging Face folder of the policy.
         if "hf_model" in self.run.actor.checkpoint.save_contents:
             self.export_hf(os.path.join(path, "huggingface"))
-        self.rollout_stale |= self.rollout_discards_weights  # the engines slept while the state was resident
         return path
 
     def save_driver_files(self, folder: str) -> None:
@@ -263,7 +286,6 @@ class PPOTrainer(RewardModelScoring):
         """Write the current policy as a Hugging Face folder that transformers and vLLM load (LoRA: merged;
         with ``adapter_dir`` also the adapter as a PEFT folder)."""
         self.workers.run_all(lambda w: w.export_hf.remote(out_dir, adapter_dir))
-        self.rollout_stale |= self.rollout_discards_weights  # the engines slept while the state was resident
 
     def next_prompts(self) -> RolloutBatch:
         """The next batch of prompts; epochs roll over (the loader's position is checkpointed)."""
@@ -353,23 +375,21 @@ class PPOTrainer(RewardModelScoring):
     ) -> RolloutBatch:
         """Repeat each prompt ``n`` times and sample one response per row on the rollout workers.
 
-        The rollout phase's memory moves, in order: re-stream the weights if the engine's are stale (an
-        update since the last stream, or a level-2 sleep threw them away) -> wake the engine -> generate ->
+        The rollout phase's memory moves, in order: `sync_weights` (a no-op unless the engines' weights are
+        stale: an update since the last stream, or a level-2 sleep threw them away) -> wake the engine -> generate ->
         the engine sleeps -> the actor's parameters come back for the log-prob passes. Each row gets its
         own sampling seed (`step_plan.sample_seeds`), so a resumed run regenerates the same samples.
         """
         batch, to_send = self.generation_request(prompts, validate, seed_offset, self.global_step)
         tp = self.run.rollout.tensor_model_parallel_size
         rollout = self.group_for("rollout")
-        if self.rollout_stale:
-            self.sync_weights()
+        self.sync_weights()  # the rollout workers decide whether their engines need the weights
         rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
         sampling, fields = self.sampling(validate), self.response_fields
         shards = rollout.run_split(
             lambda w, shard: w.rollout_generate_fields.remote(shard, sampling, fields), to_send, replicas=tp
         )
         rollout.run_all(lambda w: w.rollout_sleep.remote())
-        self.rollout_stale = self.rollout_discards_weights
         self.group_for("actor").run_all(lambda w: w.load_actor.remote())
         return batch.set_fields(rollout.gather_fields(shards, to_send))
 
@@ -431,21 +451,7 @@ class PPOTrainer(RewardModelScoring):
 
     def apply_kl_penalty(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         """``algorithm.use_kl_in_reward``: rewards = scores - beta * KL(actor || ref); beta adapts."""
-        alg = self.run.algorithm
-        rewards, mean_kl = apply_kl_in_reward(
-            batch.token_level_scores,
-            batch.old_log_probs,
-            batch.ref_log_probs,
-            batch.response_mask,
-            beta=self.kl_ctrl.value,
-            kind=alg.kl_penalty,
-        )
-        batch.token_level_rewards = rewards
-        metrics["actor/reward_kl_penalty"] = mean_kl
-        metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value
-        # verl's n_steps: the batch's rows (data.train_batch_size x rollout.n), not its prompts.
-        self.kl_ctrl.update(mean_kl, n_steps=batch.num_samples)
-        return batch
+        return penalize_rewards(batch, self.kl_ctrl, self.run.algorithm.kl_penalty, metrics)
 
     def _model_inputs(self, batch: RolloutBatch) -> RolloutBatch:
         return batch.select_fields(*batch.model_input_fields())
@@ -454,18 +460,7 @@ class PPOTrainer(RewardModelScoring):
         """``algorithm.rollout_correction``: weight / reject the actor's advantages by the rollout-vs-trainer
         log-prob ratio (`fusedrl.algorithms.rollout_correction`); a no-op when both are off, and in bypass mode
         (there pi_old is the rollout policy: the actor's loss measures the current policy against it)."""
-        rc = self.run.algorithm.rollout_correction
-        if rc.bypass_mode or (rc.rollout_is is None and rc.rollout_rs is None):
-            return batch
-        batch.advantages, rc_metrics = correct_advantages(
-            batch.advantages,
-            batch.old_log_probs,
-            batch.rollout_log_probs,
-            batch.response_mask,
-            dataclasses.asdict(rc),
-        )
-        metrics.update(rc_metrics)
-        return batch
+        return correct_batch(batch, self.run.algorithm.rollout_correction, metrics)
 
     def compute_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
         """``old_log_probs``: the actor's log-probs of the samples before this step's update. In
@@ -549,7 +544,6 @@ class PPOTrainer(RewardModelScoring):
         actor, sp = self.group_for("actor"), self.actor_sp
         # The optimizer state is on the device only for the update.
         actor.run_all(lambda w: w.load_actor.remote(optimizer=True))
-        self.rollout_stale = True
         if batch.old_log_probs is None:  # see `old_log_probs_from_update`: the update's forward gives them
             inputs = batch.select_fields(*[f for f in fields if f != "old_log_probs"])
             pairs = actor.run_split(
@@ -563,20 +557,24 @@ class PPOTrainer(RewardModelScoring):
         actor.run_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
         return mean_over_ranks(per_rank)
 
-    def sync_weights(self) -> Metrics:
-        """Stream the updated policy into every rollout engine in place (collective).
+    def sync_weights(self, force: bool = False) -> Metrics:
+        """Stream the policy into every rollout engine in place (collective), unless the rollout workers
+        say their engines hold it (`RoleGroups.engines_need_stream`; ``force``: stream anyway).
+        ``sync/streamed`` says which happened.
 
         Moves, in order: the engine's allocator is prepared -> the actor's shards are on the device ->
         the engine's weights wake -> one full tensor at a time into the engine -> the shards leave again.
         """
+        needed, version = self.groups.engines_need_stream()
+        if not (needed or force):
+            return {"sync/streamed": 0.0}
         actor, rollout = self.group_for("actor"), self.group_for("rollout")
         rollout.run_all(lambda w: w.prepare_weight_update.remote())
         actor.run_all(lambda w: w.load_actor.remote())
         rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights"]))
-        per_rank = self.groups.stream_weights()  # in place, or by broadcast to a rollout pool
+        per_rank = self.groups.stream_weights(version)  # in place, or by broadcast to a rollout pool
         actor.run_all(lambda w: w.offload_actor.remote(params=True, optimizer=False))
-        self.rollout_stale = False
-        return mean_over_ranks(per_rank)
+        return {**mean_over_ranks(per_rank), "sync/streamed": 1.0}
 
     @property
     def rollout_discards_weights(self) -> bool:

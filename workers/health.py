@@ -17,17 +17,19 @@ import time
 import traceback
 from typing import Any
 
-import ray
-
 from fusedrl.workers.memory import peak_rss_gb, rss_gb
 
 HEALTH_GROUP = "health"
 
 
-class HealthReporting:
-    """Mixin for a worker class that the driver's ``WorkerGroup`` can monitor."""
+class HealthReporter:
+    """What a worker the driver's ``WorkerGroup`` monitors answers, as an object the worker holds: its
+    ``health_report`` / ``dump_stacks`` remote methods (in the `HEALTH_GROUP` concurrency group) delegate
+    here. ``owner``: the worker, whose running methods `dump_stacks` looks for."""
 
-    @ray.method(concurrency_group=HEALTH_GROUP)
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
     def health_report(self) -> dict[str, Any]:
         """pid, node, host RSS now and at its peak (GB = 1e9 bytes), wall-clock time of the report."""
         return {
@@ -38,7 +40,6 @@ class HealthReporting:
             "time": time.time(),
         }
 
-    @ray.method(concurrency_group=HEALTH_GROUP)
     def dump_stacks(self) -> str:
         """The Python stacks of the threads running this worker's methods (all other threads when none is:
         the hang is then outside a method). The reporting thread itself is left out."""
@@ -48,7 +49,7 @@ class HealthReporting:
 
         def runs_a_method(frame: Any) -> bool:
             while frame is not None:
-                if frame.f_locals.get("self") is self:
+                if frame.f_locals.get("self") is self.owner:
                     return True
                 frame = frame.f_back
             return False

@@ -252,6 +252,47 @@ class Offloader:
 
 
 # ---------------------------------------------------------------------- the CUDA caching allocator
+def role_offloaders(
+    cfg: Any, events: Any, *, actor: Any, ref: Any, critic: Any, keep_actor_params: bool
+) -> tuple[Offloader | None, Offloader | None, Offloader | None]:
+    """The offloaders of a worker's actor, reference (one with a model of its own) and critic, per their
+    ``fsdp_config`` offload flags (``cfg``: the typed role configs), recording into ``events``.
+    ``keep_actor_params``: an engine on the actor's own module generates with its parameters, so they stay
+    (validated at start-up)."""
+    actor_mem = ref_mem = critic_mem = None
+    if actor is not None:
+        fsdp = cfg.actor.fsdp_config
+        actor_mem = Offloader(
+            "actor",
+            actor.model,
+            actor.optimizer,
+            param_offload=fsdp.param_offload,
+            optimizer_offload=fsdp.optimizer_offload,
+            events=events,
+        )
+        actor_mem.param_offload &= not keep_actor_params
+    if ref is not None:
+        ref_mem = Offloader(
+            "ref",
+            ref.model,
+            None,
+            param_offload=cfg.ref.fsdp_config.param_offload,
+            optimizer_offload=False,  # a frozen model has no optimizer
+            events=events,
+        )
+    if critic is not None:
+        critic_fsdp = cfg.critic.model.fsdp_config
+        critic_mem = Offloader(
+            "critic",
+            critic.model,
+            critic.optimizer,
+            param_offload=critic_fsdp.param_offload,
+            optimizer_offload=critic_fsdp.optimizer_offload,
+            events=events,
+        )
+    return actor_mem, ref_mem, critic_mem
+
+
 def empty_cache() -> None:
     """Return cached, unused device blocks to the driver (so vLLM can take them). No-op on CPU."""
     if torch.cuda.is_available():

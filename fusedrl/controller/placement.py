@@ -183,13 +183,25 @@ class RoleGroups:
         for group in self.unique():
             group.run_shards(lambda w, cpus: w.bind_cpus.remote(cpus), by_pool[id(group.pool)])
 
-    def stream_weights(self) -> list[dict[str, float]]:
-        """The actor's weights into every rollout engine: in place where they share the workers (each rank's
-        metrics), else over the broadcast route (one set of metrics). The actor's shards must be on the
-        device and the engines' weights awake."""
+    def engines_need_stream(self) -> tuple[bool, int]:
+        """Whether the rollout engines need the actor's weights, as the rollout workers decide from their
+        phase (`WorkerDict.rollout_needs_stream`); and the actor's policy version. In place the worker saw
+        its actor change; a rollout pool is told the version and compares it with the one it holds. Every
+        rank must agree (one collective stream or none); nothing may be queued on the workers."""
+        version = int(self.group_for("actor").run_rank0(lambda w: w.policy_version.remote()))
+        ask = None if self.weight_route is None else version
+        needs = set(self.group_for("rollout").run_all(lambda w: w.rollout_needs_stream.remote(ask)))
+        if len(needs) != 1:
+            raise RuntimeError(f"rollout ranks disagree whether their engines need a stream: {sorted(needs)}")
+        return needs.pop(), version
+
+    def stream_weights(self, version: int | None = None) -> list[dict[str, float]]:
+        """The actor's weights (policy ``version``) into every rollout engine: in place where they share the
+        workers (each rank's metrics), else over the broadcast route (one set of metrics). The actor's shards
+        must be on the device and the engines' weights awake."""
         if self.weight_route is None:
             return self.group_for("actor").run_all(lambda w: w.update_weights.remote())
-        return [self.weight_route.sync()]
+        return [self.weight_route.sync(version)]
 
     def group_for(self, role: str) -> WorkerGroup:
         """The worker group holding ``role``."""

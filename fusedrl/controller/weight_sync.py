@@ -66,13 +66,15 @@ class BroadcastRoute:
             ]
         )
 
-    def sync(self) -> Metrics:
-        """One sync: the training ranks gather and broadcast, the rollout ranks receive and load (their
-        engines awake). Metrics: the root's (time, bytes, buckets) and the rollout rank 0's receive time."""
+    def sync(self, version: int | None = None) -> Metrics:
+        """One sync of the actor's policy ``version``: the training ranks gather and broadcast, the rollout
+        ranks receive and load (their engines awake) and record the version. Metrics: the root's (time,
+        bytes, buckets) and the rollout rank 0's receive time."""
+        receive = lambda w: w.receive_weights.remote(version=version)  # noqa: E731
         sent, received = run_together(
             [
                 (self.actor, range(self.actor.world_size), lambda w: w.send_weights.remote()),
-                (self.rollout, range(self.rollout.world_size), lambda w: w.receive_weights.remote()),
+                (self.rollout, range(self.rollout.world_size), receive),
             ]
         )
         metrics = dict(sent[0])  # the root: the only rank that broadcasts

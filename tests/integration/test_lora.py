@@ -85,7 +85,7 @@ def test_zero_adapter_stream_leaves_engine_unchanged(trainer):
     so its samples and log-probs do not move, and they equal the PEFT actor's."""
     prompts = next(iter(trainer.train_loader))
     before = trainer.generate(prompts)
-    metrics = trainer.sync_weights()
+    metrics = trainer.sync_weights(force=True)  # the engine is current: the workers would skip the stream
     after = trainer.compute_log_probs(trainer.generate(prompts))
     assert torch.equal(before.responses, after.responses)
     mask = after.response_mask.bool()

@@ -10,7 +10,7 @@ nothing, but the calls and their order are the same as on a GPU), and gradient c
 from __future__ import annotations
 
 import pytest
-from support import FLOAT32_TRAINING, started_trainer
+from support import FLOAT32_TRAINING, forget_sync_before_next_rollout, started_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -122,10 +122,10 @@ def test_checkpoints_put_an_awake_engine_to_sleep_before_state_comes_back(traine
     """Saving or loading brings every offloaded model and optimizer back to the device; an engine that
     holds its memory sleeps first (as at start-up), and at level 2 the driver then re-streams."""
     trainer.sync_weights()  # the engine's weights are awake now
-    assert not trainer.rollout_stale
+    assert not _phase(trainer)["needs_stream"]
     mark = len(trainer.workers.run_all(lambda w: w.get_events.remote())[0])
     path = trainer.save_checkpoint()
-    assert trainer.rollout_stale, "the engine slept at level 2 while the state was resident"
+    assert _phase(trainer)["needs_stream"], "the engine slept at level 2 while the state was resident"
     (events,) = trainer.workers.run_all(lambda w: w.get_events.remote())
     assert events[mark:] == [
         "rollout.sleep(level=2)",
@@ -143,8 +143,13 @@ def test_checkpoints_put_an_awake_engine_to_sleep_before_state_comes_back(traine
     assert events[mark : mark + 2] == ["rollout.sleep(level=2)", "actor.load_params"]
     # The next rollout re-streams and sees the restored weights (the log-prob check is on, 1e-3).
     prompts = next(iter(trainer.train_loader))
-    trainer.rollout_stale = True  # what PPOTrainer.load_checkpoint's own sync would do
+    assert _phase(trainer)["needs_stream"]  # the worker's phase saw the restore: the next rollout streams
     assert _rollout_metrics(trainer, prompts)["rollout/log_prob_abs_diff_mean"] < 1e-3
+
+
+def _phase(trainer):
+    (phase,) = trainer.workers.run_all(lambda w: w.rollout_phase.remote())
+    return phase
 
 
 def _rollout_metrics(trainer, prompts):
@@ -164,7 +169,7 @@ def test_forgetting_the_restream_after_a_level2_sleep_is_caught(trainer):
     (events,) = trainer.workers.run_all(lambda w: w.get_events.remote())
     last = len(events) - 1 - events[::-1].index("rollout.generate")
     assert events[last + 1] == "rollout.sleep(level=2)"
-    trainer.rollout_stale = False  # a choreography that forgets the re-stream
+    forget_sync_before_next_rollout(trainer)  # a choreography that forgets the re-stream
     with pytest.raises(RuntimeError, match="stale or corrupt weights"):
         trainer.check_health(_rollout_metrics(trainer, prompts))
     # (The engine is not reused after this: generating with NaN weights leaves NaN in its KV blocks.)

@@ -38,7 +38,8 @@ def test_tensor_crossings_per_grpo_step(tiny_model_dir, arithmetic_data, tmp_pat
             metrics = trainer.train_step()
             per_step.append(trainer.groups.tensor_crossings() - before)
             (phase,) = trainer.workers.run_all(lambda w: w.rollout_phase.remote())
-            assert phase["needs_stream"] == trainer.rollout_stale  # the worker's phase agrees with the driver
+            # The worker's phase decides the streams: the sync after the update left the engine current.
+            assert not phase["needs_stream"] and metrics["sync/streamed"] == 1.0
         traffic = trainer.workers.traffic
         step2 = {k: v - calls_before.get(k, 0) for k, v in traffic.by_call.items()}
     assert metrics["actor/old_log_prob_from_update"] == 1.0

@@ -45,3 +45,29 @@ def test_an_update_after_a_discard_keeps_it_discarded():
     p.sleep(discards_weights=True)
     assert not p.actor_changed()
     assert p.weights == "discarded"
+
+
+def test_two_syncs_in_a_row_stream_once():
+    """The worker decides (no driver flag): after an update the first sync streams, the second is skipped."""
+    p = EnginePhase()
+    p.actor_changed()
+    assert p.actor_version == 1 and p.wants() and p.skipped == 0
+    p.streamed(full=True)
+    assert p.engine_version == 1 and p.streams == 1
+    assert not p.wants()  # current: skipped, counted
+    assert (p.streams, p.skipped) == (1, 1)
+    p.sleep(discards_weights=True)  # a level-2 sleep forces the next stream, with no actor change
+    assert p.wants() and p.actor_version == 1
+
+
+def test_a_rollout_pool_compares_versions():
+    """A rollout on a pool of its own never sees the actor change: the sync tells it the actor's version."""
+    p = EnginePhase()
+    assert not p.wants(0)  # built from the same files as the actor
+    assert p.wants(2) and p.weights == "stale"
+    assert p.moves[-1] == "actor_changed -> awake, weights stale"
+    p.streamed(full=True, version=2)
+    assert not p.wants(2) and p.engine_version == 2
+    p.sleep(discards_weights=True)
+    assert p.wants(2)  # same version, but the weights were thrown away
+    assert p.report()["needs_stream"] and p.report()["engine_version"] == 2
