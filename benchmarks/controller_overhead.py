@@ -38,8 +38,8 @@ def main() -> None:
     import ray
 
     from benchmarks.common import fmt, record, summary
+    from fusedrl.config import role_configs_from_overrides
     from fusedrl.controller import ResourcePool, WorkerGroup
-    from fusedrl.role_config import role_configs_from_overrides
     from fusedrl.workers.worker_dict import WorkerDict
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", object_store_memory=512 << 20)

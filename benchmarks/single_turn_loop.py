@@ -28,8 +28,8 @@ def measure(engine_name: str, rows: int, max_tokens: int, rounds: int) -> dict:
 
     from benchmarks.common import model_dir
     from benchmarks.rollout_throughput import _prompt_ids
+    from fusedrl.config import role_configs_from_overrides
     from fusedrl.plugins import load_function
-    from fusedrl.role_config import role_configs_from_overrides
     from fusedrl.workers.rollout.base import (
         EngineContext,
         SamplingConfig,

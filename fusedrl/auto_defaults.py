@@ -318,7 +318,7 @@ def _resolve_sft(cfg: SFTRoleConfigs, facts: DeviceFacts) -> tuple[SFTRoleConfig
 
 def require_resolved(where: str, **values: Any) -> None:
     """Refuse ``auto`` where a role reads the value (``bool("auto")`` is True): the worker resolves the
-    configs before building its roles, `fusedrl.role_config.role_configs_from_overrides` for tests."""
+    configs before building its roles, `fusedrl.config.role_configs_from_overrides` for tests."""
     left = [name for name, value in values.items() if value == AUTO]
     if left:
         raise ValueError(

@@ -564,26 +564,6 @@ def run_config(
     return build_role_configs(plain, tokens=tokens, agent_tools=agent_tools, total_steps=total_steps)
 
 
-def role_configs_from_overrides(
-    overrides: Any = (), *, tokens: TokenIds | None = None, config_name: str = "ppo_trainer"
-) -> Any:
-    """The YAML + ``key=value`` overrides (not validated) as the typed configs a worker receives: for tests
-    and benchmarks that build roles or workers without the trainer. ``config_name`` ``sft_trainer`` gives
-    `SFTRoleConfigs` (``total_steps`` 1). The ``auto`` keys are resolved for this process's device, where
-    such callers build their roles (`fusedrl.auto_defaults`; a worker resolving them again changes nothing)."""
-    from fusedrl.auto_defaults import local_facts, resolve_configs
-    from fusedrl.config import compose_config, to_plain_dict  # omegaconf/hydra: only here
-
-    plain = to_plain_dict(compose_config(list(overrides), config_name=config_name, validate_config=False))
-    if config_name == "sft_trainer":
-        from fusedrl.sft_role_config import build_sft_role_configs
-
-        built: Any = build_sft_role_configs(plain, total_steps=1)
-    else:
-        built = build_role_configs(plain, tokens=tokens or TokenIds(eos=0, pad=0))
-    return resolve_configs(built, local_facts())[0]
-
-
 def records_routed_experts(rollout: RolloutConfig) -> bool:
     """Whether the engine records each token's experts (`fusedrl.third_party.vllm.routed_experts`)."""
     return bool(rollout.enable_rollout_routing_replay or rollout.record_routed_experts)

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from fusedrl.workers.expert_parallel import fsdp_ignored_params, shard_experts
+from fusedrl.workers.model_layers import decoder_layers
 from fusedrl.workers.shm_collectives import ShmCollectives, for_group, install_on_fsdp
 
 DTYPES = {
@@ -105,17 +106,6 @@ def load_causal_lm(path: str, dtype: str, attn_implementation: str = "sdpa") -> 
     )
     model.config.use_cache = False  # training forwards never use the KV cache
     return model
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a HF causal LM (``model.model.layers`` for Llama/Qwen-style models)."""
-    if hasattr(model, "get_base_model"):  # a PEFT model: the layers are the wrapped model's
-        model = model.get_base_model()  # type: ignore[operator]
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: cannot find decoder layers at model.model.layers")
-    return list(layers)
 
 
 def apply_fsdp2(

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from fusedrl.utils.hardware import isolate_inductor_cache, missing_cxx
-from fusedrl.workers.fsdp import decoder_layers
+from fusedrl.workers.model_layers import decoder_layers
 
 logger = logging.getLogger(__name__)
 

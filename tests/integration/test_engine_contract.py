@@ -61,8 +61,8 @@ def _body(port: int, args: str, out: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from fusedrl.config import role_configs_from_overrides
     from fusedrl.plugins import load_function
-    from fusedrl.role_config import role_configs_from_overrides
     from fusedrl.workers.rollout.base import EngineContext, SampleParams, SamplingConfig
     from fusedrl.workers.rollout.registry import engine_spec
 

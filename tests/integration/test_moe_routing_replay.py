@@ -44,8 +44,8 @@ def _engine_body(port: int, args: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
     from vllm.model_executor.layers.fused_moe.router import cpu_router
 
+    from fusedrl.config import role_configs_from_overrides
     from fusedrl.plugins import load_function
-    from fusedrl.role_config import role_configs_from_overrides
     from fusedrl.third_party.vllm.moe import recorded_router_logits
     from fusedrl.third_party.vllm.routed_experts import top_k_experts
     from fusedrl.workers.logprob import response_log_probs

@@ -113,7 +113,7 @@ def test_lora_keeps_tied_embeddings_tied_and_streams_the_head_as_the_embedding(t
     values under both names."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fusedrl.role_config import role_configs_from_overrides
+    from fusedrl.config import role_configs_from_overrides
     from fusedrl.workers.lora import add_lora, merged_lora_stream
 
     config = LlamaConfig(

@@ -406,7 +406,7 @@ def _roles_body(port: int, model_dir: str, out: str) -> None:
     from support import single_rank_group
 
     with single_rank_group(port):
-        from fusedrl.role_config import role_configs_from_overrides
+        from fusedrl.config import role_configs_from_overrides
         from fusedrl.workers.actor import ActorRole, RefRole
 
         fn = chunked_head._ChunkedHeadStats

@@ -23,7 +23,7 @@ LR = 1e-2
 
 
 def _configs(model_dir: str, compiled: bool, checkpointing: bool, packed: bool = False):
-    from fusedrl.role_config import role_configs_from_overrides
+    from fusedrl.config import role_configs_from_overrides
 
     actor = "actor_rollout_ref.actor"
     cfg = role_configs_from_overrides(

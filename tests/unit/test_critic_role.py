@@ -28,7 +28,7 @@ def _full_batch():
 
 def _critic_cfg(model_dir: str):
     """The YAML's critic section (typed, as the workers get it) with this test's values."""
-    from fusedrl.role_config import role_configs_from_overrides
+    from fusedrl.config import role_configs_from_overrides
 
     return role_configs_from_overrides(
         [

@@ -13,7 +13,7 @@ TP, TR = 6, 5
 
 def _body(port: int, model_dir: str, out: str) -> None:
     with single_rank_group(port):
-        from fusedrl.role_config import role_configs_from_overrides
+        from fusedrl.config import role_configs_from_overrides
         from fusedrl.workers.actor import RefRole
         from fusedrl.workers.fsdp import load_causal_lm, shard_for_training
         from fusedrl.workers.logprob import batched_log_probs

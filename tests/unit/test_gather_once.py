@@ -25,7 +25,7 @@ RESPONSE_LENS = [6, 2, 4, 6, 3, 5, 1, 2]
 
 
 def _config(model_dir: str):
-    from fusedrl.role_config import role_configs_from_overrides
+    from fusedrl.config import role_configs_from_overrides
 
     return role_configs_from_overrides(
         [

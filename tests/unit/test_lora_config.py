@@ -90,7 +90,7 @@ def test_verl_critic_lora_is_refused_and_engine_keys_accepted(base):
 
 def _model_cfg(path: str, **lora):
     """``actor_rollout_ref.model`` as the workers get it (typed, the YAML's defaults) with LoRA keys set."""
-    from fusedrl.role_config import role_configs_from_overrides
+    from fusedrl.config import role_configs_from_overrides
 
     base = role_configs_from_overrides(
         ["data.train_files=unused", f"actor_rollout_ref.model.path={path}"]

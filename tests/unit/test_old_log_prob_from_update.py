@@ -22,7 +22,7 @@ LR = 1e-2
 
 def _configs(model_dir: str, dynamic: bool):
     """The YAML's model and actor sections (typed, as the workers get them) with this test's sizes."""
-    from fusedrl.role_config import role_configs_from_overrides
+    from fusedrl.config import role_configs_from_overrides
 
     actor = "actor_rollout_ref.actor"
     cfg = role_configs_from_overrides(

@@ -49,7 +49,7 @@ def _batch():
 def _config(model_dir: str, loss_agg_mode: str, packed: bool):
     """The trainer YAML's defaults (typed, as the workers get them) with the test's sizes: padded + rows,
     or packed + token budget."""
-    from fusedrl.role_config import role_configs_from_overrides
+    from fusedrl.config import role_configs_from_overrides
 
     return role_configs_from_overrides(
         [

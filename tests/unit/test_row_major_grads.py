@@ -91,7 +91,7 @@ def test_float32_and_no_grad_run_nn_linear_itself():
 def test_swapping_a_decoder_layer_keeps_its_parameters(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from fusedrl.workers.fsdp import decoder_layers
+    from fusedrl.workers.model_layers import decoder_layers
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     layer = decoder_layers(model)[0]
@@ -111,7 +111,7 @@ def test_compiled_bf16_decoder_layer_gradients(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from fusedrl.workers.cpu_attention import register
-    from fusedrl.workers.fsdp import decoder_layers
+    from fusedrl.workers.model_layers import decoder_layers
 
     model = AutoModelForCausalLM.from_pretrained(
         tiny_model_dir, dtype=torch.bfloat16, attn_implementation=register()

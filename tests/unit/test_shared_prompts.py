@@ -140,7 +140,7 @@ def _two_updates(port: int, model_dir: str, out: str) -> None:
     """One rank of FSDP2 over gloo: the actor's update on the grouped batch, with and without sharing."""
     from support import single_rank_group
 
-    from fusedrl.role_config import role_configs_from_overrides
+    from fusedrl.config import role_configs_from_overrides
     from fusedrl.workers.actor import ActorRole
     from fusedrl.workers.packing import can_share_prompts
 

@@ -204,7 +204,7 @@ RESPONSE_LENS = [6, 2, 4, 6, 3, 5, 1, 2]
 
 
 def _update(rank: int, out: str, model_dir: str) -> None:
-    from fusedrl.role_config import role_configs_from_overrides
+    from fusedrl.config import role_configs_from_overrides
     from fusedrl.workers import shm_collectives as sc
     from fusedrl.workers.actor import ActorRole
 

@@ -29,7 +29,7 @@ GRAD_RTOL = 1e-4
 
 def _configs(model_dir: str, sp: int):
     """The typed model, actor, ref and critic configs the workers would get, with this test's sizes."""
-    from fusedrl.role_config import role_configs_from_overrides
+    from fusedrl.config import role_configs_from_overrides
 
     actor = "actor_rollout_ref.actor"
     cfg = role_configs_from_overrides(

@@ -32,7 +32,7 @@ def _batch():
 def _run(rank: int, rm_dir: str, out: str) -> None:
     import torch.distributed as dist
 
-    from fusedrl.role_config import role_configs_from_overrides
+    from fusedrl.config import role_configs_from_overrides
     from fusedrl.workers.reward_model import RewardModelRole
 
     full = _batch()
