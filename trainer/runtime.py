@@ -126,7 +126,7 @@ def init_ray(config: RunConfig | SFTRoleConfigs | DictConfig) -> None:
 
         for module in run.algorithm.custom_modules:
             import_plugin(module)  # an engine registered there (idempotent with the config check)
-        env = {**engine_traits(run.rollout.name).worker_env, **env}
+        env = {**dict(engine_traits(run.rollout.name).worker_env), **env}
         user_kwargs = dict(run.trainer.ray_init or {})
     for key in ("PYTHONPATH", "HF_HUB_OFFLINE", "OMP_NUM_THREADS"):
         if key in os.environ:
