@@ -28,10 +28,12 @@ groups (``partial_rollout.pt``); a resumed run continues the paused requests as 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Any
 
+import ray
 import torch
 from omegaconf import DictConfig
 
@@ -43,6 +45,7 @@ from fusedrl.trainer import step_plan
 from fusedrl.trainer.ppo_trainer import PPOTrainer
 
 STATE_FILE = "partial_rollout.pt"
+CLOSE_TIMEOUT_S = 30.0  # what `close` waits for the workers to cancel their suspended trajectories
 
 
 class PartialRolloutTrainer(PPOTrainer):
@@ -59,6 +62,16 @@ class PartialRolloutTrainer(PPOTrainer):
     def init_workers(self, role_groups: Any = None) -> None:
         super().init_workers(role_groups)
         self.rollout_workers = self.group_for("rollout").world_size  # each holds its own carried groups
+
+    def close(self) -> None:
+        """Before the workers are killed, cancel the agent trajectories still suspended on them (a run that
+        stopped on a step that did not drain): their loops' ``finally`` run, so environments close. Best
+        effort: a dead or hung worker is skipped after `CLOSE_TIMEOUT_S`."""
+        group = self.groups.by_role.get("rollout")
+        if self.multi_turn and group is not None:
+            with contextlib.suppress(Exception):
+                ray.get([w.rollout_close_partial.remote() for w in group.workers], timeout=CLOSE_TIMEOUT_S)
+        super().close()
 
     @property
     def in_flight(self) -> int:

@@ -393,6 +393,9 @@ class WorkerDict(DistributedWorker, InspectionHooks):
     def rollout_load_partial_state(self, state: dict[str, Any]) -> None:
         self._partial_rollout().load_state(state)
 
+    def rollout_close_partial(self) -> None:  # the run's end: suspended agent trajectories cancelled
+        getattr(self.partial, "close", lambda: None)()
+
     def _partial_rollout(self) -> PartialRollout | PartialAgentRollout:
         if self.partial is None:
             rollout = self._need(self.rollout, "rollout", "rollout_generate_partial")

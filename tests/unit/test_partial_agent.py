@@ -43,8 +43,22 @@ class Turns(AgentLoop):
             traj.add_observation(list(OBS), [{"role": "user", "content": "go on"}])
 
 
-def _rollout(n: int = 1, max_resumes: int = 3) -> PartialAgentRollout:
-    cfg = MultiTurnConfig(enable=True, default_agent_name="test_partial_turns", max_tokens_per_turn=4)
+ENDED: list[int] = []  # the lengths whose loop has left (finished or cancelled), in that order
+
+
+@register_agent_loop("test_partial_turns_ended")
+class TurnsEnded(Turns):
+    """`Turns`, recording its row's L when the loop leaves, as an environment's ``close`` in a ``finally``."""
+
+    async def run(self, row, traj, ctx):
+        try:
+            await super().run(row, traj, ctx)
+        finally:
+            ENDED.append(row["prompt_ids"][0])
+
+
+def _rollout(n: int = 1, max_resumes: int = 3, agent: str = "test_partial_turns") -> PartialAgentRollout:
+    cfg = MultiTurnConfig(enable=True, default_agent_name=agent, max_tokens_per_turn=4)
     inner = types.SimpleNamespace(
         engine=ScriptedEngine(),
         renderer=None,
@@ -166,3 +180,19 @@ def test_draining_runs_everything_in_flight_and_the_saved_state_resumes_exactly(
         sampled = group.out.response_mask.bool()
         assert (group.out.token_versions[sampled] == 7).all()  # every token sampled again, by version 7
     c.close()
+
+
+def test_the_workers_close_at_the_runs_end_cancels_suspended_trajectories():
+    """`WorkerDict.rollout_close_partial` (called by `PartialRolloutTrainer.close` before the workers are
+    killed) cancels the trajectories still suspended: their loops' ``finally`` run (environments close)."""
+    from fusedrl.workers.worker_dict import WorkerDict
+
+    worker = WorkerDict.__new__(WorkerDict)  # the method reads ``partial`` only
+    worker.partial = None
+    worker.rollout_close_partial()  # nothing built yet: nothing to close
+    worker.partial = pr = _rollout(agent="test_partial_turns_ended")
+    ENDED.clear()
+    out = pr.generate_partial(scripted_batch([8, 14]), SAMPLING, version=0, quota=1)
+    assert out.ground_truth == ["8"] and ENDED == [8]  # L=14 is suspended mid-turn
+    worker.rollout_close_partial()
+    assert ENDED == [8, 14] and pr.runner.loop.is_closed()
