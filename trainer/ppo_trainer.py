@@ -181,9 +181,7 @@ class PPOTrainer(RewardModelScoring):
         with timer("step", m):
             batch = self.step_rollout(m)  # generate + reward (+ dynamic sampling), balanced over the ranks
             batch = self.step_log_probs(batch, m)  # old log-probs, unless the update's own forward gives them
-            batch = self.step_reference(
-                batch, m
-            )  # reference log-probs; reward-model scores, KL in the reward
+            batch = self.step_reference(batch, m)  # ref log-probs, reward-model scores, KL in reward
             batch = self.step_values(batch, m)  # the critic's values (GAE)
             batch = self.step_advantages(batch, m)  # advantages, then the rollout correction
             self.step_update_critic(batch, m)
