@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from fusedrl.agent import AgentLoop, Environment, parse_hermes, register_agent_loop, register_environment
@@ -56,6 +57,23 @@ class CountEnv(Environment):
     def step(self, text):
         self.steps += 1
         return [{"role": "user", "content": f"go on {self.steps}"}], 0.5, self.steps >= 3
+
+
+@register_environment("plugin_logged_env")
+class LoggedEnv(CountEnv):
+    """`CountEnv` appending ``open`` at reset and ``close`` at close to the file named by the environment
+    variable ``PLUGIN_ENV_LOG`` (written in the workers' processes, read by the test)."""
+
+    def reset(self, row):
+        super().reset(row)
+        self._log("open")
+
+    def close(self):
+        self._log("close")
+
+    def _log(self, what):
+        with open(os.environ["PLUGIN_ENV_LOG"], "a") as f:
+            f.write(what + "\n")
 
 
 @register_agent_loop("plugin_broken_tools")

@@ -221,3 +221,34 @@ def test_stopped_after_a_draining_checkpoint_and_resumed_equals_uninterrupted(ti
     assert [full[s]["partial/drained"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert max(full[s]["partial/token_age_max"] for s in (2, 3)) == 1.0  # carried across a sync
     assert_same_computed_metrics(full[3], resumed[3])
+
+
+@pytest.mark.slow  # one short run, ~1 min on 2 cores; the wiring's unit cover is in tests/unit
+def test_closing_the_trainer_cancels_the_trajectories_suspended_on_the_workers(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """A run that ends on a step that did not drain (``trainer.save_freq=-1``: no checkpoint) leaves agent
+    trajectories suspended on its worker; closing the trainer (`PartialRolloutTrainer.close`, before the
+    worker is killed) cancels them, so every environment opened is closed ("called once when the
+    trajectory ends, whatever happened": `fusedrl.agent.env.Environment.close`)."""
+    log = tmp_path / "env.log"
+    monkeypatch.setenv("PLUGIN_ENV_LOG", str(log))  # the workers inherit it
+    out = str(tmp_path / "run")
+    data = _write_data(str(tmp_path / "logged_env.parquet"), agent="plugin_logged_env")
+    over = _user_turn_overrides(
+        tiny_model_dir,
+        tmp_path,
+        out,
+        f"data.train_files={data}",
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=-1",
+        # one group's turns at a time (else all 8 trajectories, their turns capped alike, end at one step)
+        "actor_rollout_ref.rollout.max_num_seqs=2",
+    )
+    with started_trainer(over) as t:
+        t.fit()
+        lines = log.read_text().split()
+        assert metrics_by_step(out)[1]["partial/drained"] == 0.0
+        assert lines.count("open") == 8 and lines.count("close") < 8, lines  # 4 groups x 2 started
+    lines = log.read_text().split()
+    assert lines.count("open") == 8 and lines.count("close") == 8, lines
