@@ -446,9 +446,10 @@ class TrainerConfig:
 
 # ---------------------------------------------------------------------- what a worker receives
 @dataclass(frozen=True, kw_only=True)
-class RoleConfigs:
-    """Everything a PPO-family worker's roles read: the YAML's sections (``actor_rollout_ref`` split into
-    ``model`` / ``actor`` / ``ref`` / ``rollout``) plus the values the driver derives."""
+class RunSections:
+    """A PPO-family run's YAML sections, typed (``actor_rollout_ref`` split into ``model`` / ``actor`` /
+    ``ref`` / ``rollout``): what the driver's `fusedrl.run_config.RunConfig` and the workers' `RoleConfigs`
+    both hold."""
 
     model: ModelConfig
     actor: ActorConfig
@@ -461,6 +462,12 @@ class RoleConfigs:
     algorithm: AlgorithmConfig
     async_training: AsyncTrainingConfig
     trainer: TrainerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleConfigs(RunSections):
+    """Everything a PPO-family worker's roles read: the run's sections plus the values the driver derives."""
+
     tokens: TokenIds
     agent_tools: tuple[Any, ...]  # tools passed in Python to the trainer (agentic rollouts)
     total_steps: int | None  # the run's planned steps (`model.compile_layers=auto` reads it); None: unknown

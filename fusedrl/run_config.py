@@ -19,42 +19,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fusedrl.role_config import (
-    ActorConfig,
-    AlgorithmConfig,
-    AsyncTrainingConfig,
-    CriticConfig,
-    CustomRewardFunctionConfig,
-    DataConfig,
-    ModelConfig,
-    RefConfig,
-    RewardModelConfig,
-    RoleConfigs,
-    RolloutConfig,
-    TokenIds,
-    TrainerConfig,
-    run_config,
-)
+from fusedrl.role_config import RoleConfigs, RunSections, TokenIds, run_config
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunConfig:
+class RunConfig(RunSections):
     """A composed, checked PPO-family run: its typed sections and the DictConfig they were built from."""
 
-    model: ModelConfig
-    actor: ActorConfig
-    ref: RefConfig
-    rollout: RolloutConfig
-    critic: CriticConfig
-    reward_model: RewardModelConfig
-    custom_reward_function: CustomRewardFunctionConfig
-    data: DataConfig
-    algorithm: AlgorithmConfig
-    async_training: AsyncTrainingConfig
-    trainer: TrainerConfig
     source: DictConfig = dataclasses.field(repr=False, compare=False)  # the composed config, as composed
 
     @classmethod
@@ -105,8 +79,8 @@ class RunConfig:
 
 
 def section_names() -> tuple[str, ...]:
-    """`RunConfig`'s typed sections (every field but ``source``)."""
-    return tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "source")
+    """`RunConfig`'s typed sections (`RunSections`' fields)."""
+    return tuple(f.name for f in dataclasses.fields(RunSections))
 
 
 def as_run_config(config: RunConfig | DictConfig) -> RunConfig:
