@@ -243,13 +243,14 @@ def two_step_grpo() -> list[str]:
     ]
 
 
-def model_log_probs(model, batch) -> torch.Tensor:
+def model_log_probs(model, batch, mask: str = "response_mask") -> torch.Tensor:
     """``model``'s log-probs (temperature 1, computed in float32) of each row's sampled tokens, one sequence
-    at a time, 0 after them. [B, Tr]"""
+    at a time, 0 after them; ``mask="response_attention_mask"``: of a multi-turn row's whole trajectory,
+    observations included. [B, Tr]"""
     out = torch.zeros(batch.responses.shape)
     for i in range(batch.num_samples):
         prompt = batch.prompts[i][batch.prompt_mask[i].bool()].tolist()
-        n = int(batch.response_mask[i].sum())
+        n = int(getattr(batch, mask)[i].sum())
         tokens = batch.responses[i, :n].tolist()
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([prompt + tokens])).logits[
@@ -370,4 +371,63 @@ def corrected_grpo(model_dir: str, train: str, run_dir, *, steps: int, max_respo
         "trainer.rollout_check_tol=1e-3",
         "trainer.logger=[jsonl]",
         f"trainer.default_local_dir={run_dir}",
+    ]
+
+
+AGENT_PLUGINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_plugins.py")
+
+
+def tool_loop_data(path: str, rows: int, agent: str | None = None) -> str:
+    """``rows`` toy additions as parquet at ``path`` for the loops of tests/agent_plugins.py: even rows the
+    broken-tools loop, odd rows the counting environment, or ``agent`` on every row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = [
+        dict(
+            data_source="toy",
+            prompt=[{"role": "user", "content": f"What is {k} plus {k + 1}?"}],
+            reward_model={"ground_truth": str(2 * k + 1)},
+            extra_info={"index": k},
+            agent_name=agent or ("plugin_broken_tools" if k % 2 == 0 else "plugin_count_env"),
+        )
+        for k in range(rows)
+    ]
+    pq.write_table(pa.Table.from_pylist(table), path)
+    return path
+
+
+def tool_loop_grpo(model_dir: str, tmp: Path, out: str, *, rows: int) -> list[str]:
+    """GRPO on `tool_loop_data`'s ``rows`` prompts, 2 x 2 samples a step, multi-turn with the plugins' tools
+    (one times out after 1 s), float32 on both sides, token-level importance weights, 1 training slot, 3
+    steps, the ``jsonl`` logger in ``out``: the base of the asynchronous agent tests (each adds its mode)."""
+    tools = tmp / "tools.yaml"
+    tools.write_text(
+        "tools:\n" + "".join(f"  - class_name: {AGENT_PLUGINS}:{n}\n" for n in ("boom", "sleepy", "big"))
+    )
+    return [
+        f"data.train_files={tool_loop_data(str(tmp / 'train.parquet'), rows)}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"algorithm.custom_modules=[{AGENT_PLUGINS}]",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=64",
+        "data.max_response_length=320",
+        "data.shuffle=false",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.dtype=float32",
+        *FLOAT32_TRAINING,
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+        "actor_rollout_ref.rollout.multi_turn.tool_timeout_s=1.0",
+        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=12",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=2e-3",
+        "trainer.n_gpus_per_node=1",
+        "algorithm.rollout_correction.rollout_is=token",
+        "trainer.total_training_steps=3",
+        "trainer.val_before_train=false",
+        "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={out}",
     ]

@@ -15,73 +15,27 @@ import os
 
 import pytest
 from support import (
-    FLOAT32_TRAINING,
     SavedAndStopped,
     assert_same_computed_metrics,
     metrics_by_step,
     started_trainer,
     stopping_after_save,
+    tool_loop_grpo,
 )
 
 pytestmark = pytest.mark.integration
 vllm = pytest.importorskip("vllm")
 
-PLUGIN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "agent_plugins.py")
 MACHINE = ("async/gen_s", "async/overlap_s", "async/gen_wait_s")  # the overlap's wall-clock times
 
 
-def _write_data(path: str) -> str:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = [
-        dict(
-            data_source="toy",
-            prompt=[{"role": "user", "content": f"What is {k} plus {k + 1}?"}],
-            reward_model={"ground_truth": str(2 * k + 1)},
-            extra_info={"index": k},
-            agent_name="plugin_broken_tools" if k % 2 == 0 else "plugin_count_env",
-        )
-        for k in range(8)
-    ]
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
 def _overrides(model_dir: str, tmp, out: str, *extra: str) -> list[str]:
-    tools = tmp / "tools.yaml"
-    tools.write_text(
-        "tools:\n" + "".join(f"  - class_name: {PLUGIN}:{n}\n" for n in ("boom", "sleepy", "big"))
-    )
     return [
-        f"data.train_files={_write_data(str(tmp / 'train.parquet'))}",
-        f"actor_rollout_ref.model.path={model_dir}",
-        f"algorithm.custom_modules=[{PLUGIN}]",
-        "data.train_batch_size=2",
-        "data.max_prompt_length=64",
-        "data.max_response_length=320",
-        "data.shuffle=false",
-        "algorithm.adv_estimator=grpo",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.dtype=float32",
-        *FLOAT32_TRAINING,
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
-        "actor_rollout_ref.rollout.multi_turn.tool_timeout_s=1.0",
-        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=12",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.actor.optim.lr=2e-3",
-        "trainer.n_gpus_per_node=1",
+        *tool_loop_grpo(model_dir, tmp, out, rows=8),
         "trainer.placement.pools={gen: {nnodes: 1, n_gpus_per_node: 1}}",
         "trainer.placement.roles={rollout: gen}",
-        "algorithm.rollout_correction.rollout_is=token",
         "async_training.max_staleness=1",
-        "trainer.total_training_steps=3",
-        "trainer.val_before_train=false",
         "trainer.save_freq=0",
-        "trainer.logger=[jsonl]",
-        f"trainer.default_local_dir={out}",
         *extra,
     ]
 

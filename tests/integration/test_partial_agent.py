@@ -18,84 +18,22 @@ import os
 
 import pytest
 import torch
-from support import FLOAT32_TRAINING, metrics_by_step, started_trainer
+from support import metrics_by_step, model_log_probs, started_trainer, tool_loop_data, tool_loop_grpo
 
 pytestmark = pytest.mark.integration
 vllm = pytest.importorskip("vllm")
 
-PLUGIN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "agent_plugins.py")
 SYNC_TOL = 1e-4  # float32 engine vs float32 actor
 
 
-def _write_data(path: str, agent: str | None = None) -> str:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = [
-        dict(
-            data_source="toy",
-            prompt=[{"role": "user", "content": f"What is {k} plus {k + 1}?"}],
-            reward_model={"ground_truth": str(2 * k + 1)},
-            extra_info={"index": k},
-            agent_name=agent or ("plugin_broken_tools" if k % 2 == 0 else "plugin_count_env"),
-        )
-        for k in range(16)
-    ]
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
 def _overrides(model_dir: str, tmp, out: str, *extra: str) -> list[str]:
-    tools = tmp / "tools.yaml"
-    tools.write_text(
-        "tools:\n" + "".join(f"  - class_name: {PLUGIN}:{n}\n" for n in ("boom", "sleepy", "big"))
-    )
     return [
-        f"data.train_files={_write_data(str(tmp / 'train.parquet'))}",
-        f"actor_rollout_ref.model.path={model_dir}",
-        f"algorithm.custom_modules=[{PLUGIN}]",
-        "data.train_batch_size=2",
-        "data.max_prompt_length=64",
-        "data.max_response_length=320",
-        "data.shuffle=false",
-        "algorithm.adv_estimator=grpo",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.dtype=float32",
-        *FLOAT32_TRAINING,
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
-        "actor_rollout_ref.rollout.multi_turn.tool_timeout_s=1.0",
-        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=12",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.actor.optim.lr=2e-3",
-        "trainer.n_gpus_per_node=1",
-        "algorithm.rollout_correction.rollout_is=token",
+        *tool_loop_grpo(model_dir, tmp, out, rows=16),
         "async_training.partial_rollout=true",
         "async_training.staleness_threshold=1.0",  # 4 groups in flight, 2 trained on
         "async_training.partial_rollout_max_resumes=2",
-        "trainer.total_training_steps=3",
-        "trainer.val_before_train=false",
-        "trainer.logger=[jsonl]",
-        f"trainer.default_local_dir={out}",
         *extra,
     ]
-
-
-def _trajectory_log_probs(model, batch) -> torch.Tensor:
-    """``model``'s log-probs (float32, temperature 1) of every response token, each row's prompt and whole
-    trajectory (observations included) in one forward; 0 on padding. [B, Tr]"""
-    out = torch.zeros(batch.responses.shape)
-    for i in range(batch.num_samples):
-        prompt = batch.prompts[i][batch.prompt_mask[i].bool()].tolist()
-        n = int(batch.response_attention_mask[i].sum())
-        tokens = batch.responses[i, :n].tolist()
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[
-                0, len(prompt) - 1 : -1
-            ]  # [n, V]
-        out[i, :n] = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
-    return out
 
 
 def test_agent_trajectories_span_a_sync_with_per_token_versions(tiny_model_dir, tmp_path):
@@ -136,7 +74,7 @@ def test_agent_trajectories_span_a_sync_with_per_token_versions(tiny_model_dir, 
         assert (batch.rollout_log_probs - batch.old_log_probs).abs()[fresh].max() < SYNC_TOL
         v0 = sampled & (batch.token_versions == 0)
         if v0.any():  # tokens of the start-up model: scored by hand over the whole trajectory
-            hand = _trajectory_log_probs(start, batch)
+            hand = model_log_probs(start, batch, mask="response_attention_mask")
             assert (batch.rollout_log_probs - hand).abs()[v0].max() < SYNC_TOL
             if version > 0:
                 assert (batch.rollout_log_probs - batch.old_log_probs).abs()[v0].max() > 100 * SYNC_TOL
@@ -148,7 +86,7 @@ def test_agent_trajectories_span_a_sync_with_per_token_versions(tiny_model_dir, 
 def _user_turn_overrides(model_dir: str, tmp, out: str, *extra: str) -> list[str]:
     """The loop without tool threads (``plugin_user_turns``) on every row: reproducible pauses. ``extra``
     replaces keys already set."""
-    data = _write_data(str(tmp / "user_turns.parquet"), agent="plugin_user_turns")
+    data = tool_loop_data(str(tmp / "user_turns.parquet"), 16, agent="plugin_user_turns")
     merged: dict[str, str] = {}
     for item in [*_overrides(model_dir, tmp, out), f"data.train_files={data}", *extra]:
         merged[item.split("=", 1)[0]] = item
@@ -234,7 +172,7 @@ def test_closing_the_trainer_cancels_the_trajectories_suspended_on_the_workers(
     log = tmp_path / "env.log"
     monkeypatch.setenv("PLUGIN_ENV_LOG", str(log))  # the workers inherit it
     out = str(tmp_path / "run")
-    data = _write_data(str(tmp_path / "logged_env.parquet"), agent="plugin_logged_env")
+    data = tool_loop_data(str(tmp_path / "logged_env.parquet"), 16, agent="plugin_logged_env")
     over = _user_turn_overrides(
         tiny_model_dir,
         tmp_path,
