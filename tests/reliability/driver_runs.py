@@ -24,8 +24,9 @@ from support import FLOAT32_TRAINING
 # The driver script: `main_ppo`, with places where the run can be made to wait so a test can kill or signal
 # it exactly there:
 # * HANG_IN_COMMIT_AT=N: checkpoint N's temp folder is fully written, the rename has not happened;
-# * HANG_IN_STEP_AT=N: inside step N, after the actor update and before the engine's weight sync (the
-#   workers' in-memory state has moved past the last checkpoint);
+# * HANG_IN_STEP_AT=N: inside step N, right after the actor update, before the engine's weight sync (the
+#   workers' in-memory state has moved past the last checkpoint). (It waits in `update_actor`, not in
+#   `sync_weights`: the driver also calls the sync before every rollout, where the workers decide.)
 # * PAUSE_IN_STEP_AT=N: the same place, but the step goes on after PAUSE_S seconds (a signal sent during the
 #   pause arrives in the middle of step N).
 DRIVER = textwrap.dedent(
@@ -42,12 +43,13 @@ DRIVER = textwrap.dedent(
         hang_if("HANG_IN_COMMIT_AT", step, "HANGING_IN_COMMIT")
         return real_commit(root, step, tmp, max_to_keep=max_to_keep)
     ckpt.commit_checkpoint = slow_commit
-    real_sync = PPOTrainer.sync_weights
-    def slow_sync(self):
+    real_update = PPOTrainer.update_actor
+    def slow_update(self, batch):
+        metrics = real_update(self, batch)
         hang_if("HANG_IN_STEP_AT", self.global_step, "HANGING_IN_STEP")
         hang_if("PAUSE_IN_STEP_AT", self.global_step, "PAUSED_IN_STEP", float(os.environ.get("PAUSE_S", "0")))
-        return real_sync(self)
-    PPOTrainer.sync_weights = slow_sync
+        return metrics
+    PPOTrainer.update_actor = slow_update
     from fusedrl.trainer.main_ppo import main
     sys.exit(main(sys.argv[1:]))
     """
