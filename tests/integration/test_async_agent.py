@@ -40,6 +40,7 @@ def _overrides(model_dir: str, tmp, out: str, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_async_tool_loops_on_a_rollout_pool(tiny_model_dir, tmp_path):
     from fusedrl.trainer.async_trainer import AsyncPPOTrainer
 

@@ -17,6 +17,7 @@ pytest.importorskip("vllm")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_vllm_check_dry_run_passes_and_says_what_it_skipped(tmp_path):
     out = tmp_path / "vllm.json"
     proc = subprocess.run(

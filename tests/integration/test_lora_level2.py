@@ -16,6 +16,7 @@ pytestmark = pytest.mark.integration
 vllm = pytest.importorskip("vllm")
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_level2_sleep_streams_the_whole_model(tiny_model_dir, arithmetic_data, tmp_path):
     """After a level-2 sleep (emulated: the engine's weights are NaN-filled) the worker streams every
     weight, adapted modules merged; a partial stream would leave NaN and fail the engine's check."""

@@ -231,6 +231,7 @@ def test_bf16_actor_reports_routing_mismatch(tiny_moe_dir, arithmetic_data, tmp_
 PLUGIN = str(__import__("pathlib").Path(__file__).parents[1] / "agent_plugins.py")
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_agent_loops_carry_each_turns_experts(tiny_moe_dir, arithmetic_data, tmp_path):
     """Multi-turn trajectories with routing replay (issue 43 item 2): an environment answers each of 3 assistant
     turns with an observation (tests/agent_plugins.py, ``plugin_count_env``); each turn is its own engine

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.integration
 pytest.importorskip("vllm")
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_reward_model_on_its_own_pool_scores_during_log_probs(tiny_model_dir, arithmetic_data, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

@@ -73,6 +73,7 @@ def _run(overrides, role_groups):
     return metrics, actor, ref, events, separate
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_reference_in_its_own_group_equals_fused(ray_cluster, tiny_model_dir, arithmetic_data, tmp_path):
     train, _ = arithmetic_data
     fused = _run(_overrides(tiny_model_dir, train, str(tmp_path / "fused")), None)

@@ -39,6 +39,7 @@ exec "{python}" "$@"
 """
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_verl_main_grpo_line_runs_two_steps(tiny_model_dir, arithmetic_data, tmp_path):
     train, test = arithmetic_data
     bin_dir = tmp_path / "bin"

@@ -23,6 +23,7 @@ vllm = pytest.importorskip("vllm")
 TESTS = str(Path(__file__).resolve().parents[1])
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_verl_gsm8k_multiturn_recipe_runs_two_steps(tiny_model_dir, tmp_path, monkeypatch):
     import verl_gsm8k_tool as mod
     from verl_multiturn_recipe import recipe

@@ -86,6 +86,7 @@ def test_grpo_on_image_prompts_through_the_driver(vlm_and_shapes, tmp_path, free
         assert len(vision_moved) == len(vision), sorted(set(vision) - set(vision_moved))
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_lora_grpo_on_image_prompts(vlm_and_shapes, tmp_path):
     """LoRA on a vision-language policy, as verl's tuning/lora/run_qwen2_5_vl_7b_fsdp.sh sets it (all linear
     modules of the decoder adapted, the vision tower excluded): only the adapters train, the reference is the

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.integration
 vllm = pytest.importorskip("vllm")
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_queued_generations_on_a_rollout_pool_stream_where_the_flag_did(
     tiny_model_dir, arithmetic_data, tmp_path
 ):

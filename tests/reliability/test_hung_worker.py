@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 TIMEOUT_S = 20
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_hung_worker_is_named_with_its_stack_and_all_workers_stop(tiny_model_dir, arithmetic_data, tmp_path):
     import psutil
 

@@ -39,6 +39,7 @@ def _score(data_source, solution_str, ground_truth, extra_info=None) -> float:
     return (len(solution_str) % 3) / 2.0
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_nan_updates_are_skipped_then_stop(tiny_model_dir, arithmetic_data, tmp_path):
     import ray
 
@@ -70,6 +71,7 @@ def test_nan_updates_are_skipped_then_stop(tiny_model_dir, arithmetic_data, tmp_
         ray.shutdown()
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_stale_rollout_weights_stop_the_run(tiny_model_dir, arithmetic_data, tmp_path):
     import ray
 

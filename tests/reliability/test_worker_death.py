@@ -23,6 +23,7 @@ pytest.importorskip("vllm")
 HOG_MB = 600
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_killed_worker_stops_the_driver_with_a_clear_message(tiny_model_dir, arithmetic_data, tmp_path):
     from fusedrl.controller import WorkerDiedError
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,6 +24,7 @@ def test_config_without_omegaconf_equals_the_loaders(tmp_path):
         assert resolved_config(overrides) == to_plain_dict(load_config(overrides, validate_config=False))
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_dry_run_passes_and_says_what_it_skipped(tmp_path):
     out = tmp_path / "dry.json"
     env = {**os.environ, "PYTHON": sys.executable}

@@ -104,6 +104,7 @@ def test_swapping_a_decoder_layer_keeps_its_parameters(tiny_model_dir):
     assert use_row_major_weight_grads(layer) == 0  # already swapped: nothing left to do
 
 
+@pytest.mark.slow  # CI budget (make test 44 min on a 2-core AVX2 EPYC, 2026-12-06)
 def test_compiled_bf16_decoder_layer_gradients(tiny_model_dir):
     """A whole decoder layer, compiled in bf16 as the training passes run it: Inductor writes the
     transposed output gradients inside its fused backward kernels (SiLU, rotary); every parameter's
