@@ -24,7 +24,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -m "slow" -q
 
 ## The slow reliability tests only (SIGKILLed / SIGTERMed driver and damaged checkpoints: the resumed run equals
-## an uninterrupted one; a full disk; ~5 min).
+## an uninterrupted one; a full disk; hung and dead workers, NaN updates, stale rollout weights; ~15 min).
 ## CI (.ci/run) runs them after `test`.
 test-reliability-slow: $(STAMP)
 	$(PY) -m pytest -m "slow and not gpu" -q tests/reliability
