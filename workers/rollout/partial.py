@@ -40,6 +40,17 @@ from fusedrl.workers.rollout.base import (
 _SEED_STRIDE = 0x9E3779B1  # a resumed request's seed: the row's seed + resumes x this (mod 2**63)
 
 
+def check_partial_call(rows: int, n: int, carried: int, quota: int) -> None:
+    """A `generate_partial` call's rows must be whole groups of ``n``, and its ``quota`` at least 1 and at
+    most the groups in flight (``carried`` + the new ones)."""
+    if rows % n:
+        raise ValueError(f"generate_partial: {rows} rows are not groups of n={n}")
+    if quota < 1 or quota > carried + rows // n:
+        raise ValueError(
+            f"generate_partial: quota={quota} groups, but {carried} carried + {rows // n} new are in flight"
+        )
+
+
 @dataclass
 class _Sample:
     row: RolloutBatch  # [1] the row as the driver sent it (prompt, fields, seed)
@@ -89,13 +100,7 @@ class PartialRollout(EngineRollout):
         sampled by policy ``version`` from here on. Groups in flight are the carried plus the new: a caller
         that sends ``quota`` new groups a call keeps as many in flight as its first call sent. ``drain``:
         every request runs to its end (the groups beyond the quota are carried finished)."""
-        if batch.num_samples % self.n:
-            raise ValueError(f"generate_partial: {batch.num_samples} rows are not groups of n={self.n}")
-        if quota < 1 or quota > len(self.carried) + batch.num_samples // self.n:
-            raise ValueError(
-                f"generate_partial: quota={quota} groups, but {len(self.carried)} carried + "
-                f"{batch.num_samples // self.n} new are in flight"
-            )
+        check_partial_call(batch.num_samples, self.n, len(self.carried), quota)
         seeds = batch.sample_seeds.tolist() if batch.sample_seeds is not None else [0] * batch.num_samples
         prompts = unpadded_prompts(batch)
         new = [

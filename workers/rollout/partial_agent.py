@@ -40,7 +40,7 @@ from fusedrl.agent.resumable import ResumableRunner
 from fusedrl.batch import RolloutBatch, concat
 from fusedrl.workers.rollout.agent_rollout import AgentRollout, agent_rows, attach_trajectories
 from fusedrl.workers.rollout.base import SamplingConfig, turn_sampling
-from fusedrl.workers.rollout.partial import PartialRollout
+from fusedrl.workers.rollout.partial import PartialRollout, check_partial_call
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +81,7 @@ class PartialAgentRollout:
     ) -> RolloutBatch:
         """``quota`` whole groups, the first to finish among the carried ones and the new ones of ``batch``,
         sampled by policy ``version`` from here on; ``drain``: every trajectory runs to its end first."""
-        if batch.num_samples % self.n:
-            raise ValueError(f"generate_partial: {batch.num_samples} rows are not groups of n={self.n}")
-        if quota < 1 or quota > len(self.groups) + batch.num_samples // self.n:
-            raise ValueError(
-                f"generate_partial: quota={quota} groups, but {len(self.groups)} carried + "
-                f"{batch.num_samples // self.n} new are in flight"
-            )
+        check_partial_call(batch.num_samples, self.n, len(self.groups), quota)
         budget = min(sampling.max_tokens, self.max_response_length)
         for k in range(batch.num_samples // self.n):
             self._start(batch[k * self.n : (k + 1) * self.n], budget)
