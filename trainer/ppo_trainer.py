@@ -532,9 +532,11 @@ class PPOTrainer(RewardModelScoring):
 
     def update_actor(self, batch: RolloutBatch) -> Metrics:
         """PPO update of the policy on the fused workers (FSDP2; micro-batches; global loss normaliser)."""
-        fields = [*batch.model_input_fields(), "old_log_probs", "advantages"]
-        if self.run.actor.use_kl_loss:
-            fields.append("ref_log_probs")
+        from_forward = batch.old_log_probs is None  # see `old_log_probs_from_update`: the update gives them
+        fields = [
+            *batch.model_input_fields(),
+            *step_plan.update_fields(self.run, old_from_forward=from_forward),
+        ]
         t = self.temperature
         # The actor's schedule starts when it starts training (after trainer.critic_warmup steps).
         step = self.global_step - 1 - self.run.trainer.critic_warmup
@@ -542,15 +544,16 @@ class PPOTrainer(RewardModelScoring):
         actor, sp = self.group_for("actor"), self.actor_sp
         # The optimizer state is on the device only for the update.
         actor.run_all(lambda w: w.load_actor.remote(optimizer=True))
-        if batch.old_log_probs is None:  # see `old_log_probs_from_update`: the update's forward gives them
-            inputs = batch.select_fields(*[f for f in fields if f != "old_log_probs"])
+        inputs = batch.select_fields(*fields)
+        if from_forward:
             pairs = actor.run_split(
                 lambda w, shard: w.actor_update_old_from_forward.remote(shard, t, lr), inputs, replicas=sp
             )
             batch.old_log_probs = actor.gather_tensors([p[1] for p in pairs], inputs)  # [B, Tr]
+            # the advantages the loss corrected (its rollout_corr/* metrics came with the update's)
+            correct_batch(batch, self.run.algorithm.rollout_correction, {})
             per_rank = [p[0] for p in pairs]
         else:
-            inputs = batch.select_fields(*fields)
             per_rank = actor.run_split(lambda w, s: w.actor_update.remote(s, t, lr), inputs, replicas=sp)
         actor.run_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
         return mean_over_ranks(per_rank)

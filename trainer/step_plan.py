@@ -55,7 +55,10 @@ def rollout_discards_weights(run: RoleConfigs, settings: Mapping[str, Any]) -> b
 def old_log_probs_reusable(run: RoleConfigs, *, world: int, num_samples: int, actor_trains: bool) -> bool:
     """Whether the batch is used once, in one optimizer step (``ppo_epochs=1``, every rank's shard fits one
     mini-batch) and nothing reads ``old_log_probs`` before the update: then the update's own forward gives
-    them and the separate pass is skipped (``actor.old_log_prob_from_update``)."""
+    them and the separate pass is skipped (``actor.old_log_prob_from_update``). Rollout correction
+    (``rollout_is`` / ``rollout_rs``) then happens in the actor's loss, from the forward's detached log-probs:
+    the same per-row factor the driver would apply (`fusedrl.algorithms.rollout_correction.in_update_correction`),
+    and after the update the driver's batch gets the corrected advantages (`correct_batch`)."""
     actor = run.actor
     if not actor.old_log_prob_from_update or actor.ppo_epochs != 1:
         return False
@@ -63,14 +66,32 @@ def old_log_probs_reusable(run: RoleConfigs, *, world: int, num_samples: int, ac
     if alg.use_kl_in_reward:
         return False  # the in-reward KL penalty reads them before the advantages
     rc = alg.rollout_correction
-    if rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None:
-        return False  # bypass takes the rollout's log-probs; the correction weights read them first
+    if rc.bypass_mode:
+        return False  # bypass takes the rollout's log-probs as the old ones (no pass to skip)
+    if rc.rollout_is is not None and rc.rollout_is_batch_normalize:
+        # The weights are rescaled by their mean over the whole batch, known only after every forward; the
+        # other corrections are per row, so the actor's loss applies them (`in_update_correction`).
+        return False
     if not actor_trains:
         return False  # no actor update this step: nothing would provide them
     if get_adv_traits(alg.adv_estimator).needs_sum_pi_squared:
         return False  # the estimator reads them (and Σπ² of the same pass) before the update
     mini_rows = actor.ppo_mini_batch_size * run.rollout.n // world
     return -(-num_samples // world) <= mini_rows
+
+
+def update_fields(run: RoleConfigs, *, old_from_forward: bool) -> list[str]:
+    """The batch fields the actor update reads beyond the model inputs: the advantages, ``old_log_probs``
+    unless its own forward gives them (then ``rollout_log_probs`` too where it corrects them:
+    ``algorithm.rollout_correction.rollout_is`` / ``rollout_rs`` out of bypass mode), the reference's
+    log-probs for the KL loss."""
+    rc = run.algorithm.rollout_correction
+    fields = ["advantages"] if old_from_forward else ["old_log_probs", "advantages"]
+    if old_from_forward and not rc.bypass_mode and (rc.rollout_is is not None or rc.rollout_rs is not None):
+        fields.append("rollout_log_probs")
+    if run.actor.use_kl_loss:
+        fields.append("ref_log_probs")
+    return fields
 
 
 def reward_components(keys: list[str], extras: list[dict] | None, num_samples: int) -> torch.Tensor:

@@ -10,7 +10,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fusedrl.algorithms import agg_loss, get_policy_loss, kl_penalty
-from fusedrl.algorithms.rollout_correction import bypass_correction, reinforce_policy_loss
+from fusedrl.algorithms.rollout_correction import (
+    bypass_correction,
+    in_update_correction,
+    reinforce_policy_loss,
+)
 from fusedrl.auto_defaults import require_resolved
 from fusedrl.batch import RolloutBatch
 from fusedrl.lora import lora_enabled
@@ -237,6 +241,9 @@ class ActorRole:
             rc is not None and rc.bypass_mode and (rc.rollout_rs is not None or rc.loss_type == "reinforce")
         )
         self.bypass = rc if active else None
+        # Not bypass, IS weights or rejection on: a batch that comes without old_log_probs (the update's forward
+        # gives them) is corrected in the loss (`in_update_correction`); None: nothing to correct there.
+        self.correction = None if rc is None or rc.bypass_mode else rc
         # Ulysses: the ranks of one sequence-parallel group share rows, so the data-parallel size is W / sp.
         self.sp_group = sp_group(int(cfg.ulysses_sequence_parallel_size))
         self.world_size = dist.get_world_size() // int(cfg.ulysses_sequence_parallel_size)
@@ -343,6 +350,7 @@ class ActorRole:
             # The batch is used once, in one mini-batch: the policy before the step is this very forward.
             old_log_prob = log_prob.detach()
             self._forward_log_probs.append(old_log_prob)
+        advantages, corr_metrics = in_update_correction(self.correction, mb, old_log_prob)  # [b, Tr]
         pg_mask = mb.response_mask  # [b, Tr]
         weights = None
         if self.bypass is not None:
@@ -362,14 +370,15 @@ class ActorRole:
             pg_loss, pg_metrics = reinforce_policy_loss(
                 log_prob,
                 old_log_prob,
-                mb.advantages,
+                advantages,
                 pg_mask,
                 weights=weights,
                 loss_agg_mode=self.pg_agg_mode,
                 global_norm=norms[self.pg_agg_mode],
             )
         else:
-            pg_loss, pg_metrics = self._policy_term(log_prob, old_log_prob, mb.advantages, pg_mask, norms)
+            pg_loss, pg_metrics = self._policy_term(log_prob, old_log_prob, advantages, pg_mask, norms)
+        pg_metrics.update(corr_metrics)  # rollout_corr/*: means over this micro-batch's valid tokens
         if self.bypass is not None and self.bypass.rollout_rs is not None:
             # share of this micro-batch's valid tokens the in-loss rejection dropped (token-weighted below)
             valid = mb.response_mask.sum().clamp(min=1)
@@ -461,7 +470,7 @@ class ActorRole:
             restore_order(self._forward_log_probs, orders[0]) * batch.response_mask if from_forward else None
         )  # [B, Tr], 0 on padding
         self._forward_log_probs = []
-        out = {f"actor/{k}": v for k, v in metrics.items()}
+        out = {k if k.startswith("rollout_corr/") else f"actor/{k}": v for k, v in metrics.items()}
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         out["actor/skipped_steps"] = float(self.stepper.num_skipped)
         out["actor/consecutive_skipped_steps"] = float(self.stepper.consecutive_skipped)

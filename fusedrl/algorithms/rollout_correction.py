@@ -241,17 +241,21 @@ def rejection_mask(
     return keep
 
 
-def correct_advantages(
-    advantages: torch.Tensor,
+@torch.no_grad()
+def correction_factor(
     old_log_probs: torch.Tensor,
     rollout_log_probs: torch.Tensor,
     mask: torch.Tensor,
     cfg: dict,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """``advantages`` times the IS weights and the rejection mask that ``cfg``
-    (``algorithm.rollout_correction``) asks for, and their metrics (``rollout_corr/*``)."""
-    factor = mask.to(torch.float32)  # [B, T]
-    metrics: dict[str, float] = {}
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``[B, T]`` float factor on the advantages: the response mask times the IS weights and the rejection mask
+    that ``cfg`` (``algorithm.rollout_correction``) asks for; and their metrics (``rollout_corr/*``, 0-d
+    tensors, each a mean over the valid tokens of these rows). Every quantity is per row, except
+    ``rollout_is_batch_normalize``'s mean (over these rows): so the factor of a few whole rows, without that
+    key, is the factor those rows get in the whole batch (the actor's in-update correction relies on it)."""
+    maskf = mask.to(torch.float32)  # [B, T]
+    factor = maskf  # [B, T]
+    metrics: dict[str, torch.Tensor] = {}
     if cfg["rollout_is"] is not None:
         w = is_weights(
             old_log_probs,
@@ -262,15 +266,27 @@ def correct_advantages(
             batch_normalize=bool(cfg["rollout_is_batch_normalize"]),
         )  # [B, T]
         factor = factor * w
-        metrics["rollout_corr/is_weight_mean"] = float(masked_mean(w, mask.to(torch.float32)))
+        metrics["rollout_corr/is_weight_mean"] = masked_mean(w, maskf)  # []
     if cfg["rollout_rs"] is not None:
         keep = rejection_mask(
             old_log_probs, rollout_log_probs, mask, str(cfg["rollout_rs"]), cfg["rollout_rs_threshold"]
         )  # [B, T]
         factor = factor * keep
-        valid = float(mask.sum())
-        metrics["rollout_corr/rejected_token_frac"] = 1.0 - float(keep.sum()) / max(valid, 1.0)
-    return advantages * factor, metrics
+        metrics["rollout_corr/rejected_token_frac"] = 1.0 - keep.sum() / maskf.sum().clamp_min(1.0)  # []
+    return factor, metrics
+
+
+def correct_advantages(
+    advantages: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: dict,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``advantages`` times `correction_factor` (the IS weights and the rejection mask that ``cfg``,
+    ``algorithm.rollout_correction``, asks for), and their metrics (``rollout_corr/*``)."""
+    factor, metrics = correction_factor(old_log_probs, rollout_log_probs, mask, cfg)  # [B, T]
+    return advantages * factor, {k: float(v) for k, v in metrics.items()}
 
 
 @torch.no_grad()
@@ -279,12 +295,41 @@ def correct_batch(batch: Any, rc: Any, metrics: dict[str, float]) -> Any:
     (`correct_advantages`), its metrics into ``metrics``; a no-op when both are off, and in bypass mode."""
     if rc.bypass_mode or (rc.rollout_is is None and rc.rollout_rs is None):
         return batch
+    if batch.old_log_probs is None:  # the update's forward gives them: the actor's loss corrects
+        return batch  # (`in_update_correction`; the driver applies the same factor after the update)
     b = batch
     b.advantages, rc_metrics = correct_advantages(
         b.advantages, b.old_log_probs, b.rollout_log_probs, b.response_mask, dataclasses.asdict(rc)
     )
     metrics.update(rc_metrics)
     return batch
+
+
+def in_update_correction(
+    rc: Any, mb: Any, forward_log_probs: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The advantages ``[b, T]`` the loss takes for micro-batch ``mb`` (a `RolloutBatch`), and ``rollout_corr/*``
+    metrics. When the update's own forward gives the old log-probs (``mb.old_log_probs`` is None: the batch is
+    used once, in one optimizer step; `trainer.step_plan.old_log_probs_reusable`), the driver could not
+    correct the advantages before the update (`correct_batch` skips them); this does it here with
+    `correction_factor` of ``forward_log_probs`` (detached: the old policy) against ``mb.rollout_log_probs``,
+    the same factor the driver would have applied (per row: the step plan keeps the batch-wide
+    ``rollout_is_batch_normalize`` on the separate pass). ``rc``: the typed
+    ``algorithm.rollout_correction`` when on and not in bypass mode, else None (the advantages as they are).
+    The metrics are means over the micro-batch's valid tokens; weighted by its token share and summed over
+    micro-batches and ranks they are the whole batch's (as `correct_advantages` reports them)."""
+    if rc is None or mb.old_log_probs is not None or (rc.rollout_is is None and rc.rollout_rs is None):
+        return mb.advantages, {}
+    if rc.rollout_is_batch_normalize:
+        raise ValueError(
+            "rollout_is_batch_normalize needs the whole batch's IS weights: compute old_log_probs first"
+        )
+    if mb.rollout_log_probs is None:
+        raise ValueError("rollout correction in the update needs the batch's rollout_log_probs")
+    factor, metrics = correction_factor(
+        forward_log_probs.detach(), mb.rollout_log_probs, mb.response_mask, dataclasses.asdict(rc)
+    )  # [b, T]
+    return mb.advantages * factor, metrics
 
 
 def bypass_correction(

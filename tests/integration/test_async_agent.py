@@ -45,10 +45,11 @@ def test_async_tool_loops_on_a_rollout_pool(tiny_model_dir, tmp_path):
     from fusedrl.trainer.async_trainer import AsyncPPOTrainer
 
     class Recording(AsyncPPOTrainer):
-        def compute_log_probs(self, batch):
-            batch = super().compute_log_probs(batch)
-            self.seen = [*getattr(self, "seen", []), (self.actor_version, batch.clone())]
-            return batch
+        def update_actor(self, batch):  # the update's forward gives the old log-probs (one mini-batch)
+            version = self.actor_version
+            metrics = super().update_actor(batch)
+            self.seen = [*getattr(self, "seen", []), (version, batch.clone())]
+            return metrics
 
     out = str(tmp_path / "run")
     with started_trainer(_overrides(tiny_model_dir, tmp_path, out), trainer_cls=Recording) as trainer:

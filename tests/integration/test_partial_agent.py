@@ -42,10 +42,11 @@ def test_agent_trajectories_span_a_sync_with_per_token_versions(tiny_model_dir, 
     from fusedrl.trainer.partial_trainer import PartialRolloutTrainer
 
     class Recording(PartialRolloutTrainer):
-        def compute_log_probs(self, batch):
-            batch = super().compute_log_probs(batch)
-            self.seen = [*getattr(self, "seen", []), (self.global_step, self.actor_version, batch.clone())]
-            return batch
+        def update_actor(self, batch):  # the update's forward gives the old log-probs (one mini-batch)
+            version = self.actor_version
+            metrics = super().update_actor(batch)
+            self.seen = [*getattr(self, "seen", []), (self.global_step, version, batch.clone())]
+            return metrics
 
     out = str(tmp_path / "run")
     # saves after step 3 only (the last): steps 1 and 2 carry, step 3 drains
@@ -104,9 +105,10 @@ def test_nothing_extra_in_flight_samples_as_the_synchronous_multi_turn_run(tiny_
     for name, base in (("sync", PPOTrainer), ("partial", PartialRolloutTrainer)):
 
         class Keep(base):  # type: ignore[valid-type, misc]
-            def compute_log_probs(self, batch):
-                self.batch = super().compute_log_probs(batch).clone()
-                return self.batch
+            def update_actor(self, batch):
+                metrics = super().update_actor(batch)
+                self.batch = batch.clone()
+                return metrics
 
         extra = (
             ["async_training.partial_rollout=false", "async_training.staleness_threshold=0.1"]

@@ -7,7 +7,8 @@ some requests wait and be paused, so steps train on rows whose tokens two policy
 - Per token, the rollout log-prob is the one of the version that sampled it: tokens of version 0 score as
   the start-up model scores them (a forward of the saved model, by hand), tokens of the current version as
   the actor's old log-probs; the truncated importance weights are computed per token from those (the
-  step's ``rollout_corr/is_weight_mean`` recomputed by hand).
+  step's ``rollout_corr/is_weight_mean`` recomputed by hand: the update's loss computed it, its forward
+  giving the old log-probs).
 - With nothing extra in flight and no resumes allowed, the samples are the synchronous run's (slow).
 - A run stopped after step 2's checkpoint (requests paused) and resumed equals the uninterrupted one (slow;
   the SIGKILL version is tests/reliability/test_partial_crash.py).
@@ -52,15 +53,17 @@ def _recording_class():
     from fusedrl.trainer.partial_trainer import PartialRolloutTrainer
 
     class Recording(PartialRolloutTrainer):
-        """Keeps each step's batch after the actor's log-prob pass, with the actor version then."""
+        """Keeps each step's batch after the actor update, with the actor version before it (the update's own
+        forward gives the old log-probs: one mini-batch; rollout_is=token is applied in its loss)."""
 
         seen: list
 
-        def compute_log_probs(self, batch):
-            batch = super().compute_log_probs(batch)
+        def update_actor(self, batch):
+            version = self.actor_version
+            metrics = super().update_actor(batch)
             self.seen = getattr(self, "seen", [])
-            self.seen.append((self.global_step, self.actor_version, batch.clone()))
-            return batch
+            self.seen.append((self.global_step, version, batch.clone()))
+            return metrics
 
     return Recording
 
@@ -112,6 +115,7 @@ def test_partial_rollout_trains_first_groups_with_per_token_versions(
     # The truncated weights of the step, per token from those log-probs (threshold 2.0, verl's default).
     weights = torch.exp(batch.old_log_probs - batch.rollout_log_probs).clamp(max=2.0)[mask]
     assert m[2]["rollout_corr/is_weight_mean"] == pytest.approx(float(weights.mean()), rel=1e-5)
+    assert m[2]["actor/old_log_prob_from_update"] == 1.0 and "timing_s/old_log_prob" not in m[2]
     assert m[2]["rollout/log_prob_abs_diff_max"] < SYNC_TOL  # the sync check: fresh tokens only
     assert m[2]["partial/behaviour_log_prob_abs_diff_max"] > 100 * SYNC_TOL
 
@@ -123,9 +127,10 @@ def test_partial_rollout_with_nothing_extra_samples_as_sync(tiny_model_dir, arit
     from fusedrl.trainer.ppo_trainer import PPOTrainer
 
     class KeepSync(PPOTrainer):
-        def compute_log_probs(self, batch):
-            self.batch = super().compute_log_probs(batch).clone()
-            return self.batch
+        def update_actor(self, batch):
+            metrics = super().update_actor(batch)
+            self.batch = batch.clone()
+            return metrics
 
     Recording = _recording_class()
     rows = {}

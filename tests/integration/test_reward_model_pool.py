@@ -56,7 +56,8 @@ def test_reward_model_on_its_own_pool_scores_during_log_probs(tiny_model_dir, ar
         "reward_model.enable=true",
         f"reward_model.model.path={rm_dir}",
         "algorithm.adv_estimator=grpo",
-        "algorithm.rollout_correction.rollout_is=token",  # the actor's own old-log-prob pass runs
+        "algorithm.rollout_correction.rollout_is=token",
+        "actor_rollout_ref.actor.old_log_prob_from_update=false",  # the actor's own old-log-prob pass runs
         "data.train_batch_size=2",
         "data.max_response_length=8",
         "actor_rollout_ref.rollout.n=4",

@@ -138,3 +138,154 @@ def _refusal(model_dir: str, cfg) -> None:
     actor.cfg, actor.world_size, actor.rollout_n = cfg, 1, 2
     actor.model = torch.nn.Linear(1, 1)
     actor.update(_batch(), temperature=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rollout correction on the reused route: the loss weights / rejects the advantages from the forward's own
+# detached log-probs (`in_update_correction`) instead of the driver before the update (`correct_advantages`).
+
+CORRECTIONS = {  # name: (rollout_correction values, dynamic batch size)
+    "is_token": (dict(rollout_is="token", rollout_is_threshold=1.3), True),
+    "is_sequence": (dict(rollout_is="sequence", rollout_is_threshold=1.5), False),
+    "rs_token_band_with_is": (
+        dict(
+            rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token", rollout_rs_threshold="0.8_1.25"
+        ),
+        True,
+    ),
+    "rs_seq_mean_k3": (dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.012), False),
+}
+
+
+def _rc(values: dict):
+    from fusedrl.role_config import RolloutCorrectionConfig
+
+    base = dict(
+        rollout_is=None,
+        rollout_is_threshold=2.0,
+        rollout_is_batch_normalize=False,
+        rollout_rs=None,
+        rollout_rs_threshold=None,
+        bypass_mode=False,
+        loss_type="ppo_clip",
+    )
+    return RolloutCorrectionConfig(**{**base, **values})
+
+
+def _correction_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    import dataclasses
+
+    with single_rank_group(port):
+        from fusedrl.algorithms.rollout_correction import correct_advantages
+        from fusedrl.workers.actor import ActorRole
+
+        result = {}
+        for name, (values, dynamic) in CORRECTIONS.items():
+            rc = _rc(values)
+            model_cfg, actor_cfg = _configs(model_dir, dynamic)
+            torch.manual_seed(0)
+            recomputed = ActorRole(model_cfg, actor_cfg, rollout_n=2, rollout_correction=rc)
+            torch.manual_seed(0)
+            reused = ActorRole(model_cfg, actor_cfg, rollout_n=2, rollout_correction=rc)
+
+            batch = _batch()
+            old = recomputed.compute_log_prob(
+                batch, temperature=0.7, micro_batch_size=4, max_token_len=16 if dynamic else None
+            )  # [B, Tr], the separate pass
+            # The engine's log-probs: the policy's, off by ~0.15 per token: ratios 0.78..1.23, the seq_mean_k3
+            # statistic 0.003..0.020 per row (the bands reject some tokens, rows 4-5).
+            noise = 0.15 * torch.randn(old.shape, generator=torch.Generator().manual_seed(7))
+            rollout = (old + noise) * batch.response_mask  # [B, Tr]
+            batch.old_log_probs, batch.rollout_log_probs = old, rollout
+            # The driver's route: correct the advantages with the whole batch, then update.
+            batch.advantages, m_driver = correct_advantages(
+                batch.advantages, old, rollout, batch.response_mask, dataclasses.asdict(rc)
+            )
+            m_recomputed = recomputed.update(batch, temperature=0.7)
+
+            batch = _batch()  # no old_log_probs: the loss corrects
+            batch.rollout_log_probs = rollout
+            m_reused = reused.update(batch, temperature=0.7)
+
+            p_rec, p_reu = local_params(recomputed.model), local_params(reused.model)
+            result[name] = {
+                "max_param_diff": max(float((p_rec[n] - p_reu[n]).abs().max()) for n in p_rec),
+                "driver": m_driver,
+                "recomputed": m_recomputed,
+                "reused": m_reused,
+            }
+        Path(out_dir, "result.json").write_text(json.dumps(result))
+
+
+def test_rollout_correction_in_the_update_equals_the_driver_correction(tiny_model_dir, tmp_path):
+    mp.spawn(_correction_worker, args=(free_port(), tiny_model_dir, str(tmp_path)), nprocs=1, join=True)
+    result = json.loads((tmp_path / "result.json").read_text())
+    for name, r in result.items():
+        driver, rec, reu = r["driver"], r["recomputed"], r["reused"]
+        assert r["max_param_diff"] <= 1e-6, (name, r)
+        for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/entropy", "actor/kl_loss"):
+            assert abs(rec[key] - reu[key]) <= 1e-5 * max(1.0, abs(rec[key])), (name, key, rec, reu)
+        assert abs(rec["actor/grad_norm"] - reu["actor/grad_norm"]) <= 1e-4 * rec["actor/grad_norm"], name
+        # The correction's metrics: the update reports the driver's, token-weighted over the micro-batches.
+        assert sorted(k for k in reu if k.startswith("rollout_corr/")) == sorted(driver), (name, reu)
+        for key, value in driver.items():
+            assert abs(reu[key] - value) <= 1e-5, (name, key, reu[key], value)
+        assert not any(k.startswith("rollout_corr/") for k in rec)  # the separate route: the driver's
+    # The cases really weight and reject (not all 1 / nothing rejected).
+    assert result["is_token"]["driver"]["rollout_corr/is_weight_mean"] != 1.0
+    assert result["is_sequence"]["driver"]["rollout_corr/is_weight_mean"] != 1.0
+    for name in ("rs_token_band_with_is", "rs_seq_mean_k3"):
+        assert 0.0 < result[name]["driver"]["rollout_corr/rejected_token_frac"] < 1.0, result[name]
+
+
+def test_in_update_correction_by_hand():
+    """Two micro-batches of one batch: the advantages are the driver's, weight by weight, and the metrics
+    weighted by each micro-batch's token share (as `ActorRole._loss_terms` does) are the whole batch's."""
+    import math
+
+    from fusedrl.algorithms.rollout_correction import in_update_correction
+    from fusedrl.batch import RolloutBatch
+
+    rc = _rc(dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token", rollout_rs_threshold=2.0))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])  # [B, T]: 6 valid tokens
+    # pi_old / pi_rollout per token: 1.2, 3.0 (rejected, > 2), 1.0 (pad) | 0.4 (rejected, < 0.5), 1.8, 0.6 | 1
+    ratio = torch.tensor([[1.2, 3.0, 1.0], [0.4, 1.8, 0.6], [1.0, 1.0, 1.0]])
+    rollout = torch.full((3, 3), -1.0)
+    old = rollout + torch.log(ratio)
+    batch = RolloutBatch.from_prompts(
+        torch.ones(3, 1, dtype=torch.long),
+        torch.ones(3, 1, dtype=torch.long),
+        uid=["a", "a", "b"],
+        data_source=["s"] * 3,
+        ground_truth=["1"] * 3,
+    )
+    batch.response_mask, batch.rollout_log_probs = mask, rollout
+    batch.advantages = torch.tensor([[1.0, 1.0, 0.0], [-2.0, -2.0, -2.0], [0.5, 0.0, 0.0]])
+    # w = min(ratio, 1.5) on valid tokens (rejected ones count in its mean); keep = 1/2 <= ratio <= 2
+    want = torch.tensor([[1.2, 0.0, 0.0], [0.0, -2.0 * 1.5, -2.0 * 0.6], [0.5, 0.0, 0.0]])
+    tokens = float(mask.sum())
+    weighted: dict[str, float] = {}
+    got = []
+    for rows in (slice(0, 1), slice(1, 3)):
+        mb = batch[rows]
+        adv, metrics = in_update_correction(rc, mb, old[rows])
+        got.append(adv)
+        share = float(mb.response_mask.sum()) / tokens
+        for key, value in metrics.items():
+            weighted[key] = weighted.get(key, 0.0) + float(value) * share
+    assert torch.allclose(torch.cat(got), want, atol=1e-6)
+    assert math.isclose(
+        weighted["rollout_corr/is_weight_mean"], (1.2 + 1.5 + 0.4 + 1.5 + 0.6 + 1.0) / 6, rel_tol=1e-6
+    )
+    assert math.isclose(weighted["rollout_corr/rejected_token_frac"], 2 / 6, rel_tol=1e-6)
+    # With old_log_probs present (the separate pass) the driver corrected already: the advantages pass as they are.
+    mb = batch[0:1]
+    mb.old_log_probs = old[0:1]
+    assert in_update_correction(rc, mb, old[0:1])[0] is mb.advantages
+    # The batch-wide mean of rollout_is_batch_normalize cannot be taken per micro-batch.
+    import dataclasses
+
+    import pytest
+
+    with pytest.raises(ValueError, match="rollout_is_batch_normalize"):
+        in_update_correction(dataclasses.replace(rc, rollout_is_batch_normalize=True), batch[0:1], old[0:1])

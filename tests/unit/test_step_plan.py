@@ -100,3 +100,28 @@ def test_config_rejects_otb_with_bypass_and_sp_not_dividing_workers():
     text = str(err.value)
     assert "bypass_mode" in text and "set bypass_mode=false" in text
     assert "ulysses_sequence_parallel_size`=3 does not divide the 2 workers" in text
+
+
+def test_rollout_correction_reuses_the_update_forward_unless_batch_normalized():
+    """Per-row corrections (IS weights, rejection) run in the actor's loss, which then reads the rollout's
+    log-probs; the batch-wide mean of ``rollout_is_batch_normalize`` keeps the separate pass, as bypass does."""
+    from fusedrl.trainer.step_plan import old_log_probs_reusable, update_fields
+
+    rc = "algorithm.rollout_correction"
+    cases = {
+        (f"{rc}.rollout_is=token",): True,
+        (f"{rc}.rollout_is=sequence",): True,
+        (f"{rc}.rollout_rs=token", f"{rc}.rollout_rs_threshold=2.0"): True,
+        (f"{rc}.rollout_rs=seq_max_k2", f"{rc}.rollout_rs_threshold=0.1"): True,
+        (f"{rc}.rollout_is=token", f"{rc}.rollout_is_batch_normalize=true"): False,
+        (f"{rc}.bypass_mode=true", f"{rc}.rollout_rs=token", f"{rc}.rollout_rs_threshold=2.0"): False,
+    }
+    for overrides, reusable in cases.items():
+        run = _cfg("algorithm.adv_estimator=grpo", *overrides)
+        assert old_log_probs_reusable(run, world=1, num_samples=16, actor_trains=True) is reusable, overrides
+        assert not old_log_probs_reusable(run, world=1, num_samples=32, actor_trains=True)  # 2 mini-batches
+        if reusable:
+            assert update_fields(run, old_from_forward=True) == ["advantages", "rollout_log_probs"]
+            assert update_fields(run, old_from_forward=False) == ["old_log_probs", "advantages"]
+    plain = _cfg("algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true")
+    assert update_fields(plain, old_from_forward=True) == ["advantages", "ref_log_probs"]
