@@ -22,20 +22,25 @@ A second run of the same work starts warm. Inductor's cache (per instruction set
 `fusedrl.utils.hardware.isolate_inductor_cache`) keeps the compiled kernels; dynamo's profile of which sizes
 changed (its profile-guided dynamic shapes, kept on disk only for a named job) is kept under a job name made
 from the model's config and the layout of the passes (`remember_dynamic_shapes`), so the second run compiles
-each graph once, dynamic from its first call, instead of static then dynamic.
+each graph once, dynamic from its first call, instead of static then dynamic. AOTAutograd's cache then gives
+each graph its joint graph and Inductor's cache its kernels; dynamo still traces each graph in every process
+(its own cache of traced frames, ``caching_precompile``, crashed on these layers in torch 2.13: a recompile
+after loading it fails on a name already in scope).
 
 On CPU Inductor needs a C++ compiler; without one the layers stay eager and one line says so.
 
-Weight gradients of half-precision linears on CPU (`RowMajorGradLinear`). Autograd computes a linear's
-weight gradient as ``mm(g.t(), x)``: the output gradient ``g`` read transposed. PyTorch's oneDNN AMX GEMM
-runs that product at about half the speed of the same product with a row-major first operand (one thread,
-``[1408, 2048] x [2048, 512]`` bf16: 7.3 vs 3.4 ms). Inside a compiled layer the linears compute it from
-``g`` transposed into a row-major buffer, which Inductor writes in the kernel that produces ``g`` (the
-backward of SiLU, of the rotary embedding, ...): a decoder layer's bf16 forward + backward of 2048 tokens took
-83 instead of 99 ms (benchmarks/results_archive/2026-12.md, 2026-12-03 evening). The product goes through a
-custom op (`row_major_mm`) because Inductor otherwise drops the transposed copy as a layout change it may
-choose freely. Float32 (MKL reads either layout at full speed), eager layers (the copy is a separate pass that
-costs what it saves) and GPUs keep PyTorch's own linear.
+Weight gradients of half-precision linears on CPU (`RowMajorGradLinear`). Autograd computes a linear's weight
+gradient as ``mm(g.t(), x)``: the output gradient ``g`` read transposed. PyTorch's oneDNN AMX GEMM runs that
+product at about half the speed of the same product with a row-major first operand (one thread, ``[1408, 2048]
+x [2048, 512]`` bf16: 7.3 vs 3.4 ms). Inside a compiled layer the linears compute it from ``g`` transposed
+into a row-major buffer, which Inductor writes in the kernel that produces ``g`` (the backward of SiLU, of the
+rotary embedding, ...): a decoder layer's bf16 forward + backward of 2048 tokens took 83 instead of 99 ms
+(benchmarks/results_archive/2026-12.md, 2026-12-03 evening). The product goes through a custom op
+(`row_major_mm`) because Inductor otherwise drops the transposed copy as a layout change it may choose freely;
+the linear itself is a custom op with its own autograd formula (`row_major_linear`), as an
+``autograd.Function`` would keep the graph out of AOTAutograd's cache. Float32 (MKL reads either layout at
+full speed), eager layers (the copy is a separate pass that costs what it saves) and GPUs keep PyTorch's own
+linear.
 """
 
 from __future__ import annotations
@@ -120,25 +125,36 @@ def _row_major_mm_shape(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.new_empty(a.shape[0], b.shape[1])
 
 
-class _RowMajorGradLinearFn(torch.autograd.Function):
-    """``F.linear`` whose weight gradient is ``row_major_mm(g.t().contiguous(), x)`` (module docstring)."""
+@torch.library.custom_op("fusedrl::row_major_linear", mutates_args=())
+def row_major_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` whose weight gradient is ``row_major_mm(g.t().contiguous(), x)`` (module docstring). A
+    custom op with its own autograd formula rather than an ``autograd.Function``: dynamo records the latter as
+    a higher-order op that AOTAutograd's cache refuses (the compiled layer's grad graph was then traced anew
+    in every process), while a custom op's graph is cached like any other."""
+    return torch.nn.functional.linear(x, weight, bias)
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return torch.nn.functional.linear(x, weight, bias)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])  # [tokens, out]
-        grad_x = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        grad_w = (
-            row_major_mm(g.t().contiguous(), x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        )
-        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+@row_major_linear.register_fake
+def _row_major_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _row_major_linear_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _row_major_linear_backward(ctx, grad: torch.Tensor):
+    x, weight = ctx.saved_tensors
+    g = grad.reshape(-1, grad.shape[-1])  # [tokens, out]
+    grad_x = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+    grad_w = row_major_mm(g.t().contiguous(), x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+    grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_b
+
+
+row_major_linear.register_autograd(_row_major_linear_backward, setup_context=_row_major_linear_setup)
 
 
 class RowMajorGradLinear(nn.Linear):
@@ -148,7 +164,7 @@ class RowMajorGradLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled():
-            return _RowMajorGradLinearFn.apply(x, self.weight, self.bias)
+            return row_major_linear(x, self.weight, self.bias)
         return super().forward(x)
 
 

@@ -320,3 +320,50 @@ def test_remember_dynamic_shapes_keeps_a_job_name_the_user_set(tmp_path):
     with config.patch(job_id=None):
         assert remember_dynamic_shapes(str(tmp_path), packed=True) != named
     assert config.job_id is None
+
+
+_CACHED_RUN = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from torch._dynamo.utils import counters
+from fusedrl.workers.layer_compile import compile_layers, remember_dynamic_shapes
+remember_dynamic_shapes(sys.argv[1], packed=False)
+torch.set_num_threads(1)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+assert compile_layers(model)
+ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+model(input_ids=ids).logits.float().sum().backward()  # the grad graph (bf16: row-major weight grads)
+with torch.no_grad():
+    model(input_ids=ids)  # the no-grad graph
+print(json.dumps({k: dict(counters[k]) for k in ("aot_autograd", "inductor", "stats")}))
+"""
+
+
+@pytest.mark.slow  # ~40-90 s: two processes compile a bf16 decoder layer, the first one cold
+def test_a_second_process_loads_the_compiled_layers_from_the_cache(tiny_model_dir, tmp_path):
+    """A second process compiling the same layers loads both graphs (grad and no-grad) from AOTAutograd's
+    and Inductor's caches: no graph bypasses AOTAutograd's cache (an ``autograd.Function`` in the layer did,
+    and its grad graph was traced and lowered again in every run) and Inductor generates no code."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TORCH_COMPILE_JOB_ID", None)
+
+    def run() -> dict:
+        out = subprocess.run(
+            [sys.executable, "-c", _CACHED_RUN, tiny_model_dir], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["aot_autograd"].get("autograd_cache_bypass", 0) == 0, first
+    assert first["aot_autograd"].get("autograd_cache_saved", 0) >= 2, first  # grad and no-grad graphs
+    graphs = second["aot_autograd"]["total"]
+    assert graphs >= 2 and second["aot_autograd"].get("autograd_cache_hit", 0) == graphs, second
+    assert "autograd_cache_miss" not in second["aot_autograd"], second
+    assert "autograd_cache_bypass" not in second["aot_autograd"], second
+    assert second["inductor"].get("fxgraph_cache_hit", 0) >= graphs, second
+    assert "fxgraph_cache_miss" not in second["inductor"], second

@@ -3,7 +3,8 @@ from a row-major copy of the output gradient (`fusedrl.workers.layer_compile`, m
 
 The gradients must be the linear's gradients: checked against float64 arithmetic on the same bf16 inputs,
 eager and compiled, with and without bias, on 3-D activations as a decoder layer feeds them; the compiled
-backward must really call the row-major product (profiler); any other dtype must run ``nn.Linear`` itself,
+backward must really call the row-major product (profiler), and its graph must be one AOTAutograd's cache
+keeps (a later process then loads it instead of tracing it again); any other dtype must run ``nn.Linear`` itself,
 bit for bit; and swapping a decoder layer's linears keeps its parameters and state dict.
 """
 
@@ -67,10 +68,16 @@ def test_bf16_gradients_are_the_linears(bias, compiled):
 
 
 def test_compiled_backward_calls_the_row_major_product():
+    from torch._dynamo.utils import counters
+
     _, swapped = _pair(True, torch.bfloat16)
     x = torch.randn(2, 33, 48).to(torch.bfloat16).requires_grad_()
     fn = torch.compile(swapped, dynamic=False)
+    before = dict(counters["aot_autograd"])
     fn(x).sum().backward()  # compile outside the profile
+    compiled = {k: v - before.get(k, 0) for k, v in counters["aot_autograd"].items()}
+    # an autograd.Function would be a higher-order op here, which AOTAutograd's cache bypasses
+    assert compiled.get("autograd_cache_bypass", 0) == 0 and compiled.get("total") == 1, compiled
     with torch.profiler.profile() as prof:
         fn(x).sum().backward()
     names = {e.key for e in prof.key_averages()}
