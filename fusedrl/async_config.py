@@ -44,25 +44,9 @@ def partial_rollout_problems(cfg: Any, placement: Placement, problems: list[str]
     partial rollout runs in the fused pool (the engine in the actor's processes), one engine per worker
     (no tensor parallelism), on an engine that can pause requests, on groups split whole over the workers;
     what stale samples need (`stale_sample_problems`); agent loops (``multi_turn``) on the continuous
-    schedule (`fusedrl.workers.rollout.partial_agent`). The two settings are refused when it is off."""
-    a = cfg.async_training
-    on, threshold, resumes = a.partial_rollout, a.staleness_threshold, a.partial_rollout_max_resumes
-    if not isinstance(on, bool):
-        problems.append(f"`{PARTIAL}`={on!r}: must be true or false.")
-        return
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
-        problems.append(
-            f"`{THRESHOLD}`={threshold!r}: must be a number >= 0 (0.5: half a batch more in flight)."
-        )
-        threshold = None
-    if isinstance(resumes, bool) or not isinstance(resumes, int) or resumes < 0:
-        problems.append(f"`{MAX_RESUMES}`={resumes!r}: must be an integer >= 0.")
-    if not on:
-        for key, value, default in ((THRESHOLD, threshold, 0.1), (MAX_RESUMES, resumes, 3)):
-            if value is not None and value != default:
-                problems.append(
-                    f"`{key}`={value} is read only with `{PARTIAL}`=true; set {PARTIAL}=true or drop the key."
-                )
+    schedule (`fusedrl.workers.rollout.partial_agent`). The keys' own values (and the two settings refused
+    when it is off): `fusedrl.role_config.AsyncTrainingConfig.problems`."""
+    if cfg.async_training.partial_rollout is not True:  # its own values: `AsyncTrainingConfig.problems`
         return
     setting, off = f"`{PARTIAL}`=true", f"{PARTIAL}=false"
     if placement.rollout_apart:
@@ -101,15 +85,13 @@ def partial_rollout_problems(cfg: Any, placement: Placement, problems: list[str]
 
 
 def async_problems(cfg: Any, placement: Placement, problems: list[str]) -> None:
-    """Append every problem of ``async_training.max_staleness`` against the run: a bound that is not an
-    integer >= 0, and, when it is > 0, what asynchronous training needs (a rollout pool of its own,
+    """Append every problem of ``async_training.max_staleness`` against the run (a bound that is not an
+    integer >= 0: `fusedrl.role_config.AsyncTrainingConfig.problems`): when it is > 0, what asynchronous
+    training needs (a rollout pool of its own,
     truncated importance weights against the rollout's own log-probs) and what it does not support
     (dynamic sampling, a greedy baseline)."""
     value = cfg.async_training.max_staleness
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        problems.append(f"`{KEY}`={value!r}: must be an integer >= 0 (0: synchronous, 1: one-step-off).")
-        return
-    if value == 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:  # < 0: its section's problem
         return
     if not placement.rollout_apart:
         problems.append(
@@ -128,8 +110,10 @@ def stale_sample_problems(
     rollout's own log-probs, the actor's own pass for pi_old) and refuses (dynamic sampling, a greedy
     baseline, and multi-turn agent loops unless ``multi_turn``): one problem each, naming ``setting`` and
     the way to turn it ``off``."""
+    from fusedrl.algorithms.rollout_correction import IS_LEVELS
+
     rc = cfg.algorithm.rollout_correction
-    if rc.rollout_is not in ("token", "sequence"):
+    if rc.rollout_is not in IS_LEVELS:
         problems.append(
             f"{setting} needs truncated importance weights against the rollout's own log-probs (the "
             "behaviour policy is older than the actor): set `algorithm.rollout_correction.rollout_is=token` "

@@ -94,6 +94,18 @@ def missing_keys(cfg: Any, prefix: str = "") -> list[str]:
     return out
 
 
+def unset_as_none(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with its unset keys (``???``) None, in a copy (``cfg`` itself when none is unset), so that it
+    resolves: the keys that interpolate them are None too."""
+    unset = missing_keys(cfg)
+    if not unset:
+        return cfg
+    filled = cfg.copy()
+    for key in unset:
+        OmegaConf.update(filled, key, None, force_add=True)
+    return filled
+
+
 def to_plain_dict(cfg: Any) -> dict[str, Any]:
     """The resolved config (a DictConfig, or a `fusedrl.run_config.RunConfig`'s ``source``) as plain Python
     containers."""

@@ -1,11 +1,22 @@
-"""Checks of single config sections (rollout correction, checkpoint contents, LR schedules, token
-budgets, compiled layers, the keys that may be ``auto``), called by `fusedrl.config_checks.validate`; each appends problems that name the key and the fix."""
+"""Pieces of the config checks: the numeric check every section uses (`check_number`, `positive`), the
+checks of nested typed sections their parents call from ``problems()`` (rollout correction, checkpoint
+contents, an optimizer's schedule), and checks that read keys of several sections (token budgets, compiled
+layers, the keys that may be ``auto``; `fusedrl.config_cross_checks` calls them). Each problem names the key
+and the fix."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """``org/name`` that is not a local path: transformers and vLLM download it (machines with a network)."""
+    import os
+    import re
+
+    return not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
 
 
 def check_number(
@@ -28,7 +39,28 @@ def check_number(
         return None
 
 
-def rollout_correction_problems(cfg: DictConfig, problems: list[str]) -> None:
+def positive(value: Any, key: str, problems: list[str]) -> int | None:
+    """``value`` (of ``key``) as an integer >= 1, or None plus one problem (`check_number`'s, or >= 1)."""
+    number = check_number(value, key, problems)
+    if number is not None and number < 1:
+        problems.append(f"`{key}`={number}: must be >= 1.")
+        return None
+    return number
+
+
+def valid_positive(value: Any) -> int | None:
+    """``value`` as an integer >= 1, or None, reporting nothing: for checks that combine numbers whose own
+    section reports them."""
+    return positive(value, "", [])
+
+
+def shown(value: Any) -> Any:
+    """A typed section's value as the YAML wrote it, for messages (its tuples were lists)."""
+    return [shown(v) for v in value] if isinstance(value, tuple) else value
+
+
+def rollout_correction_problems(rc: Any, problems: list[str]) -> None:
+    """``algorithm.rollout_correction`` (a `fusedrl.role_config.RolloutCorrectionConfig`)."""
     from fusedrl.algorithms.rollout_correction import (
         IS_LEVELS,
         LOSS_TYPES,
@@ -37,7 +69,6 @@ def rollout_correction_problems(cfg: DictConfig, problems: list[str]) -> None:
         parse_rs_thresholds,
     )
 
-    rc = cfg.algorithm.rollout_correction
     key = "algorithm.rollout_correction"
     if rc.rollout_is is not None and rc.rollout_is not in IS_LEVELS:
         problems.append(f"`{key}.rollout_is`={rc.rollout_is!r}: use {', '.join(IS_LEVELS)} or null.")
@@ -79,12 +110,12 @@ def rollout_correction_problems(cfg: DictConfig, problems: list[str]) -> None:
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
 
-def checkpoint_contents_problems(cfg: DictConfig, problems: list[str]) -> None:
+def checkpoint_contents_problems(checkpoint: Any, problems: list[str]) -> None:
     """``actor.checkpoint.{save,load}_contents``: fusedrl's checkpoints always hold model, optimizer and
     driver state (a partial one could not resume exactly); ``hf_model`` adds a Hugging Face folder."""
     for leaf in ("save_contents", "load_contents"):
         key = f"actor_rollout_ref.actor.checkpoint.{leaf}"
-        value = OmegaConf.select(cfg, key)
+        value = getattr(checkpoint, leaf)
         items = [str(value)] if isinstance(value, str) else [str(v) for v in value]
         unknown = [v for v in items if v not in CHECKPOINT_CONTENTS]
         missing = [v for v in ("model", "optimizer", "extra") if v not in items]
@@ -97,19 +128,17 @@ def checkpoint_contents_problems(cfg: DictConfig, problems: list[str]) -> None:
             )
 
 
-FILTER_METRICS = ("score", "seq_reward", "seq_final_reward", "acc")
-SCHEDULERS = ("constant", "cosine")
+def schedule_problems(optim: Any, prefix: str, problems: list[str]) -> None:
+    """The learning-rate schedule keys of one optimizer (``actor_rollout_ref.actor.optim`` / ``critic.optim``,
+    a `fusedrl.role_config.OptimConfig`)."""
+    from fusedrl.lr_schedule import SCHEDULERS
 
-
-def schedule_problems(cfg: DictConfig, prefix: str, problems: list[str]) -> None:
-    """The learning-rate schedule keys of one optimizer (``actor_rollout_ref.actor.optim`` / ``critic.optim``)."""
-    optim = OmegaConf.select(cfg, prefix)
     style = optim.warmup_style if optim.warmup_style is not None else optim.lr_scheduler_type
     key = "warmup_style" if optim.warmup_style is not None else "lr_scheduler_type"
     if style not in SCHEDULERS:
         problems.append(f"`{prefix}.{key}`={style!r}: use constant or cosine.")
     for leaf, low, high in (("lr_warmup_steps_ratio", 0.0, 1.0), ("min_lr_ratio", 0.0, 1.0)):
-        value = optim[leaf]
+        value = getattr(optim, leaf)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
             problems.append(f"`{prefix}.{leaf}`={value!r}: must be a number in [{low}, {high}].")
     steps = optim.lr_warmup_steps

@@ -12,6 +12,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+SCHEDULERS = ("constant", "cosine")  # optim.warmup_style / lr_scheduler_type (SFT: optim.lr_scheduler)
+
 
 def warmup_steps(optim: Mapping[str, Any], total_steps: int) -> int:
     """``lr_warmup_steps`` when >= 0, else ``int(lr_warmup_steps_ratio * total_steps)``."""
@@ -35,7 +37,7 @@ def lr_factor(
     ``p = (step - warmup) / (total_steps - warmup)``, ``m = min_lr_ratio``, ``c = num_cycles``, floored at
     ``m`` (half a period, from 1 down to ``m``, for the default c = 0.5).
     """
-    if style not in ("constant", "cosine"):
+    if style not in SCHEDULERS:
         raise ValueError(f"unknown lr schedule {style!r}; use constant or cosine")
     if step < warmup:
         return step / max(1, warmup)

@@ -36,17 +36,9 @@ class RunConfig(RunSections):
         """The typed sections of a composed PPO config (``auto`` keys unresolved: each worker resolves them).
         A config loaded without validation may leave keys unset (``???``): they, and the keys that
         interpolate them, are None in the sections (the DictConfig keeps them as written)."""
-        from omegaconf import OmegaConf
+        from fusedrl.config_base import unset_as_none
 
-        from fusedrl.config_base import missing_keys
-
-        unset = missing_keys(config)
-        filled = config
-        if unset:  # not validated: resolve what is set
-            filled = config.copy()
-            for key in unset:
-                OmegaConf.update(filled, key, None, force_add=True)
-        roles = run_config(filled)
+        roles = run_config(unset_as_none(config))
         return cls(**{name: getattr(roles, name) for name in section_names()}, source=config)
 
     def roles(

@@ -19,6 +19,9 @@ import torch
 
 from fusedrl.batch import RolloutBatch, concat
 
+# algorithm.filter_groups.metric: what `group_metric` compares a group's samples on
+FILTER_METRICS = ("score", "seq_reward", "seq_final_reward", "acc")
+
 
 def group_metric(batch: RolloutBatch, metric: str, sample_extras: list[dict] | None) -> torch.Tensor:
     """The per-sample value groups are compared on (``algorithm.filter_groups.metric``): ``[B]``.

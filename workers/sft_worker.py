@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedrl.checkpoint import ACTOR_DIR, shard_prefix
+from fusedrl.lr_schedule import SCHEDULERS
 from fusedrl.sft_role_config import SFTRoleConfigs
 from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
 from fusedrl.workers.distributed import DistributedWorker
@@ -37,7 +38,7 @@ from fusedrl.workers.logprob import micro_batches
 from fusedrl.workers.optim_step import defer_grad_sync, grad_sync
 
 Batch = dict[str, torch.Tensor]
-LR_SCHEDULERS = ("constant", "cosine")
+LR_SCHEDULERS = SCHEDULERS  # `fusedrl.lr_schedule` is their home
 
 
 def lr_at(

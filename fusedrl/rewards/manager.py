@@ -23,12 +23,17 @@ from typing import Any
 import torch
 
 from fusedrl.batch import RolloutBatch
-from fusedrl.rewards.pool import START_METHODS, Outcome, RemoteError, ScoringPool, call_inline
+from fusedrl.rewards.pool import (
+    ON_ERROR_CHOICES,
+    START_METHODS,
+    Outcome,
+    RemoteError,
+    ScoringPool,
+    call_inline,
+)
 from fusedrl.rewards.rules import default_compute_score, default_compute_score_batch
 
 logger = logging.getLogger(__name__)
-
-ON_ERROR_CHOICES = ("raise", "zero")
 
 
 @dataclass

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+ON_ERROR_CHOICES = ("raise", "zero")  # reward_model.on_error: what a failed scoring call does
 START_METHODS = ("fork", "spawn", "forkserver")
 START_TIMEOUT_S = 120.0  # a fresh worker must import and warm up within this; it is not a sample's time
 _READY = "ready"
