@@ -6,9 +6,16 @@ and the fix."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+
+def one_of(values: Sequence[Any]) -> str:
+    """An allowed-value list as a message reads it (``a, b or c``): messages name the values their list holds."""
+    names = [str(v) for v in values]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -136,7 +143,7 @@ def schedule_problems(optim: Any, prefix: str, problems: list[str]) -> None:
     style = optim.warmup_style if optim.warmup_style is not None else optim.lr_scheduler_type
     key = "warmup_style" if optim.warmup_style is not None else "lr_scheduler_type"
     if style not in SCHEDULERS:
-        problems.append(f"`{prefix}.{key}`={style!r}: use constant or cosine.")
+        problems.append(f"`{prefix}.{key}`={style!r}: use {one_of(SCHEDULERS)}.")
     for leaf, low, high in (("lr_warmup_steps_ratio", 0.0, 1.0), ("min_lr_ratio", 0.0, 1.0)):
         value = getattr(optim, leaf)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:

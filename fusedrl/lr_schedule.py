@@ -38,7 +38,7 @@ def lr_factor(
     ``m`` (half a period, from 1 down to ``m``, for the default c = 0.5).
     """
     if style not in SCHEDULERS:
-        raise ValueError(f"unknown lr schedule {style!r}; use constant or cosine")
+        raise ValueError(f"unknown lr schedule {style!r}; use {' or '.join(SCHEDULERS)}")
     if step < warmup:
         return step / max(1, warmup)
     if style == "constant":

@@ -282,7 +282,7 @@ class RolloutConfig:
         engine: `fusedrl.config_cross_checks`)."""
         import os
 
-        from fusedrl.config_sections import check_number, positive
+        from fusedrl.config_sections import check_number, one_of, positive
         from fusedrl.workers.rollout.registry import (
             EngineTraits,
             engine_spec,
@@ -320,7 +320,8 @@ class RolloutConfig:
                 found.append(f"`{key}.multi_turn.tool_config_path`: file `{path}` does not exist.")
         if self.mode not in ROLLOUT_MODES:
             found.append(
-                f"`{key}.mode`={self.mode!r}: use sync or async (the in-process engine runs the same way for both)."
+                f"`{key}.mode`={self.mode!r}: use {one_of(ROLLOUT_MODES)} (the in-process engine runs the same way for "
+                "both)."
             )
         if self.sleep_level not in SLEEP_LEVELS:
             found.append(

@@ -67,7 +67,7 @@ class AlgorithmConfig:
         from fusedrl.algorithms.kl import KL_KINDS
         from fusedrl.algorithms.kl_control import KL_CONTROLLERS
         from fusedrl.config_base import import_plugin
-        from fusedrl.config_sections import rollout_correction_problems, shown
+        from fusedrl.config_sections import one_of, rollout_correction_problems, shown
         from fusedrl.trainer.dynamic_sampling import FILTER_METRICS
 
         found: list[str] = []
@@ -101,7 +101,7 @@ class AlgorithmConfig:
                 "`algorithm.rollout_correction.bypass_mode`=true skips; set bypass_mode=false."
             )
         if self.kl_ctrl.type not in KL_CONTROLLERS:
-            found.append(f"`algorithm.kl_ctrl.type`={self.kl_ctrl.type!r}: use fixed or adaptive.")
+            found.append(f"`algorithm.kl_ctrl.type`={self.kl_ctrl.type!r}: use {one_of(KL_CONTROLLERS)}.")
         if self.kl_penalty not in KL_KINDS:
             found.append(
                 f"`algorithm.kl_penalty`={self.kl_penalty!r}: use kl (k1), mse (k2), low_var_kl (k3) or abs."
@@ -273,7 +273,7 @@ class DataConfig:
         """The data files exist; the batch size and the lengths are integers >= 1; the truncation mode."""
         import os
 
-        from fusedrl.config_sections import positive
+        from fusedrl.config_sections import one_of, positive
         from fusedrl.data.dataset import TRUNCATION_MODES
 
         found: list[str] = []
@@ -291,7 +291,7 @@ class DataConfig:
         positive(self.max_response_length, "data.max_response_length", found)
         if self.truncation not in TRUNCATION_MODES:
             found.append(
-                f"`data.truncation`={self.truncation!r}: use error, left, right or middle (and "
+                f"`data.truncation`={self.truncation!r}: use {one_of(TRUNCATION_MODES)} (and "
                 "`data.filter_overlong_prompts=true` to drop over-long prompts instead)."
             )
         return found
@@ -341,7 +341,7 @@ class TrainerConfig:
         """The run's size and counts, resuming, the rollout check, time limits, the checkpoint folder, the
         loggers, ``ray_init``, the bf16 policy (the placement: `fusedrl.placement_config`, against the roles)."""
         from fusedrl.checkpoint import RESUME_MODES, check_writable
-        from fusedrl.config_sections import check_number, positive
+        from fusedrl.config_sections import check_number, one_of, positive
         from fusedrl.cpu_dtype import POLICIES
         from fusedrl.ray_config import ray_init_problems
         from fusedrl.tracking import KNOWN_LOGGERS
@@ -358,7 +358,7 @@ class TrainerConfig:
             if number is not None and number < 0:
                 found.append(f"`trainer.{key}`={number}: must be >= 0.")
         if self.resume_mode not in RESUME_MODES:
-            found.append(f"`trainer.resume_mode`={self.resume_mode!r}: use auto, disable or resume_path.")
+            found.append(f"`trainer.resume_mode`={self.resume_mode!r}: use {one_of(RESUME_MODES)}.")
         tol = self.rollout_check_tol
         if tol is not None and tol != "auto":
             try:
