@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusedrl.algorithms import entropy_from_logits
+
 logger = logging.getLogger(__name__)
 
 # Logits per tile: 16 MiB in float32. The peak of a pass holds ~2-3 of them (the head's output, its
@@ -123,6 +125,59 @@ def head_token_stats(
         setattr(base, _PLAIN_HEAD, True)
         return whole(forward())
     return out[..., 0], None if extra is None else out[..., 1]
+
+
+def whole_token_log_probs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logits [..., V]`` of the positions predicting ``targets [...]`` -> ``(log_probs, extra)`` ``[...]``:
+    ``extra`` is the entropy (``with_entropy``), Σπ² = ``sum_v pi(v)^2`` (``with_sum_pi_squared``, read by
+    the optimal token baseline), or None."""
+    if with_entropy and with_sum_pi_squared:
+        raise ValueError("token log-probs: ask for the entropy or for sum_pi_squared, not both")
+    logits = logits.float() / temperature  # [..., V]
+    log_z = torch.logsumexp(logits, dim=-1)  # [...]
+    token_logits = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [...]
+    extra = entropy_from_logits(logits) if with_entropy else None  # [...]
+    if with_sum_pi_squared:
+        # sum_v exp(2 z_v) / Z^2, in log space: no probability is squared after rounding to 0.
+        extra = torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * log_z)  # [...]
+    return token_logits - log_z, extra
+
+
+def head_log_probs(
+    model: nn.Module,
+    forward: Callable[[], torch.Tensor],
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    with_sum_pi_squared: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`whole_token_log_probs` of the logits ``forward()`` returns (``model``'s ``.logits`` at the positions
+    predicting ``targets [...]``, ``[..., V]``), computed chunk by chunk inside that forward where the whole
+    logits would be large (`head_token_stats`)."""
+    if with_entropy and with_sum_pi_squared:
+        raise ValueError("token log-probs: ask for the entropy or for sum_pi_squared, not both")
+    return head_token_stats(
+        model,
+        forward,
+        targets,
+        temperature=temperature,
+        extra="entropy" if with_entropy else "sum_pi_squared" if with_sum_pi_squared else None,
+        whole=lambda logits: whole_token_log_probs(
+            logits,
+            targets,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            with_sum_pi_squared=with_sum_pi_squared,
+        ),
+    )
 
 
 def _same_storage(out: torch.Tensor, returned: torch.Tensor) -> bool:

@@ -16,21 +16,21 @@ large (`fusedrl.workers.chunked_head`): the model returns per-token results inst
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedrl.algorithms import entropy_from_logits
 from fusedrl.balance import sequence_lengths, token_budget_bins
 from fusedrl.batch import RolloutBatch
-from fusedrl.workers.chunked_head import head_token_stats
+from fusedrl.workers.chunked_head import head_log_probs
 from fusedrl.workers.fsdp import gathered_for_pass
 from fusedrl.workers.layer_compile import has_compiled_layers
 from fusedrl.workers.packing import can_share_prompts, pack_batch, prompt_groups
 from fusedrl.workers.routing_replay import RoutingUse, routed_forward
+from fusedrl.workers.ulysses import ulysses_response_log_probs
 
 B = TypeVar("B", RolloutBatch, dict)
 
@@ -121,59 +121,6 @@ def restore_order(parts: list[torch.Tensor], order: torch.Tensor) -> torch.Tenso
     return out
 
 
-def _token_log_probs(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    temperature: float,
-    with_entropy: bool,
-    with_sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``logits [..., V]`` of the positions predicting ``targets [...]`` -> ``(log_probs, extra)`` ``[...]``:
-    ``extra`` is the entropy (``with_entropy``), Σπ² = ``sum_v pi(v)^2`` (``with_sum_pi_squared``, read by
-    the optimal token baseline), or None."""
-    if with_entropy and with_sum_pi_squared:
-        raise ValueError("_token_log_probs: ask for the entropy or for sum_pi_squared, not both")
-    logits = logits.float() / temperature  # [..., V]
-    log_z = torch.logsumexp(logits, dim=-1)  # [...]
-    token_logits = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [...]
-    extra = entropy_from_logits(logits) if with_entropy else None  # [...]
-    if with_sum_pi_squared:
-        # sum_v exp(2 z_v) / Z^2, in log space: no probability is squared after rounding to 0.
-        extra = torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * log_z)  # [...]
-    return token_logits - log_z, extra
-
-
-def _head_log_probs(
-    model: nn.Module,
-    forward: Callable[[], torch.Tensor],
-    targets: torch.Tensor,
-    *,
-    temperature: float,
-    with_entropy: bool,
-    with_sum_pi_squared: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_token_log_probs` of the logits ``forward()`` returns (``model``'s ``.logits`` at the positions
-    predicting ``targets [...]``, ``[..., V]``), computed chunk by chunk inside that forward where the whole
-    logits would be large (`fusedrl.workers.chunked_head.head_token_stats`)."""
-    if with_entropy and with_sum_pi_squared:
-        raise ValueError("_token_log_probs: ask for the entropy or for sum_pi_squared, not both")
-    return head_token_stats(
-        model,
-        forward,
-        targets,
-        temperature=temperature,
-        extra="entropy" if with_entropy else "sum_pi_squared" if with_sum_pi_squared else None,
-        whole=lambda logits: _token_log_probs(
-            logits,
-            targets,
-            temperature=temperature,
-            with_entropy=with_entropy,
-            with_sum_pi_squared=with_sum_pi_squared,
-        ),
-    )
-
-
 def kept_columns(batch: RolloutBatch) -> tuple[int, int]:
     """``(first prompt column, response columns)`` that a padded forward keeps (all without `TRIM_PADDING`).
 
@@ -224,8 +171,6 @@ def response_log_probs(
             sp_group=sp_group,
         )
     if sp_group is not None:
-        from fusedrl.workers.ulysses import ulysses_response_log_probs
-
         return ulysses_response_log_probs(
             model,
             batch,
@@ -238,7 +183,7 @@ def response_log_probs(
     if remove_padding:
         share = share_prompts and can_share_prompts(model)
         packed = pack_batch(batch, layout=has_compiled_layers(model), share_prompts=share)
-        log_probs, entropy = _head_log_probs(
+        log_probs, entropy = head_log_probs(
             model,
             lambda: packed.response_logits(model),  # [M, V]
             packed.targets,
@@ -259,7 +204,7 @@ def response_log_probs(
     # would be wasted, a large share of the forward for a model with a large vocabulary.
     width = input_ids.shape[1]
     keep = torch.arange(width - 1 - last, width - 1, device=input_ids.device)  # [Tr']
-    log_probs, entropy = _head_log_probs(
+    log_probs, entropy = head_log_probs(
         model,
         lambda: (
             model(

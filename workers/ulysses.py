@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fusedrl.batch import RolloutBatch
-from fusedrl.workers.logprob import _head_log_probs
+from fusedrl.workers.chunked_head import head_log_probs
 from fusedrl.workers.packing import pack_batch
 
 ATTN_NAME = "fusedrl_ulysses"
@@ -270,7 +270,7 @@ def ulysses_response_log_probs(
     passes the same ``batch`` and gets the same ``(log_probs [B, Tr], entropy [B, Tr] | None)``, 0 on
     padding. ``grad_scale``: see the module docstring (``sp`` under FSDP, 1 for a plain sum of gradients)."""
     packed, piece = _sliced(batch, group)
-    log_probs, entropy = _head_log_probs(
+    log_probs, entropy = head_log_probs(
         model,
         lambda: ulysses_forward(model, piece, group)[0],  # [n/sp, V]
         piece.next_ids[0],

@@ -3,7 +3,8 @@ positions, vision tokens out of the loss.
 
 What differs from a text policy's pass (`fusedrl.workers.logprob.response_log_probs`):
 
-* **Images ride beside the batch.** `VisionInputs` (`fusedrl.data.multimodal`) holds each row's ``pixel_values`` [patches_i, C*T*P*P] and
+* **Images ride beside the batch.** `VisionInputs` (`fusedrl.data.vision_inputs`) holds each row's
+  ``pixel_values`` [patches_i, C*T*P*P] and
   ``image_grid_thw`` [images_i, 3] (the processor's output, `fusedrl.data.multimodal`); a row has any number of
   images, so they are per-row lists, cut with the rows (`VisionInputs.select`). The forward concatenates the
   rows' patches in row order, the order the model scatters image features into image tokens.
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from fusedrl.batch import RolloutBatch
-from fusedrl.data.multimodal import VisionInputs  # re-exported: the pass's input
+from fusedrl.data.vision_inputs import VisionInputs  # re-exported: the pass's input
 from fusedrl.workers.vision_packing import pack_vision_rows
 
 

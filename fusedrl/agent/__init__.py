@@ -21,11 +21,10 @@ from fusedrl.agent.tools import (
     Tool,
     ToolConfigError,
     ToolResult,
-    ToolSet,
     as_tool,
     function_schema,
-    load_tool_config,
 )
+from fusedrl.agent.toolset import ToolSet, load_tool_config
 from fusedrl.agent.trajectory import STAT_NAMES, Trajectory
 
 __all__ = [

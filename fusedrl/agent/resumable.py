@@ -29,7 +29,7 @@ from typing import Any
 
 from fusedrl.agent.render import ChatRenderer
 from fusedrl.agent.runner import AgentRunner, MultiTurnConfig, TurnSampling
-from fusedrl.agent.tools import ToolSet
+from fusedrl.agent.toolset import ToolSet
 from fusedrl.agent.trajectory import Trajectory
 from fusedrl.sampling import SampleParams
 

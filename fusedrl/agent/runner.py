@@ -29,7 +29,8 @@ from typing import Any
 from fusedrl.agent.loops import agent_loop_names, get_agent_loop
 from fusedrl.agent.parser import ToolCall
 from fusedrl.agent.render import ChatRenderer, tokenization_mismatch
-from fusedrl.agent.tools import ToolResult, ToolSet
+from fusedrl.agent.tools import ToolResult
+from fusedrl.agent.toolset import ToolSet
 from fusedrl.agent.trajectory import Trajectory
 from fusedrl.sampling import SampleParams
 

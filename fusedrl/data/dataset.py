@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fusedrl.batch import RolloutBatch
+from fusedrl.data.vision_inputs import VisionInputs
 
 logger = logging.getLogger(__name__)
 
@@ -376,8 +377,6 @@ def collate(rows: Sequence[Mapping], pad_token_id: int, max_prompt_length: int) 
         extra_info=[dict(row.get("extra_info") or {}) for row in rows],
     )
     if "image_grid_thw" in rows[0]:  # vision-language items (`fusedrl.data.multimodal`): images ride per row
-        from fusedrl.data.multimodal import VisionInputs
-
         batch.multi_modal_inputs = [VisionInputs.from_items([row]) for row in rows]
     return batch
 

@@ -27,7 +27,6 @@ import io
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +43,7 @@ from fusedrl.data.dataset import (
     collate,
     tokenizer_pad_id,
 )
+from fusedrl.data.vision_inputs import VisionInputs  # re-exported: what `collate_vision` returns
 
 IMAGE_PLACEHOLDER = "<image>"
 _PLACEHOLDER_SPLIT = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)})")
@@ -274,42 +274,6 @@ def check_image_model(model_path: str, files: Any, image_key: str) -> None:
                 f"read yet (it reads {', '.join(VISION_LANGUAGE_MODEL_TYPES)}; docs/multimodal.md); a run would "
                 "drop every image. Use a Qwen2-VL / Qwen2.5-VL model or prompt files without images"
             )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class VisionInputs:
-    """Each row's images, decoded and processed (aligned with a `RolloutBatch`'s rows: `collate_vision`)."""
-
-    pixel_values: list[torch.Tensor]  # per row: [patches_i, C*T*P*P] (0 rows for a text-only prompt)
-    image_grid_thw: list[torch.Tensor]  # per row: [images_i, 3] long (t, h, w patch counts)
-    images: list[list[Any]]  # per row: the decoded images (PIL), what the rollout engine processes itself
-
-    @classmethod
-    def from_items(cls, items: Sequence[Mapping]) -> VisionInputs:
-        """From `fusedrl.data.multimodal.VisionLanguageDataset` items (or anything with those two keys)."""
-        return cls(
-            pixel_values=[it["pixel_values"] for it in items],
-            image_grid_thw=[it["image_grid_thw"].reshape(-1, 3).long() for it in items],
-            images=[list(it.get("images", [])) for it in items],
-        )
-
-    def select(self, rows: Sequence[int] | torch.Tensor) -> VisionInputs:
-        """The inputs of ``rows`` (a micro-batch, GRPO's repeated samples ``[0, 0, 1, 1, ...]``)."""
-        index = [int(r) for r in rows]
-        return VisionInputs(
-            pixel_values=[self.pixel_values[r] for r in index],
-            image_grid_thw=[self.image_grid_thw[r] for r in index],
-            images=[self.images[r] for r in index],
-        )
-
-    def concatenated(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(pixel_values [patches, D], image_grid_thw [images, 3])`` of all rows in row order, or Nones when
-        no row has an image."""
-        grids = [g for g in self.image_grid_thw if g.numel()]
-        if not grids:
-            return None, None
-        patches = torch.cat([p for p, g in zip(self.pixel_values, self.image_grid_thw) if g.numel()])
-        return patches, torch.cat(grids)
 
 
 def collate_vision(

@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 from support import free_port, padded_batch
 
 import fusedrl.workers.chunked_head as chunked_head
-from fusedrl.workers.logprob import _token_log_probs, response_log_probs
+from fusedrl.workers.chunked_head import whole_token_log_probs
+from fusedrl.workers.logprob import response_log_probs
 
 TP, TR = 8, 6
 PROMPT_LENS = [8, 3, 5, 2, 7]
@@ -119,7 +120,7 @@ def _pass(model, batch, w, *, packed: bool, kind: str, enabled: bool, monkeypatc
 @pytest.mark.parametrize("temperature", [1.0, TEMPERATURE])
 @pytest.mark.parametrize("bias", [False, True])
 def test_stats_and_gradients_equal_whole_logits(monkeypatch, extra, temperature, bias):
-    """`chunked_token_stats` against `_token_log_probs` of the whole logits: values and the gradients with
+    """`chunked_token_stats` against `whole_token_log_probs` of the whole logits: values and the gradients with
     respect to the hidden states, the head weight and its bias."""
     _small_tiles(monkeypatch)
     gen = torch.Generator().manual_seed(0)
@@ -134,7 +135,7 @@ def test_stats_and_gradients_equal_whole_logits(monkeypatch, extra, temperature,
 
     got = chunked_head.chunked_token_stats(h, weight, b, targets, temperature=temperature, extra=extra)
     got_grads = torch.autograd.grad((got * g[:, : got.shape[1]]).sum(), inputs)
-    lp, x = _token_log_probs(
+    lp, x = whole_token_log_probs(
         torch.nn.functional.linear(h, weight, b),
         targets,
         temperature=temperature,
@@ -155,7 +156,7 @@ def test_large_logits_stay_finite(monkeypatch):
     weight = torch.randn(200, 8, generator=gen) * 10.0
     targets = torch.randint(0, 200, (10,), generator=gen)
     got = chunked_head.chunked_token_stats(h, weight, None, targets, temperature=1.0, extra="entropy")
-    lp, ent = _token_log_probs(h @ weight.T, targets, temperature=1.0, with_entropy=True)
+    lp, ent = whole_token_log_probs(h @ weight.T, targets, temperature=1.0, with_entropy=True)
     torch.testing.assert_close(got, torch.stack([lp, ent], -1), atol=1e-3, rtol=1e-5)
     assert torch.isfinite(got).all()
 

@@ -67,12 +67,14 @@ def test_equal_energies_and_lengths_give_the_group_mean():
 
 
 def test_token_log_probs_sum_pi_squared_matches_softmax():
-    from fusedrl.workers.logprob import _token_log_probs
+    from fusedrl.workers.chunked_head import whole_token_log_probs
 
     logits = torch.tensor([[[2.0, 0.0, -1.0, 0.5]], [[0.0, 0.0, 0.0, 0.0]]])  # [2, 1, V=4]
     targets = torch.tensor([[0], [3]])
     t = 0.7
-    _, spp = _token_log_probs(logits, targets, temperature=t, with_entropy=False, with_sum_pi_squared=True)
+    _, spp = whole_token_log_probs(
+        logits, targets, temperature=t, with_entropy=False, with_sum_pi_squared=True
+    )
     pi = torch.softmax(logits / t, dim=-1)
     assert torch.allclose(spp, (pi**2).sum(-1), atol=TOL)
     assert math.isclose(float(spp[1, 0]), 0.25, abs_tol=TOL)  # uniform over 4: 4 * (1/4)^2
