@@ -134,15 +134,15 @@ def _traits(name: Any) -> Any:
     return engine_traits(name) if str(name) in engine_names() else EngineTraits()
 
 
-def _modules(cfg: DictConfig, found: list[str]) -> None:
+def _modules(cfg: DictConfig, run: Any, found: list[str]) -> None:
     """The checks of their own modules, each reading several sections: token budgets, ``auto`` keys, layer
-    compilation, the model's architecture, the chat template, LoRA, vision-language models, routing replay,
+    compilation, the model's architecture, the chat template, LoRA against a critic, vision-language models, routing replay,
     placement, asynchronous training and partial rollout, expert parallelism."""
     from fusedrl.architecture_config import architecture_problems
     from fusedrl.async_config import async_problems, partial_rollout_problems
     from fusedrl.chat_config import chat_template_problems
     from fusedrl.expert_parallel_checks import expert_parallel_problems
-    from fusedrl.lora import lora_problems
+    from fusedrl.lora import lora_critic_problems
     from fusedrl.routing_replay_checks import routing_replay_problems
     from fusedrl.vision_language_checks import vision_language_problems
 
@@ -152,7 +152,7 @@ def _modules(cfg: DictConfig, found: list[str]) -> None:
     found.extend(compile_layers_problems(cfg, with_critic=bool(roles["critic"])))
     found.extend(architecture_problems(cfg, roles))
     found.extend(chat_template_problems(cfg))
-    found.extend(lora_problems(cfg))
+    found.extend(lora_critic_problems(run.model, run.algorithm.adv_estimator, bool(roles["critic"])))
     found.extend(vision_language_problems(cfg))
     found.extend(routing_replay_problems(cfg))
     placement = placement_problems(cfg, ["actor", "rollout", *[r for r, on in roles.items() if on]], found)
@@ -168,5 +168,5 @@ def cross_section_problems(cfg: DictConfig, run: Any) -> list[str]:
     _batches(cfg, run, found)
     _estimator(run, found)
     _engine(cfg, run, found)
-    _modules(cfg, found)
+    _modules(cfg, run, found)
     return found

@@ -81,11 +81,19 @@ def base_name(name: str) -> str:
     return name
 
 
-def lora_problems(cfg: Any) -> list[str]:
-    """Config problems of the LoRA keys, each naming the key and the fix (``cfg`` is the whole config)."""
-    from fusedrl.config_base import needed_roles
+def lora_active(model: Any) -> bool:
+    """Whether the policy trains or loads LoRA (``actor_rollout_ref.model``, typed): a valid rank > 0, or an
+    adapter to load."""
+    rank = model.lora_rank
+    valid = not isinstance(rank, bool) and isinstance(rank, int) and rank >= 0
+    return valid and (rank > 0 or bool(model.lora_adapter_path))
 
-    model = cfg.actor_rollout_ref.model
+
+def lora_problems(model: Any) -> list[str]:
+    """Config problems of the LoRA keys of ``actor_rollout_ref.model`` (the typed `ModelConfig`, whose
+    ``problems()`` calls this), each naming the key and the fix. With a critic: `lora_critic_problems`."""
+    from fusedrl.config_sections import shown
+
     key = "actor_rollout_ref.model"
     problems: list[str] = []
     rank = model.lora_rank
@@ -109,7 +117,7 @@ def lora_problems(cfg: Any) -> list[str]:
         targets is None or (not isinstance(targets, str) and len(targets) == 0) or targets == ""
     ):
         problems.append(
-            f"`{key}.target_modules`={targets!r}: LoRA (lora_rank={rank}) needs the modules to adapt: "
+            f"`{key}.target_modules`={shown(targets)!r}: LoRA (lora_rank={rank}) needs the modules to adapt: "
             f"`{ALL_LINEAR}` or a list such as [q_proj,k_proj,v_proj,o_proj]."
         )
     named = [] if isinstance(targets, str) or targets is None else [str(t) for t in targets]
@@ -118,10 +126,16 @@ def lora_problems(cfg: Any) -> list[str]:
     tied = [t for t in named if t.rsplit(".", 1)[-1] in TIED_MODULES and t not in excluded]
     if tied and ties_embeddings(model.path):
         problems.append(tied_target_message(f"{key}.target_modules", list(named), tied, model.path))
-    if needed_roles(cfg)["critic"]:
-        problems.append(
-            f"`{key}.lora_rank`={rank} with algorithm.adv_estimator={cfg.algorithm.adv_estimator} (a critic): "
-            "fusedrl's critic has no LoRA (it would train every parameter of a second model). Use a "
-            "critic-free estimator (grpo, rloo, reinforce_plus_plus, ...) or set lora_rank=0."
-        )
     return problems
+
+
+def lora_critic_problems(model: Any, adv_estimator: Any, with_critic: bool) -> list[str]:
+    """LoRA on the policy (``model``, typed) with an estimator that builds a critic, which has none: a
+    cross-section check (`fusedrl.config_cross_checks`)."""
+    if not (with_critic and lora_active(model)):
+        return []
+    return [
+        f"`actor_rollout_ref.model.lora_rank`={model.lora_rank} with algorithm.adv_estimator={adv_estimator} "
+        "(a critic): fusedrl's critic has no LoRA (it would train every parameter of a second model). Use a "
+        "critic-free estimator (grpo, rloo, reinforce_plus_plus, ...) or set lora_rank=0."
+    ]

@@ -96,10 +96,12 @@ class ModelConfig:
     lora_adapter_path: str | None
 
     def problems(self) -> list[str]:
-        """The model folder exists (or ``path`` is a hub id); the attention implementation is known."""
+        """The model folder exists (or ``path`` is a hub id); the attention implementation is known; the LoRA
+        keys (`fusedrl.lora.lora_problems`)."""
         import os
 
         from fusedrl.config_sections import looks_like_hub_id
+        from fusedrl.lora import lora_problems
 
         found = []
         key = "actor_rollout_ref.model"
@@ -112,6 +114,7 @@ class ModelConfig:
                     "`python -m fusedrl.utils.tiny_model --out DIR`."
                 )
         found.extend(attn_problems(self.attn_implementation, f"{key}.attn_implementation"))
+        found.extend(lora_problems(self))
         return found
 
 
