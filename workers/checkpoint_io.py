@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fusedrl.checkpoint import CheckpointError, capture_rng_state, fsync_file, restore_rng_state
+from fusedrl.checkpoint import CheckpointError, capture_rng_state, fsync_file, restore_rng_state, shard_prefix
 
 SHARD_FORMAT = "fusedrl.fsdp_shard"
 SHARD_FORMAT_VERSION = 1
@@ -435,3 +435,31 @@ def _load_optimizer(
         group["params"] = [index[n] for n in g_saved["params"]]
         groups.append(group)
     optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+
+
+def save_role_shards(actor: Any, critic: Any, ckpt_dir: str, rank: int) -> dict[str, float]:
+    """This rank's shards of the ``actor`` (and ``critic``, if not None) with their optimizer state and the RNG
+    state, under ``ckpt_dir`` (`WorkerDict.save_checkpoint`; the models must be on the device). No
+    collectives. Under LoRA the actor's trainable parameters only (the base is ``model.path``)."""
+    info = save_fsdp_state(
+        actor.model,
+        actor.optimizer,
+        shard_prefix(ckpt_dir, rank, "actor"),
+        extra={"num_skipped_steps": actor.stepper.num_skipped},
+        trainable_only=actor.lora,
+    )
+    nbytes = info["bytes"]
+    if critic is not None:
+        prefix = shard_prefix(ckpt_dir, rank, "critic")
+        nbytes += save_fsdp_state(critic.model, critic.optimizer, prefix)["bytes"]
+    return {"checkpoint/shard_mb": nbytes / 1e6}
+
+
+def load_role_shards(actor: Any, critic: Any, ckpt_dir: str, rank: int) -> None:
+    """Restore what `save_role_shards` wrote, the actor's count of skipped steps included."""
+    extra = load_fsdp_state(
+        actor.model, actor.optimizer, shard_prefix(ckpt_dir, rank, "actor"), trainable_only=actor.lora
+    )
+    actor.stepper.num_skipped = int(extra.get("num_skipped_steps", 0))
+    if critic is not None:
+        load_fsdp_state(critic.model, critic.optimizer, shard_prefix(ckpt_dir, rank, "critic"))

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from torch import nn
 from fusedrl.lora import base_name
 from fusedrl.workers.checkpoint_io import save_safetensors, tied_aliases, write_json
 from fusedrl.workers.fsdp import stream_full_tensors
+from fusedrl.workers.lora import save_adapter
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
 
@@ -196,4 +198,24 @@ def export_hf(
         return []
     files = writer.close()
     copy_hf_side_files(src_model_dir, out_dir, dtype)
+    return files
+
+
+def export_policy(
+    actor: Any, out_dir: str, src_model_dir: str, rank: int, adapter_dir: str | None = None
+) -> list[str]:
+    """`export_hf` of the ``actor``'s policy (under LoRA the adapted modules merged) and, under LoRA with
+    ``adapter_dir``, its adapter as a PEFT folder (`WorkerDict.export_hf`; the model must be on the device).
+    Collective."""
+    files = export_hf(
+        actor.model,
+        out_dir,
+        src_model_dir=src_model_dir,
+        rank=rank,
+        tensors=actor.stream_weights() if actor.lora else None,
+    )
+    if adapter_dir is not None:
+        if not actor.lora:
+            raise ValueError("export_hf(adapter_dir=...): this run trains no LoRA adapter")
+        files += save_adapter(actor.model, adapter_dir, rank=rank)
     return files

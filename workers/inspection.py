@@ -1,10 +1,13 @@
 """Read-only hooks of a fused worker for tests, benchmarks and debugging: copies of a role's shards, the
 recorded memory moves, the weight stream's bookkeeping, and bare round trips. None changes state that
-training uses; `WorkerDict` inherits them so grep finds every remote call on the one worker class."""
+training uses. `InspectionHooks` is an object the worker holds (`WorkerDict.inspection`); the worker's
+remote methods of the same names delegate to it, so grep finds every remote call on the one worker class."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -14,17 +17,26 @@ from fusedrl.workers.fsdp import StreamStats, device_type
 
 
 class InspectionHooks:
-    """Mixed into `WorkerDict`; uses its ``actor``, ``ref``, ``events``, ``rank`` and ``_resident``."""
+    """What the hooks read: the worker's ``rank``, its ``events`` list and ``resident`` (a context manager
+    that brings every offloaded model and optimizer onto the device, `WorkerDict._resident`); the roles
+    once they are built (`attach`)."""
 
-    actor: Any
-    ref: Any
-    rollout: Any
-    engine_traits: Any
-    events: Any
-    rank: int
+    def __init__(
+        self, *, rank: int, events: Any, resident: Callable[[], AbstractContextManager[None]]
+    ) -> None:
+        self.rank = rank
+        self.events = events
+        self._resident = resident
+        self.actor: Any = None
+        self.ref: Any = None
+        self.rollout: Any = None
+        self.shares_actor_module = False
 
-    def _resident(self) -> Any:  # provided by WorkerDict
-        raise NotImplementedError
+    def attach(self, actor: Any, ref: Any, rollout: Any, *, shares_actor_module: bool) -> None:
+        """The worker's roles (None where it holds none); ``shares_actor_module``: the engine runs on the
+        actor's own module (`EngineTraits.shares_actor_module`), so it has no parameters of its own."""
+        self.actor, self.ref, self.rollout = actor, ref, rollout
+        self.shares_actor_module = shares_actor_module
 
     def get_events(self) -> list[str]:
         """The memory moves recorded so far (the last `MAX_EVENTS`), oldest first."""
@@ -109,7 +121,7 @@ class InspectionHooks:
         finally:
             hook.remove()
         out = {"actor": str(seen[0]).removeprefix("torch.")}
-        if self.rollout is not None and not self.engine_traits.shares_actor_module:
+        if self.rollout is not None and not self.shares_actor_module:
             out["rollout"] = str(self.rollout.param_dtype()).removeprefix("torch.")
         return out
 

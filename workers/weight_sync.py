@@ -1,10 +1,11 @@
 """Weight sync between processes: the actor's ranks broadcast the policy to rollout ranks on another pool.
 
 Where the rollout shares the actor's worker, the weights reach the engine by reference
-(`WorkerDict.update_weights`). Where it lives in other processes (``trainer.placement``), a collective
-group made only for the sync joins the training rank 0 (the root) and every rollout rank: gloo on CPU,
-NCCL on GPU. It is a process group of its own (not the default one, which each worker group already
-uses for FSDP2 or for the engine's tensor parallelism), rendezvousing on a TCP store served by the root.
+(`WeightSyncEndpoint.update_weights`, the worker's ``update_weights``). Where it lives in other processes
+(``trainer.placement``), a collective group made only for the sync joins the training rank 0 (the root)
+and every rollout rank: gloo on CPU, NCCL on GPU. It is a process group of its own (not the default one,
+which each worker group already uses for FSDP2 or for the engine's tensor parallelism), rendezvousing on
+a TCP store served by the root.
 
 A sync, on both sides at once (the driver submits both, `fusedrl.controller.weight_sync`):
 
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fusedrl.workers.fsdp import StreamStats, device_type
+from fusedrl.workers.memory import memory_metrics
 
 ALIGN = 16  # byte offset of every tensor in a bucket: any dtype may view it
 SYNC_TIMEOUT = timedelta(minutes=30)
@@ -96,9 +98,10 @@ def _broadcast(group: Any, buffer: torch.Tensor) -> None:
 
 
 class WeightSyncEndpoint:
-    """The worker's side of the cross-pool sync, an object the worker holds (`WorkerDict.weight_sync`,
-    whose remote methods of the same names delegate here): the worker's ``rank``, its ``events`` list and
-    engine ``phase`` (`workers.phase.EnginePhase`), and its ``actor`` / ``rollout`` once they are built."""
+    """The worker's side of the weight sync, in process (`update_weights`) and across pools, an object the
+    worker holds (`WorkerDict.weight_sync`, whose remote methods of the same names delegate here): the
+    worker's ``rank``, its ``events`` list and engine ``phase`` (`workers.phase.EnginePhase`), and its
+    ``actor`` / ``rollout`` once they are built."""
 
     def __init__(self, *, rank: int = 0, events: Any = None, phase: Any = None) -> None:
         self.rank = rank
@@ -109,6 +112,38 @@ class WeightSyncEndpoint:
         self._sync_group: Any = None
         self._sync_plan: list[list[Entry]] | None = None
         self._sync_dtype: torch.dtype | None = None
+
+    def update_weights(self, reset_prefix_cache: bool, *, shares_actor_module: bool) -> dict[str, float]:
+        """Stream the actor's FSDP2 shards, one full tensor at a time, into the rollout engine of this worker
+        in place (both must be here: `WorkerDict.update_weights` checks).
+
+        Collective across ranks (each gather of a layer or a tensor is an all-gather). The actor's
+        parameters must be on the device and the engine's weights awake. No-op for an engine that runs on
+        the actor's own module (``shares_actor_module``: the HF rollout)."""
+        if shares_actor_module:
+            self.phase.streamed(full=True)  # the engine runs on the actor's own module
+            return {"timing_s/sync_weights_inner": 0.0, **memory_metrics("sync")}
+        t0 = time.perf_counter()
+        stats = StreamStats()
+        # LoRA: the engine keeps the base weights and gets only the merged adapted modules, unless a
+        # level-2 sleep discarded its weights (then everything, adapted modules merged).
+        full = not self.actor.lora or self.rollout.weights_discarded
+        self.rollout.update_weights(
+            self.actor.stream_weights(stats, full=full, dtype=self.rollout.param_dtype()),
+            reset_prefix_cache=reset_prefix_cache,
+            partial=not full,
+        )
+        self.phase.streamed(full=full)
+        self.events.append("rollout.update_weights" if full else "rollout.update_weights(lora_modules)")
+        return {
+            "timing_s/sync_weights_inner": time.perf_counter() - t0,
+            "sync/num_tensors": float(stats.num_tensors),
+            "sync/total_mb": stats.total_bytes / 1e6,
+            "sync/largest_tensor_mb": stats.largest_bytes / 1e6,
+            "sync/largest_layer_buffer_mb": stats.largest_buffer_bytes / 1e6,
+            "sync/peak_live_gathered_mb": stats.peak_live_bytes / 1e6,
+            **memory_metrics("sync"),
+        }
 
     def weight_manifest(self, wire_dtype: str | None = None) -> list[tuple[str, list[int], str]]:
         """Name, full shape and dtype of every tensor the actor streams, in stream order (no gather).

