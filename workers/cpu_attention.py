@@ -86,9 +86,9 @@ def matmul_attention(
     k3 = key.reshape(b * kvh, k_len, d)
     bias = _score_bias(mask, causal, (b, kvh, group, q_len, k_len), query.dtype, query.device)
     if softcap is None:
-        scores = _Scores.apply(q3, k3, bias, scaling)  # [b * kvh, group * q, k]
+        scores = attention_scores(q3, k3, bias, scaling)  # [b * kvh, group * q, k]
     else:  # the cap applies to the scores, the mask after it
-        scores = torch.tanh(_Scores.apply(q3, k3, None, scaling) / softcap) * softcap
+        scores = torch.tanh(attention_scores(q3, k3, None, scaling) / softcap) * softcap
         scores = scores if bias is None else scores + bias  # [b * kvh, group * q, k]
     probs = torch.softmax(scores, dim=-1)
     if dropout:
@@ -97,29 +97,43 @@ def matmul_attention(
     return out.view(b, h, q_len, d)
 
 
-class _Scores(torch.autograd.Function):
+@torch.library.custom_op("fusedrl::attention_scores", mutates_args=())
+def attention_scores(
+    q3: torch.Tensor, k3: torch.Tensor, bias: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
     """``bias + scaling * q3 @ k3^T`` whose key gradient comes out in the keys' own ``[k, d]`` layout
     (``dS^T @ q3``). Through autograd's ``baddbmm`` it arrives as the transpose of a ``[d, k]`` product,
     and a packed row's gather of the keys then scatters it back element by element: 18% of a shared-prompt
     micro-batch's attention (forward + backward, bf16, one thread, compiled;
-    benchmarks/results_archive/2026-12.md, 2026-12-03)."""
+    benchmarks/results_archive/2026-12.md, 2026-12-03). A custom op with its own autograd formula, not an
+    ``autograd.Function``: a compiled layer's grad graph holding the latter (a higher-order op to dynamo) is
+    not kept by AOTAutograd's cache, and every run traced it again (`fusedrl.workers.layer_compile`)."""
+    if bias is None:
+        return torch.bmm(q3, k3.transpose(1, 2)) * scaling
+    return torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scaling)
 
-    @staticmethod
-    def forward(
-        ctx, q3: torch.Tensor, k3: torch.Tensor, bias: torch.Tensor | None, scaling: float
-    ) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(q3, k3)
-        ctx.scaling = scaling
-        if bias is None:
-            return torch.bmm(q3, k3.transpose(1, 2)) * scaling
-        return torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scaling)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        q3, k3 = ctx.saved_tensors
-        grad_q = torch.bmm(grad, k3) * ctx.scaling if ctx.needs_input_grad[0] else None
-        grad_k = torch.bmm(grad.transpose(1, 2), q3) * ctx.scaling if ctx.needs_input_grad[1] else None
-        return grad_q, grad_k, None, None
+@attention_scores.register_fake
+def _attention_scores_shape(
+    q3: torch.Tensor, k3: torch.Tensor, bias: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    return q3.new_empty(q3.shape[0], q3.shape[1], k3.shape[1])
+
+
+def _attention_scores_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    q3, k3, _, scaling = inputs
+    ctx.save_for_backward(q3, k3)
+    ctx.scaling = scaling
+
+
+def _attention_scores_backward(ctx, grad: torch.Tensor):
+    q3, k3 = ctx.saved_tensors
+    grad_q = torch.bmm(grad, k3) * ctx.scaling if ctx.needs_input_grad[0] else None
+    grad_k = torch.bmm(grad.transpose(1, 2), q3) * ctx.scaling if ctx.needs_input_grad[1] else None
+    return grad_q, grad_k, None, None
+
+
+attention_scores.register_autograd(_attention_scores_backward, setup_context=_attention_scores_setup)
 
 
 def _score_bias(

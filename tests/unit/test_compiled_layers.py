@@ -326,10 +326,12 @@ _CACHED_RUN = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM
 from torch._dynamo.utils import counters
+from fusedrl.workers.fsdp import resolve_attn_implementation
 from fusedrl.workers.layer_compile import compile_layers, remember_dynamic_shapes
 remember_dynamic_shapes(sys.argv[1], packed=False)
 torch.set_num_threads(1)
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+attn = resolve_attn_implementation("auto")  # the roles' CPU attention (its scores are a custom op)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, attn_implementation=attn)
 assert compile_layers(model)
 ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
 model(input_ids=ids).logits.float().sum().backward()  # the grad graph (bf16: row-major weight grads)
@@ -342,8 +344,9 @@ print(json.dumps({k: dict(counters[k]) for k in ("aot_autograd", "inductor", "st
 @pytest.mark.slow  # ~40-90 s: two processes compile a bf16 decoder layer, the first one cold
 def test_a_second_process_loads_the_compiled_layers_from_the_cache(tiny_model_dir, tmp_path):
     """A second process compiling the same layers loads both graphs (grad and no-grad) from AOTAutograd's
-    and Inductor's caches: no graph bypasses AOTAutograd's cache (an ``autograd.Function`` in the layer did,
-    and its grad graph was traced and lowered again in every run) and Inductor generates no code."""
+    and Inductor's caches: no graph bypasses AOTAutograd's cache (an ``autograd.Function`` in the layer, the
+    row-major linear's or the CPU attention's scores, did, and its grad graph was traced and lowered again
+    in every run) and Inductor generates no code."""
     import os
     import subprocess
     import sys

@@ -61,6 +61,23 @@ def test_fully_masked_rows_are_finite():
     assert all(torch.isfinite(x.grad.float()).all() for x in (q, k, v))
 
 
+def test_compiled_scores_keep_the_grad_graph_cacheable():
+    """Compiled, the attention's forward + backward is one graph AOTAutograd's cache keeps (a later process
+    loads it instead of tracing it again): its scores are a custom op with an autograd formula, where an
+    ``autograd.Function`` (a higher-order op to dynamo) made the cache bypass the layer's grad graph."""
+    from torch._dynamo.utils import counters
+
+    q, k, v = _qkv(2, 4, 2, 10, 8, torch.bfloat16)
+    fn = torch.compile(
+        lambda q, k, v: cpu_attention.matmul_attention(q, k, v, None, scaling=0.3, causal=True)
+    )
+    before = dict(counters["aot_autograd"])
+    fn(q, k, v).float().sum().backward()
+    compiled = {key: n - before.get(key, 0) for key, n in counters["aot_autograd"].items()}
+    assert compiled.get("autograd_cache_bypass", 0) == 0 and compiled.get("total") == 1, compiled
+    assert all(torch.isfinite(x.grad.float()).all() for x in (q, k, v))
+
+
 def test_the_path_depends_on_device_dtype_length_and_dropout():
     q = torch.zeros(1, 4, 8, 16, dtype=torch.bfloat16)
     short, long_ = (
