@@ -242,6 +242,7 @@ def test_engine_contract(name, tiny_model_dir, tmp_path):
         assert r["resumed_lengths"] == [TR] * 3, r  # resumed with the rest of the budget, no EOS stop
 
 
+@pytest.mark.slow  # CI budget: test_tensor_crossings trains GRPO on the fake engine through the driver
 def test_fake_engine_trains_through_the_driver(tiny_model_dir, arithmetic_data, tmp_path):
     """GRPO with KL on the fake engine, the engine sleeping at level 2 after every rollout: the driver must
     wake it and re-stream (the fake refuses to sample otherwise), and the rollout check holds at step 2."""

@@ -31,7 +31,10 @@ ALGORITHMS = {
 }
 
 
-@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+# grpo: slow (CI budget): packed rows are auto's default, so every default GRPO run packs its actor and reference
+@pytest.mark.parametrize(
+    "algorithm", [pytest.param(a, marks=pytest.mark.slow) if a == "grpo" else a for a in sorted(ALGORITHMS)]
+)
 def test_remove_padding_dynamic_bsz_and_balance(
     algorithm, ray_cluster, tiny_model_dir, arithmetic_data, tmp_path
 ):

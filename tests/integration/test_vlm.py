@@ -362,7 +362,7 @@ def _actor_body(port: int, args: str, out: str) -> None:
     os._exit(0)
 
 
-@pytest.mark.parametrize("freeze", [False, True])
+@pytest.mark.parametrize("freeze", [False, pytest.param(True, marks=pytest.mark.slow)])  # frozen tower: slow
 def test_fsdp2_actor_step_reaches_the_engines_vision_tower(tiny_vlm_dir, tmp_path, freeze):
     r = spawned_result(_actor_body, f"{tiny_vlm_dir}|{freeze}", tmp_path, 600)
     assert r["gap_before"] < TOL, r  # the FSDP2 actor's pass is the engine's

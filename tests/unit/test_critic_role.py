@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from support import free_port, padded_batch
@@ -101,6 +102,7 @@ def _masked_mse_to_one(values: list, mask: list) -> float:
     return float((((v - 1.0) ** 2) * m).sum() / m.sum())
 
 
+@pytest.mark.slow  # ~27 s (CI budget); the PPO runs of tests/e2e train the critic on 2 ranks
 def test_critic_update_two_ranks_matches_one_rank(tiny_model_dir, tmp_path):
     two = _run(2, tiny_model_dir, STEPS_2RANK, tmp_path)
     one = _run(1, tiny_model_dir, STEPS_1RANK, tmp_path)
