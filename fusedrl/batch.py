@@ -69,6 +69,9 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
                         L mixture-of-experts layers chose for the token at each position of prompt + response
                         (``rollout.enable_rollout_routing_replay``, `fusedrl.workers.routing_replay`); the
                         dtype's largest value where the engine fed no token (padding, the last response token).
+        resident_rows:  [B, 3] int64 or None: where the row's generated fields stay (`fusedrl.resident`): the
+                        generation id, the rollout engine (data-parallel shard) that made it, its row there.
+                        Never sent to a worker; rows reordered, filtered or padded carry it along.
     Per-sample non-tensor values:
         uid:            list[str], the prompt's id; the n samples of one prompt share it (GRPO groups).
         data_source:    list[str], picks the scoring function.
@@ -99,6 +102,7 @@ class RolloutBatch(TensorClass):  # type: ignore[misc]
     policy_version: torch.Tensor | None = None
     token_versions: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
+    resident_rows: torch.Tensor | None = None
     uid: Any = None
     data_source: Any = None
     ground_truth: Any = None

@@ -43,6 +43,7 @@ from fusedrl.trainer import step_plan
 from fusedrl.trainer.data_setup import prompt_data
 from fusedrl.trainer.dynamic_sampling import GroupCollector, group_metric, informative_groups
 from fusedrl.trainer.health_checks import check_step, rollout_check_bound
+from fusedrl.trainer.resident import ResidentRows
 from fusedrl.trainer.reward_scoring import RewardModelScoring
 from fusedrl.trainer.step_plan import due, sample_seeds
 from fusedrl.trainer.validation import print_generations, validation_metrics
@@ -92,7 +93,7 @@ class PPOTrainer(RewardModelScoring):
         self.kl_ctrl = build_kl_controller(kl.type, float(kl.kl_coef), kl.target_kl, kl.horizon)
         self.global_step = 0
         self.ckpt_root = tr.default_local_dir
-        self.groups = RoleGroups()
+        self.groups, self.resident = RoleGroups(), ResidentRows()  # resident: `fusedrl.resident`
         self._data_iter: Iterator[RolloutBatch] | None = None
 
     # ------------------------------------------------------------------ setup
@@ -384,12 +385,13 @@ class PPOTrainer(RewardModelScoring):
         self.sync_weights()  # the rollout workers decide whether their engines need the weights
         rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
         sampling, fields = self.sampling(validate), self.response_fields
+        keep = self.resident.request(rollout, tp, self.global_step, validate, fields)
         shards = rollout.run_split(
-            lambda w, shard: w.rollout_generate_fields.remote(shard, sampling, fields), to_send, replicas=tp
+            lambda w, s: w.rollout_generate_fields.remote(s, sampling, fields, keep), to_send, replicas=tp
         )
         rollout.run_all(lambda w: w.rollout_sleep.remote())
         self.group_for("actor").run_all(lambda w: w.load_actor.remote())
-        return batch.set_fields(rollout.gather_fields(shards, to_send))
+        return self.resident.mark(batch.set_fields(rollout.gather_fields(shards, to_send)), keep, len(shards))
 
     def generation_request(
         self, prompts: RolloutBatch, validate: bool, seed_offset: int, step: int
@@ -466,16 +468,16 @@ class PPOTrainer(RewardModelScoring):
         if self.run.algorithm.rollout_correction.bypass_mode:
             batch.old_log_probs = batch.rollout_log_probs.clone()
             return batch
-        t = self.temperature
-        inputs = self._model_inputs(batch)
+        t, inputs = self.temperature, batch.model_input_fields()
         actor = self.group_for("actor")
         actor.run_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
         spp, sp = self.adv_traits.needs_sum_pi_squared, self.actor_sp
-        parts = actor.run_split(lambda w, s: w.actor_compute_log_prob.remote(s, t, spp), inputs, replicas=sp)
+        call = lambda w, s: w.actor_compute_log_prob.remote(s, t, spp)  # noqa: E731
+        parts = self.resident.run_split(actor, call, batch, inputs, sp)
         if spp:  # (log-probs, Σπ²) pairs from the same forwards (optimal token baseline)
-            batch.sum_pi_squared = actor.gather_tensors([p[1] for p in parts], inputs)
+            batch.sum_pi_squared = actor.gather_tensors([p[1] for p in parts], batch)
             parts = [p[0] for p in parts]
-        batch.old_log_probs = actor.gather_tensors(parts, inputs)
+        batch.old_log_probs = actor.gather_tensors(parts, batch)
         return batch
 
     def old_log_probs_from_update(self, batch: RolloutBatch) -> bool:
@@ -489,12 +491,13 @@ class PPOTrainer(RewardModelScoring):
 
     def compute_ref_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
         t, sp = self.temperature, self.actor_sp  # the reference splits sequences as the actor does
-        inputs = self._model_inputs(batch)
-        ref = self.group_for("ref")
+        ref, kl_in_reward = self.group_for("ref"), self.run.algorithm.use_kl_in_reward
+        keep = "ref_log_probs" if ref is self.workers and not kl_in_reward else None  # read by the update
         ref.run_all(lambda w: w.load_ref.remote())
-        parts = ref.run_split(lambda w, s: w.ref_compute_log_prob.remote(s, t), inputs, replicas=sp)
+        call = lambda w, s: w.ref_compute_log_prob.remote(s, t)  # noqa: E731
+        parts = self.resident.run_split(ref, call, batch, batch.model_input_fields(), sp, keep)
         ref.run_all(lambda w: w.offload_ref.remote())
-        batch.ref_log_probs = ref.gather_tensors(parts, inputs)
+        batch.ref_log_probs = None if parts[0] is None else ref.gather_tensors(parts, batch)  # None: kept
         return batch
 
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
@@ -544,17 +547,16 @@ class PPOTrainer(RewardModelScoring):
         actor, sp = self.group_for("actor"), self.actor_sp
         # The optimizer state is on the device only for the update.
         actor.run_all(lambda w: w.load_actor.remote(optimizer=True))
-        inputs = batch.select_fields(*fields)
         if from_forward:
-            pairs = actor.run_split(
-                lambda w, shard: w.actor_update_old_from_forward.remote(shard, t, lr), inputs, replicas=sp
-            )
-            batch.old_log_probs = actor.gather_tensors([p[1] for p in pairs], inputs)  # [B, Tr]
+            call = lambda w, s: w.actor_update_old_from_forward.remote(s, t, lr)  # noqa: E731
+            pairs = self.resident.run_split(actor, call, batch, fields, sp)
+            batch.old_log_probs = actor.gather_tensors([p[1] for p in pairs], batch)  # [B, Tr]
             # the advantages the loss corrected (its rollout_corr/* metrics came with the update's)
             correct_batch(batch, self.run.algorithm.rollout_correction, {})
             per_rank = [p[0] for p in pairs]
         else:
-            per_rank = actor.run_split(lambda w, s: w.actor_update.remote(s, t, lr), inputs, replicas=sp)
+            call = lambda w, s: w.actor_update.remote(s, t, lr)  # noqa: E731
+            per_rank = self.resident.run_split(actor, call, batch, fields, sp)
         actor.run_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
         return mean_over_ranks(per_rank)
 

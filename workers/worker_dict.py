@@ -58,6 +58,7 @@ from fusedrl.workers.memory import (
     rss_gb,
 )
 from fusedrl.workers.phase import EnginePhase
+from fusedrl.workers.resident_store import ResidentStore
 from fusedrl.workers.reward_model import RewardModelRole
 from fusedrl.workers.rollout.base import EngineContext, Rollout, SamplingConfig
 from fusedrl.workers.rollout.partial import PartialRollout
@@ -111,6 +112,7 @@ class WorkerDict(DistributedWorker):
         self.critic_mem: Offloader | None = None
         self.last_rollout_memory: dict[str, float] = {}
         self.phase = EnginePhase()  # the engine asleep or not, its weights current, stale or discarded
+        self.kept = ResidentStore()  # the rows it generated, for later phases (`fusedrl.resident`)
         self.health = HealthReporter(self)  # answers on a thread of its own (`HEALTH_GROUP`)
         self.weight_sync = WeightSyncEndpoint(rank=rank, events=self.events, phase=self.phase)
         self.inspection = InspectionHooks(rank=rank, events=self.events, resident=self._resident)
@@ -369,12 +371,15 @@ class WorkerDict(DistributedWorker):
         return rollout.generate(_to_device(batch), sampling).cpu()
 
     def rollout_generate_fields(
-        self, batch: RolloutBatch, sampling: SamplingConfig, fields: Sequence[str]
+        self, batch: RolloutBatch, sampling: SamplingConfig, fields: Sequence[str], keep: Any = None
     ) -> dict[str, torch.Tensor]:
         """`rollout_generate`, answering only the named fields (what the driver adds to its batch: the
-        request's prompts and seeds do not travel back)."""
+        request's prompts and seeds do not travel back). ``keep``: (generation, step), the rows also stay here."""
         out = self.rollout_generate(batch, sampling)
-        return {name: getattr(out, name) for name in fields}
+        answer = {name: getattr(out, name) for name in fields}
+        if keep is not None:
+            self.kept.keep(*keep, {**answer, "prompts": batch.prompts, "prompt_mask": batch.prompt_mask})
+        return answer
 
     def rollout_generate_partial(
         self, batch: RolloutBatch, sampling: SamplingConfig, version: int, quota: int, drain: bool = False
@@ -419,7 +424,7 @@ class WorkerDict(DistributedWorker):
             rollout_cfg.log_prob_use_dynamic_bsz, rollout_cfg.log_prob_max_token_len_per_gpu
         )
         out = actor.compute_log_prob(
-            _to_device(batch),
+            _to_device(self.kept.resolve(batch)),
             temperature=temperature,
             micro_batch_size=mbs,
             max_token_len=budget,
@@ -430,7 +435,8 @@ class WorkerDict(DistributedWorker):
     def ref_compute_log_prob(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
         """The frozen reference's log-probs of this shard's responses."""
         ref = self._need(self.ref, "ref", "ref_compute_log_prob (enable actor.use_kl_loss)")
-        return ref.compute_log_prob(_to_device(batch), temperature=temperature).cpu()
+        out = ref.compute_log_prob(_to_device(self.kept.resolve(batch)), temperature=temperature)
+        return self.kept.answer(batch, out.cpu())  # None where it stays here (`ResidentShard.keep`)
 
     # ------------------------------------------------------------------ training
     def actor_update(
@@ -440,7 +446,7 @@ class WorkerDict(DistributedWorker):
         rate ``lr`` (the driver's schedule; None keeps the optimizer's)."""
         actor = self._need(self.actor, "actor", "actor_update")
         t0 = time.perf_counter()
-        metrics = actor.update(_to_device(batch), temperature=temperature, lr=lr)
+        metrics = actor.update(_to_device(self.kept.resolve(batch)), temperature=temperature, lr=lr)
         self.phase.actor_changed()  # the engine's weights (if it is here) are the previous policy's
         metrics["timing_s/update_actor_inner"] = time.perf_counter() - t0
         metrics.update(memory_metrics("update"))

@@ -33,6 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from fusedrl.batch import RolloutBatch, gather_from_ranks, split_for_ranks
 from fusedrl.controller.health import kill_pids, memory_diagnosis, resume_hint, wait_pids_gone
 from fusedrl.controller.preemption import Preempted, PreemptionGuard
+from fusedrl.resident import ResidentShard
 
 HEALTH_GROUP = "health"  # the workers' concurrency group for health_report / dump_stacks (workers/health.py)
 POLL_S = 1.0  # how often a remote wait wakes up to check the watchdog and the preemption deadline
@@ -54,6 +55,8 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
         return [obj]
     if isinstance(obj, RolloutBatch):
         obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    if isinstance(obj, ResidentShard):  # only what is sent crosses; the rows' keys are plain ints
+        obj = obj.sent
     if isinstance(obj, dict):
         obj = list(obj.values())
     if isinstance(obj, (list, tuple)):

@@ -1,0 +1,96 @@
+"""Rows that stay on the worker that made them (`fusedrl.resident`, issue 39 item 3) give what sending them gives.
+
+On one fused worker (fake engine, GRPO with a KL loss, float32): the reference's and the actor's log-probs
+of a resident call equal those of the transfer path bit for bit, a row marked as made elsewhere falls back
+to sending the rows (and still agrees), and the update reading the model inputs and the reference's kept
+log-probs on the worker gives the losses, gradient norm and old log-probs of the update that was sent them.
+A slow test trains two steps each way: the metrics and the parameters agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import assert_same_computed_metrics, fake_engine_grpo, started_trainer
+
+from fusedrl.trainer import step_plan
+
+pytestmark = pytest.mark.integration
+
+
+def _sent(traffic, before: dict, call: str) -> int:
+    return traffic.by_call.get(f"{call} out", 0) - before.get(f"{call} out", 0)
+
+
+def test_resident_calls_equal_the_transfer_path(tiny_model_dir, arithmetic_data, tmp_path):
+    with started_trainer(fake_engine_grpo(tiny_model_dir, arithmetic_data[0], tmp_path)) as trainer:
+        trainer.global_step = 1
+        batch = trainer.step_rollout({})
+        assert batch.resident_rows is not None
+        group, plan, t = trainer.workers, trainer.resident, trainer.temperature
+        traffic, names = group.traffic, batch.model_input_fields()
+
+        def log_probs(method: str, rows) -> tuple[torch.Tensor, int]:
+            before = dict(traffic.by_call)
+            parts = plan.run_split(group, lambda w, s: getattr(w, method).remote(s, t), rows, names, 1)
+            return group.gather_tensors(parts, rows), _sent(traffic, before, method)
+
+        group.run_all(lambda w: w.load_ref.remote())
+        resident, sent = log_probs("ref_compute_log_prob", batch)
+        assert sent == 0
+        plan.enabled = False
+        transfer, sent = log_probs("ref_compute_log_prob", batch)
+        plan.enabled = True
+        assert sent == 4 and torch.equal(resident, transfer)
+        moved = batch.clone()
+        moved.resident_rows[0, 1] = 1  # as if made by another engine: every row is sent
+        fallback, sent = log_probs("ref_compute_log_prob", moved)
+        assert sent == 4 and torch.equal(fallback, transfer)
+        group.run_all(lambda w: w.offload_ref.remote())
+        group.run_all(lambda w: w.load_actor.remote())
+        old, sent = log_probs("actor_compute_log_prob", batch)
+        plan.enabled = False
+        assert sent == 0 and torch.equal(old, log_probs("actor_compute_log_prob", batch)[0])
+        plan.enabled = True
+
+        # The reference's log-probs stay on the worker; the update reads them there (lr 0: the same weights).
+        batch = trainer.compute_advantages(trainer.compute_ref_log_probs(batch))
+        assert batch.ref_log_probs is None
+        fields = [*names, *step_plan.update_fields(trainer.run, old_from_forward=True)]
+        assert "ref_log_probs" in fields
+        group.run_all(lambda w: w.load_actor.remote(optimizer=True))
+        call = lambda w, s: w.actor_update_old_from_forward.remote(s, t, 0.0)  # noqa: E731
+        before = dict(traffic.by_call)
+        ((kept_metrics, kept_old),) = plan.run_split(group, call, batch, fields, 1)
+        assert _sent(traffic, before, "actor_update_old_from_forward") == 1  # the advantages
+        batch.ref_log_probs = transfer
+        plan.enabled = False
+        ((sent_metrics, sent_old),) = plan.run_split(group, call, batch, fields, 1)
+    assert torch.equal(kept_old, sent_old) and torch.equal(kept_old, old)
+    losses = [k for k in sent_metrics if k.startswith("actor/") and "loss" in k]
+    assert losses and "actor/grad_norm" in sent_metrics
+    for key in [*losses, "actor/grad_norm"]:
+        assert kept_metrics[key] == sent_metrics[key], key
+
+
+@pytest.mark.slow
+def test_two_steps_resident_equal_two_steps_sent(tiny_model_dir, arithmetic_data, tmp_path):
+    runs = []
+    for resident in (True, False):
+        overrides = fake_engine_grpo(tiny_model_dir, arithmetic_data[0], tmp_path / str(resident))
+        with started_trainer(overrides) as trainer:
+            trainer.resident.enabled = resident
+            before = trainer.groups.tensor_crossings()
+            metrics = []
+            for trainer.global_step in (1, 2):
+                metrics.append(trainer.train_step())
+            crossings = trainer.groups.tensor_crossings() - before
+            (state,) = trainer.workers.run_all(lambda w: w.actor_state.remote())
+        runs.append((metrics, state, crossings))
+    (kept, kept_state, kept_crossings), (sent, sent_state, sent_crossings) = runs
+    assert (kept_crossings, sent_crossings) == (16, 36)
+    for a, b in zip(kept, sent):
+        assert_same_computed_metrics(b, a)
+    assert kept_state.keys() == sent_state.keys()
+    for name, value in sent_state.items():
+        assert torch.equal(kept_state[name], value), name

@@ -1,0 +1,121 @@
+"""Resident rows (`fusedrl.resident`): the driver's choice of shards and the worker's store, without Ray."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from fusedrl.balance import balance_over_ranks
+from fusedrl.batch import RolloutBatch, split_for_ranks
+from fusedrl.controller.worker_group import tensors_in
+from fusedrl.resident import ResidentShard
+from fusedrl.trainer.resident import ResidentRows
+from fusedrl.workers.resident_store import ResidentStore
+
+FIELDS = ["responses", "response_mask", "rollout_log_probs"]
+
+
+@dataclass
+class Group:
+    world_size: int
+
+
+def _generated(rows: int, lengths: list[int] | None = None) -> RolloutBatch:
+    b = RolloutBatch(
+        prompts=torch.arange(rows * 3).view(rows, 3),
+        prompt_mask=torch.ones(rows, 3, dtype=torch.long),
+        batch_size=[rows],
+    )
+    b.responses = 100 + torch.arange(rows * 4).view(rows, 4)
+    mask = torch.ones(rows, 4, dtype=torch.long)
+    for i, n in enumerate(lengths or [4] * rows):
+        mask[i, n:] = 0
+    b.response_mask = mask
+    b.rollout_log_probs = -torch.rand(rows, 4)
+    b.advantages = torch.randn(rows, 4)
+    b.uid = [f"u{i // 2}" for i in range(rows)]
+    return b
+
+
+def _stores(plan: ResidentRows, group: Group, batch: RolloutBatch, tp: int = 1) -> tuple[RolloutBatch, list]:
+    """Generate ``batch`` on ``group`` as `PPOTrainer.generate` does: each engine's store keeps its shard."""
+    keep = plan.request(group, tp, step=1, validate=False, fields=FIELDS)
+    engines = group.world_size // tp
+    shards, _ = split_for_ranks(batch, engines)
+    stores = []
+    for rank in range(group.world_size):
+        store, shard = ResidentStore(), shards[rank // tp]
+        store.keep(*keep, {n: getattr(shard, n) for n in ["prompts", "prompt_mask", *FIELDS]})
+        stores.append(store)
+    return plan.mark(batch, keep, engines), stores
+
+
+def test_rows_on_their_engine_are_read_there_and_equal_the_sent_rows():
+    plan, group = ResidentRows(), Group(world_size=2)
+    batch, stores = _stores(plan, group, _generated(5))  # 5 rows over 2 ranks: padded with row 0
+    assert batch.resident_rows.tolist() == [[1, 0, 0], [1, 0, 1], [1, 0, 2], [1, 1, 0], [1, 1, 1]]
+    names = [*batch.model_input_fields(), "advantages"]
+    # Rank 1's shard is padded with row 0, made by engine 0: it would have to move, so no resident call.
+    assert plan.shards(group, batch, names, replicas=1) is None
+    batch = batch[torch.tensor([0, 1, 3, 4])]  # a filter dropped row 2: each rank's rows are still its own
+    shards = plan.shards(group, batch, names, replicas=1)
+    assert shards is not None and [s.rows for s in shards] == [[(1, 0), (1, 1)], [(1, 0), (1, 1)]]
+    assert shards[0].local == ("prompts", "prompt_mask", "responses", "response_mask")
+    assert list(shards[0].sent) == ["advantages"]
+    assert len(tensors_in(shards)) == 2  # only the advantages cross (both ranks' shards)
+    sent, _ = split_for_ranks(batch.select_fields(*names), 2)
+    for rank, shard in enumerate(shards):
+        resolved = stores[rank].resolve(shard)
+        for name in names:
+            assert torch.equal(getattr(resolved, name), getattr(sent[rank], name)), (rank, name)
+
+
+def test_balanced_rows_that_moved_take_the_transfer_path():
+    plan, group = ResidentRows(), Group(world_size=2)
+    batch, _ = _stores(plan, group, _generated(4, lengths=[4, 4, 1, 1]))
+    balanced, _ = balance_over_ranks(batch, 2, reorder=True, groups_whole=False)
+    assert not torch.equal(balanced.resident_rows[:, 1], batch.resident_rows[:, 1])  # rows changed rank
+    assert plan.shards(group, balanced, ["prompts", "responses"], replicas=1) is None
+    # Another group (a reference on a pool of its own), a dropped step, or no stamp: transfer as well.
+    assert plan.shards(Group(world_size=2), batch, ["prompts"], replicas=1) is None
+    plan.request(group, 1, step=2, validate=False, fields=FIELDS)
+    assert plan.shards(group, batch, ["prompts"], replicas=1) is None
+    assert ResidentRows().shards(group, _generated(4), ["prompts"], replicas=1) is None
+
+
+def test_tensor_parallel_engines_and_sequence_parallel_replicas():
+    """tp=2: ranks 0, 1 are engine 0 and hold its rows; sp=2: ranks 0, 1 get shard 0 (one engine's rows)."""
+    plan, group = ResidentRows(), Group(world_size=4)
+    batch, stores = _stores(plan, group, _generated(4), tp=2)
+    shards = plan.shards(group, batch, ["prompts", "prompt_mask", "responses"], replicas=2)
+    assert shards is not None and [s.rows for s in shards] == [[(1, 0), (1, 1)]] * 2 + [[(1, 0), (1, 1)]] * 2
+    assert torch.equal(stores[3].resolve(shards[3]).responses, batch.responses[2:])
+    # sp=1: rank 1 needs row 1, which its engine (0, shared with rank 0) made: read there too.
+    shards = plan.shards(group, batch, ["prompts", "prompt_mask"], replicas=1)
+    assert shards is not None and [s.rows for s in shards] == [[(1, 0)], [(1, 1)], [(1, 0)], [(1, 1)]]
+    assert torch.equal(stores[1].resolve(shards[1]).prompts, batch.prompts[1:2])
+    # Rows of engine 1 first: ranks 0 and 1 would need rows they do not hold.
+    assert plan.shards(group, batch[torch.tensor([2, 3, 0, 1])], ["prompts"], replicas=2) is None
+
+
+def test_store_keeps_an_answer_and_refuses_what_it_does_not_hold():
+    store = ResidentStore()
+    store.keep(
+        7, 1, {"prompts": torch.arange(6).view(3, 2), "prompt_mask": torch.ones(3, 2), "uid": ["a"] * 3}
+    )
+    assert set(store.fields[7]) == {"prompts", "prompt_mask"}  # non-tensor values are not kept
+    shard = ResidentShard(rows=[(7, 2), (7, 0)], local=("prompts", "prompt_mask"), keep="ref_log_probs")
+    assert store.resolve(shard).prompts.tolist() == [[4, 5], [0, 1]]
+    assert store.answer(shard, torch.tensor([[0.5], [0.25]])) is None
+    later = ResidentShard(rows=[(7, 0), (7, 2)], local=("prompts", "ref_log_probs"))
+    later.local = ("prompts", "prompt_mask", "ref_log_probs")
+    assert store.resolve(later).ref_log_probs.tolist() == [[0.25], [0.5]]
+    with pytest.raises(KeyError, match="'ref_log_probs' of generation 7 is not kept"):
+        store.read(ResidentShard(rows=[(7, 1)], local=()), "ref_log_probs")  # row 1 had no answer
+    plain = RolloutBatch(prompts=torch.zeros(1, 2), prompt_mask=torch.ones(1, 2), batch_size=[1])
+    assert store.resolve(plain) is plain and store.answer(plain, torch.ones(1)) is not None
+    store.keep(8, 2, {"prompts": torch.zeros(1, 2)})  # a later step's generation drops step 1's
+    with pytest.raises(KeyError, match="generation 7 are not on this worker"):
+        store.read(later, "prompts")
