@@ -305,31 +305,36 @@ def shared_segments_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    layout: tuple[torch.Tensor, torch.Tensor],
+    layout: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...],
     *,
     scaling: float,
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed row whose samples share their prompt's tokens: ``[1, h, N, d]`` ->
-    ``[1, h, N, d]``. ``layout = (src [S, L], dst [N])``: gather each sample's whole sequence (its shared
-    prompt, then its own tokens) into row ``s`` of a right-padded ``[S, heads, L, d]`` batch, attend
-    causally, and read each token's output from slot ``dst``. A shared prompt token is a key of every
+    ``[1, h, N, d]``. ``layout``: `fusedrl.workers.packing.shared_prompt_layout`, one padded call per
+    ``(src [S, L], dst [n], tokens [n])``: gather each of its samples' whole sequence (the shared prompt,
+    then its own tokens) into row ``i`` of a right-padded ``[S, heads, L, d]`` batch, attend causally,
+    and read the output of each of ``tokens`` from slot ``dst``. A shared prompt token is a key of every
     sample of its group; its gradient arrives summed over them (the gather's backward)."""
-    src, dst = layout
-    s_count, longest = src.shape
-    flat = src.flatten()  # [S * L]
-
-    def to_rows(x: torch.Tensor) -> torch.Tensor:  # [1, H, N, d] -> [S, H, L, d], contiguous
-        rows = x[0].transpose(0, 1)[flat]  # [S * L, H, d]
-        return rows.view(s_count, longest, x.shape[1], x.shape[3]).transpose(1, 2).contiguous()
-
-    q, k, v = to_rows(query), to_rows(key), to_rows(value)
-    out = _causal_attention(q, k, v, scaling=scaling, window=window, softcap=softcap)  # [S, h, L, d]
-    heads, dim = out.shape[1], out.shape[3]
-    return (
-        out.transpose(1, 2).reshape(s_count * longest, heads, dim)[dst].transpose(0, 1)[None]
-    )  # [1, h, N, d]
+    rows_of = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [N, H, d] each
+    outs = []
+    for src, dst, _ in layout:
+        s_count, longest = src.shape
+        flat = src.flatten()  # [S * L]
+        q, k, v = (
+            x[flat].view(s_count, longest, x.shape[1], x.shape[2]).transpose(1, 2).contiguous()
+            for x in rows_of
+        )  # [S, H, L, d] each
+        out = _causal_attention(q, k, v, scaling=scaling, window=window, softcap=softcap)  # [S, h, L, d]
+        outs.append(
+            out.transpose(1, 2).reshape(s_count * longest, out.shape[1], out.shape[3])[dst]
+        )  # [n, h, d]
+    if len(outs) == 1:  # one call holds every token, in order
+        return outs[0].transpose(0, 1)[None]  # [1, h, N, d]
+    tokens = torch.cat([t for _, _, t in layout])  # [N]: a permutation of the row's tokens
+    gathered = torch.cat(outs)  # [N, h, d]
+    return gathered.new_empty(gathered.shape).index_copy(0, tokens, gathered).transpose(0, 1)[None]
 
 
 def attention(
@@ -360,7 +365,8 @@ def attention(
     shape = {"scaling": scale, "window": window, "softcap": softcap}
     shared = kwargs.get(SHARED_LAYOUT_KWARG)
     if shared is not None:
-        if not (packable and query.shape[0] == 1 and query.shape[2] == shared[1].shape[0]):
+        tokens = sum(call[1].shape[0] for call in shared)  # every token of the row reads one call's output
+        if not (packable and query.shape[0] == 1 and query.shape[2] == tokens):
             raise ValueError(
                 "a packed row with shared prompts reached an attention call that cannot run it (dropout, "
                 "bidirectional or a KV cache): set actor_rollout_ref.model.share_prompt_prefix=false"

@@ -105,7 +105,7 @@ def pack_batch(batch: RolloutBatch, *, layout: bool = False, share_prompts: bool
     (`pack_shared_prompts`); the model must run fusedrl's CPU attention (`can_share_prompts`).
     """
     if share_prompts:
-        return pack_shared_prompts(batch)
+        return pack_shared_prompts(batch, one_call=layout)
     input_ids, attention_mask, position_ids = batch.sequences()  # [b, Tp+Tr] each
     keep = attention_mask.bool()  # [b, Tp+Tr]
     # Index of every kept token in the packed row (meaningless where keep is False).
@@ -141,7 +141,7 @@ def prompt_groups(batch: RolloutBatch) -> list[list[int]]:
     return list(groups.values())
 
 
-def pack_shared_prompts(batch: RolloutBatch) -> PackedBatch:
+def pack_shared_prompts(batch: RolloutBatch, *, one_call: bool = False) -> PackedBatch:
     """`pack_batch` with each distinct prompt once: the row holds, per group of rows with the same prompt,
     the prompt's tokens followed by every row's response-side tokens (positions as in the padded forward:
     each response continues at the prompt's length). The attention gets a `shared_prompt_layout` that
@@ -150,7 +150,9 @@ def pack_shared_prompts(batch: RolloutBatch) -> PackedBatch:
     linears, norms, MLPs) runs on the prompt once per group instead of once per sample: with GRPO's n
     samples of ``P`` prompt and ``R`` response tokens, ``P + nR`` tokens instead of ``n(P + R)``. Same
     outputs as `pack_batch` up to floating-point summation order (the prompt's gradients arrive summed
-    over its samples)."""
+    over its samples). ``one_call``: every sample in one padded attention call (a compiled layer's graph
+    then keeps one structure), else samples of very different lengths go in separate calls
+    (`attention_buckets`)."""
     from fusedrl.workers.cpu_attention import SHARED_LAYOUT_KWARG
 
     input_ids, attention_mask, position_ids = batch.sequences()  # [b, T] each, T = Tp + Tr
@@ -189,7 +191,7 @@ def pack_shared_prompts(batch: RolloutBatch) -> PackedBatch:
             previous[row, kept[1:]] = new_index[row, kept[:-1]]
     response_mask = batch.response_mask.bool()  # [b, Tr]
     pred_index = previous[:, prompt_len:][response_mask]  # [M]
-    layout = shared_prompt_layout(sequences, torch.cat(out_slot))
+    layout = shared_prompt_layout(sequences, torch.cat(out_slot), one_call=one_call)
     return PackedBatch(
         input_ids=ids,  # [1, N]
         position_ids=pos,  # [1, N]
@@ -200,25 +202,62 @@ def pack_shared_prompts(batch: RolloutBatch) -> PackedBatch:
     )
 
 
+# What one more padded attention call costs, in (query, key) pairs of attention work: about the fixed cost
+# of a call's gathers, kernel and backward (~0.2 ms on CPU) against the work of a pair on a small model.
+CALL_COST = 64 * 64
+
+
+def attention_buckets(lengths: list[int], *, call_cost: int = CALL_COST) -> list[list[int]]:
+    """The samples (indices into ``lengths``) split into padded attention calls, shortest first: each call
+    pads its samples to its longest, costing ``samples x longest^2`` pairs plus ``call_cost``; the split
+    minimises the sum (contiguous runs of the samples sorted by length, found exactly). Samples of similar
+    lengths share one call; a long tail (one sample of 512 tokens among samples of 60) gets its own
+    instead of padding every sample to 512."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    squares = torch.tensor([float(lengths[i]) ** 2 for i in order], dtype=torch.float64)  # [S], ascending
+    best = torch.zeros(len(order) + 1, dtype=torch.float64)  # best[j]: the cheapest split of the j shortest
+    start = [0] * (len(order) + 1)  # start[j]: where the last call of that split begins
+    for j in range(1, len(order) + 1):
+        first = torch.arange(j, dtype=torch.float64)  # the last call holds samples first..j-1
+        cost = best[:j] + (j - first) * squares[j - 1] + call_cost  # [j]
+        start[j] = int(cost.argmin())
+        best[j] = cost[start[j]]
+    calls, end = [], len(order)
+    while end:
+        calls.append(order[start[end] : end])
+        end = start[end]
+    return calls[::-1]
+
+
 def shared_prompt_layout(
-    sequences: list[torch.Tensor], out_row: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(src [S, L], dst [N])`` for `fusedrl.workers.cpu_attention.shared_segments_attention`.
+    sequences: list[torch.Tensor], out_row: torch.Tensor, *, one_call: bool = False
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]:
+    """The attention calls of a shared-prompt row for
+    `fusedrl.workers.cpu_attention.shared_segments_attention`: one ``(src [S, L], dst [n], tokens [n])``
+    per call (`attention_buckets`; ``one_call``: one call for every sample).
 
     ``sequences[s]``: the packed indices of sample ``s``'s whole sequence in order (its prompt's tokens,
     shared with its group, then its own); ``out_row [N]``: for each packed token, the sample whose
-    attention output it takes (for a prompt token, the first sample of its group). ``src[s, c]`` is the
-    packed token at column ``c`` of sample ``s``'s row (padding slots repeat a real token: the causal
-    mask keeps real queries off them); ``dst[n]`` is the flat ``s * L + c`` slot token ``n`` reads its
-    output from."""
-    longest = max(max(int(seq.numel()) for seq in sequences), 1)
-    src = torch.zeros(len(sequences), longest, dtype=torch.long)  # [S, L]
+    attention output it takes (for a prompt token, the first sample of its group). In a call of samples
+    ``s_0, s_1, ...``, ``src[i, c]`` is the packed token at column ``c`` of sample ``s_i``'s row (padding
+    slots repeat a real token: the causal mask keeps real queries off them); ``tokens`` are the packed
+    tokens that read their output from this call, ``dst`` the flat ``i * L + c`` slot each reads."""
+    lengths = [int(seq.numel()) for seq in sequences]
     column = torch.zeros(out_row.numel(), dtype=torch.long)  # [N]: each token's column in its output row
     for s, seq in enumerate(sequences):
-        n = int(seq.numel())
-        if n:
-            src[s, :n] = seq
-            src[s, n:] = seq[-1]
         mine = out_row[seq] == s  # the tokens of this sequence that read their output from it
-        column[seq[mine]] = torch.arange(n)[mine]
-    return src, out_row * longest + column  # [S, L], [N]
+        column[seq[mine]] = torch.arange(lengths[s])[mine]
+    calls = [list(range(len(sequences)))] if one_call else attention_buckets(lengths)
+    layout = []
+    for samples in calls:
+        longest = max(max(lengths[s] for s in samples), 1)
+        src = torch.zeros(len(samples), longest, dtype=torch.long)  # [S_call, L]
+        local = torch.full((len(sequences),), -1, dtype=torch.long)  # sample -> its row in this call
+        for i, s in enumerate(samples):
+            local[s] = i
+            if lengths[s]:
+                src[i, : lengths[s]] = sequences[s]
+                src[i, lengths[s] :] = sequences[s][-1]
+        tokens = torch.nonzero(local[out_row] >= 0).flatten()  # [n], ascending
+        layout.append((src, local[out_row[tokens]] * longest + column[tokens], tokens))
+    return tuple(layout)

@@ -15,7 +15,7 @@ from support import padded_batch, spawned_result
 
 import fusedrl.workers.cpu_attention as cpu_attention
 from fusedrl.workers.logprob import response_log_probs
-from fusedrl.workers.packing import pack_batch, prompt_groups
+from fusedrl.workers.packing import attention_buckets, pack_batch, prompt_groups
 
 TEMPERATURE = 0.7
 
@@ -74,10 +74,11 @@ def test_layout_by_hand():
     assert packed.position_ids.tolist() == [[0, 1, 2, 2, 3]]  # both responses continue at the prompt's end
     assert packed.pred_index.tolist() == [1, 1, 3]  # 21 and 31 from the last prompt token, 32 from 31
     assert packed.targets.tolist() == [21, 31, 32]
-    src, dst = packed.model_kwargs[cpu_attention.SHARED_LAYOUT_KWARG]
+    ((src, dst, tokens),) = packed.model_kwargs[cpu_attention.SHARED_LAYOUT_KWARG]  # one attention call
     assert src.tolist() == [[0, 1, 2, 2], [0, 1, 3, 4]]  # each sample's whole sequence; padding repeats
     # prompt tokens read the first sample's slots 0, 1; 21 its slot 2; 31 and 32 the second's slots 2, 3
     assert dst.tolist() == [0, 1, 2, 6, 7]
+    assert tokens.tolist() == [0, 1, 2, 3, 4]
     assert prompt_groups(batch) == [[0, 1]]
 
 
@@ -106,7 +107,7 @@ def test_shared_row_in_each_dtype(dtype):
     log-probs equal the whole rows' (in bf16 the attention runs as matmuls: to bf16 precision)."""
     model, batch = _model().to(dtype), _grouped_batch()
     shared = pack_batch(batch, share_prompts=True)
-    src, dst = shared.model_kwargs[cpu_attention.SHARED_LAYOUT_KWARG]
+    ((src, dst, _),) = shared.model_kwargs[cpu_attention.SHARED_LAYOUT_KWARG]
     assert shared.input_ids.shape[1] == 24 + int(batch.response_mask.sum())
     assert src.shape[0] == batch.num_samples
     assert dst.shape[0] == shared.input_ids.shape[1]
@@ -116,6 +117,43 @@ def test_shared_row_in_each_dtype(dtype):
         want, _ = response_log_probs(model, batch, temperature=TEMPERATURE, remove_padding=True)
     tol = 1e-5 if dtype == torch.float32 else 0.05
     torch.testing.assert_close(got, want.float() * batch.response_mask, rtol=tol, atol=tol)
+
+
+def test_attention_buckets_by_hand():
+    """Padded calls cost samples x longest^2 pairs plus a fixed cost: a long tail gets a call of its own."""
+    # one call: 4 x 512^2 = 1.05M pairs; two: 3 x 64^2 + 512^2 + 2 x 4096 = 282k
+    assert attention_buckets([60, 512, 60, 64]) == [[0, 2, 3], [1]]
+    assert attention_buckets([60, 61, 64, 62]) == [[0, 1, 3, 2]]  # similar lengths: one call, shortest first
+    assert attention_buckets([10, 20], call_cost=0) == [[0], [1]]  # 100 + 400 < 2 x 400
+    assert attention_buckets([10, 20], call_cost=301) == [[0, 1]]  # 800 < 500 + 2 x 301
+    assert attention_buckets([7]) == [[0]]
+
+
+def _long_tail_batch():
+    """6 rows over 2 prompts, one response of 150 tokens among responses of 2-9: the tail gets its own call."""
+    gen = torch.Generator().manual_seed(3)
+    batch = padded_batch([6, 11], [1, 1], tp=12, tr=160, gen=gen)[torch.tensor([0, 1, 0, 1, 0, 1])]
+    batch.responses = torch.randint(3, 400, batch.responses.shape, generator=gen)
+    lengths = torch.tensor([4, 9, 150, 2, 7, 5])
+    batch.response_mask = (torch.arange(160)[None] < lengths[:, None]).long()  # [B, Tr]
+    return batch
+
+
+def test_a_long_tail_in_its_own_call_gives_the_same_numbers():
+    """Log-probs, entropy and gradients of a row split into two attention calls equal the one-call row's and
+    the whole-row packing's (the calls are independent: each sample's attention sees only its own row)."""
+    model, batch = _model(), _long_tail_batch()
+    calls = pack_batch(batch, share_prompts=True).model_kwargs[cpu_attention.SHARED_LAYOUT_KWARG]
+    assert [src.shape for src, _, _ in calls] == [torch.Size([5, 20]), torch.Size([1, 156])]
+    one = pack_batch(batch, layout=True, share_prompts=True).model_kwargs[cpu_attention.SHARED_LAYOUT_KWARG]
+    assert [src.shape for src, _, _ in one] == [torch.Size([6, 156])]  # compiled layers: one call
+    split = _log_probs_and_grads(model, batch, remove_padding=True, share_prompts=True)
+    whole = _log_probs_and_grads(model, batch, remove_padding=True)
+    for got, want in zip(split[:2], whole[:2]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, grad in split[2].items():
+        rel = (grad - whole[2][name]).norm() / whole[2][name].norm()
+        assert rel < 1e-5, (name, float(rel))
 
 
 def test_other_attention_packs_whole_rows():
@@ -129,7 +167,7 @@ def test_other_attention_packs_whole_rows():
 
 def test_a_call_that_cannot_share_says_which_key():
     q = k = v = torch.zeros(1, 2, 5, 4)
-    layout = (torch.zeros(2, 4, dtype=torch.long), torch.zeros(5, dtype=torch.long))
+    layout = ((torch.zeros(2, 4, dtype=torch.long), torch.zeros(5, dtype=torch.long), torch.arange(5)),)
     with pytest.raises(ValueError, match="share_prompt_prefix=false"):
         cpu_attention.attention(
             torch.nn.Module(), q, k, v, None, dropout=0.1, **{cpu_attention.SHARED_LAYOUT_KWARG: layout}
