@@ -2,10 +2,11 @@
 
 `ResidentRows` numbers the training generations, remembers which worker group (and tensor-parallel size) made
 each and which fields its workers keep, stamps the generated batch's ``resident_rows``, and sends a call's
-shards either as `ResidentShard` s (every rank's rows were made by its own engine: only the fields the
-worker does not hold are sent) or, otherwise, as the rows themselves (`WorkerGroup.run_split`, the transfer
-path). A field kept on the workers (the reference's log-probs) is readable there only: a later call whose
-rows moved cannot take it, and says so.
+shards as `ResidentShard` s (only the fields the workers do not hold are sent; rows a rank needs from
+another engine are first exported by that engine's first rank, `WorkerDict.resident_export`, and fetched by
+reference, once per rank and row) or, for a batch it cannot place, as the rows themselves
+(`WorkerGroup.run_split`, the transfer path). A field kept on the workers (the reference's log-probs) is
+held by the rank that computed it: a later call that splits the rows otherwise is refused, by name.
 
 What stays: the request's ``prompts`` / ``prompt_mask`` and the rollout's answer (responses, masks, log-probs
 and the rest of `PPOTrainer.response_fields`), which the driver also holds and never rewrites (a subclass
@@ -33,6 +34,7 @@ class Generation:
     tp: int
     step: int
     fields: set[str] = field(default_factory=set)
+    delivered: set[tuple[int, int, int]] = field(default_factory=set)  # (rank, engine, row) fetched there
 
 
 class ResidentRows:
@@ -69,9 +71,10 @@ class ResidentRows:
 
     def shards(
         self, group: Any, batch: RolloutBatch, names: Sequence[str], replicas: int, keep: str | None = None
-    ) -> list[ResidentShard] | None:
+    ) -> tuple[list[ResidentShard], dict[int, dict[int, list[tuple[int, int, int]]]]] | None:
         """Each rank's `ResidentShard` of ``batch``'s fields ``names`` split as `WorkerGroup.run_split` splits
-        (rank r: shard r // replicas), or None where some rank's rows were not made by its own engine."""
+        (rank r: shard r // replicas), and the exports they need: ``{source rank: {rank: rows}}``; None
+        where the batch's rows cannot be placed (no stamp, another group, a generation dropped)."""
         rows = batch.resident_rows
         if rows is None or not self.enabled:
             return None
@@ -88,14 +91,21 @@ class ResidentRows:
         )  # the padding of split_for_ranks
         chunk = index.numel() // n_shards
         tp = torch.tensor([made[int(g)].tp for g in rows[:, 0].tolist()])  # type: ignore[union-attr]
-        out = []
+        out: list[ResidentShard] = []
+        exports: dict[int, dict[int, list[tuple[int, int, int]]]] = {}
         for rank in range(group.world_size):
             idx = index[(rank // replicas) * chunk : (rank // replicas + 1) * chunk]
-            if not bool((rows[idx, 1] == rank // tp[idx]).all()):
-                return None  # a row moved to another rank (balancing, padding): the transfer path
-            keys = [(int(g), int(r)) for g, r in rows[idx][:, [0, 2]].tolist()]
+            keys = [(int(g), int(e), int(r)) for g, e, r in rows[idx].tolist()]
+            for (g, e, r), held in zip(keys, (rows[idx, 1] == rank // tp[idx]).tolist()):
+                gen = made[g]
+                assert gen is not None
+                if e * gen.tp >= group.world_size:
+                    return None  # not an engine of this group
+                if not held and (rank, e, r) not in gen.delivered:  # made elsewhere (balancing, padding)
+                    exports.setdefault(e * gen.tp, {}).setdefault(rank, []).append((g, e, r))
+                    gen.delivered.add((rank, e, r))
             out.append(ResidentShard(keys, local, {n: getattr(batch, n)[idx] for n in sent}, keep))
-        return out
+        return out, exports
 
     def run_split(
         self,
@@ -108,8 +118,8 @@ class ResidentRows:
     ) -> list[Any]:
         """`WorkerGroup.run_split` of ``batch``'s fields ``names``, resident where `shards` allows (then a
         ``keep`` answer stays on the workers and comes back as None)."""
-        shards = self.shards(group, batch, names, replicas, keep)
-        if shards is None:
+        placed = self.shards(group, batch, names, replicas, keep)
+        if placed is None:
             missing = [n for n in names if getattr(batch, n) is None]
             if missing:
                 raise RuntimeError(
@@ -117,6 +127,14 @@ class ResidentRows:
                     "to other ranks since (fusedrl.resident): keep the batch's row order between those calls"
                 )
             return group.run_split(call, batch.select_fields(*names), replicas=replicas)
+        shards, exports = placed
+        if (
+            exports
+        ):  # worker to worker: each source puts the rows, the ranks that need them fetch by reference
+            wanted = [exports.get(rank, {}) for rank in range(group.world_size)]
+            for per_rank in group.run_shards(lambda w, rows: w.resident_export.remote(rows), wanted):
+                for rank, ref in per_rank.items():
+                    shards[rank].fetch.append(ref)
         results = group.run_shards(call, shards)[::replicas]
         if keep is not None:
             for g in set(batch.resident_rows[:, 0].tolist()):

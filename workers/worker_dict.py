@@ -112,7 +112,8 @@ class WorkerDict(DistributedWorker):
         self.critic_mem: Offloader | None = None
         self.last_rollout_memory: dict[str, float] = {}
         self.phase = EnginePhase()  # the engine asleep or not, its weights current, stale or discarded
-        self.kept = ResidentStore()  # the rows it generated, for later phases (`fusedrl.resident`)
+        # the rows its engine generated, for later phases (`fusedrl.resident`)
+        self.kept = ResidentStore(engine=rank // int(config.rollout.tensor_model_parallel_size))
         self.health = HealthReporter(self)  # answers on a thread of its own (`HEALTH_GROUP`)
         self.weight_sync = WeightSyncEndpoint(rank=rank, events=self.events, phase=self.phase)
         self.inspection = InspectionHooks(rank=rank, events=self.events, resident=self._resident)
@@ -380,6 +381,10 @@ class WorkerDict(DistributedWorker):
         if keep is not None:
             self.kept.keep(*keep, {**answer, "prompts": batch.prompts, "prompt_mask": batch.prompt_mask})
         return answer
+
+    def resident_export(self, wanted: dict[int, list[tuple[int, int, int]]]) -> dict[int, Any]:
+        """Rows other ranks need, put in Ray's object store: ``{rank: reference}`` (`fusedrl.resident`)."""
+        return self.kept.export(wanted)
 
     def rollout_generate_partial(
         self, batch: RolloutBatch, sampling: SamplingConfig, version: int, quota: int, drain: bool = False

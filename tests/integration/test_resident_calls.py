@@ -1,10 +1,11 @@
 """Rows that stay on the worker that made them (`fusedrl.resident`, issue 39 item 3) give what sending them gives.
 
 On one fused worker (fake engine, GRPO with a KL loss, float32): the reference's and the actor's log-probs
-of a resident call equal those of the transfer path bit for bit, a row marked as made elsewhere falls back
+of a resident call equal those of the transfer path bit for bit, a row the driver cannot place falls back
 to sending the rows (and still agrees), and the update reading the model inputs and the reference's kept
 log-probs on the worker gives the losses, gradient norm and old log-probs of the update that was sent them.
-A slow test trains two steps each way: the metrics and the parameters agree.
+A slow test trains two steps each way on two balanced ranks (rows moved worker to worker): the metrics and
+the parameters agree.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def test_resident_calls_equal_the_transfer_path(tiny_model_dir, arithmetic_data,
         plan.enabled = True
         assert sent == 4 and torch.equal(resident, transfer)
         moved = batch.clone()
-        moved.resident_rows[0, 1] = 1  # as if made by another engine: every row is sent
+        moved.resident_rows[0, 0] = 99  # a generation the driver does not know: every row is sent
         fallback, sent = log_probs("ref_compute_log_prob", moved)
         assert sent == 4 and torch.equal(fallback, transfer)
         group.run_all(lambda w: w.offload_ref.remote())
@@ -74,23 +75,38 @@ def test_resident_calls_equal_the_transfer_path(tiny_model_dir, arithmetic_data,
 
 
 @pytest.mark.slow
-def test_two_steps_resident_equal_two_steps_sent(tiny_model_dir, arithmetic_data, tmp_path):
+def test_two_steps_resident_equal_two_steps_sent_on_two_balanced_ranks(
+    tiny_model_dir, arithmetic_data, tmp_path
+):
+    """Two fused workers; the balancing (here reversing the balanced order, so every row changes rank) moves
+    rows between ranks, worker to worker."""
+    from fusedrl.trainer.ppo_trainer import PPOTrainer
+
+    class Reversed(PPOTrainer):
+        def balance_batch(self, batch, metrics):
+            balanced = super().balance_batch(batch, metrics)
+            return balanced[torch.arange(balanced.num_samples - 1, -1, -1)]
+
     runs = []
     for resident in (True, False):
         overrides = fake_engine_grpo(tiny_model_dir, arithmetic_data[0], tmp_path / str(resident))
-        with started_trainer(overrides) as trainer:
+        overrides += ["trainer.n_gpus_per_node=2", "trainer.balance_batch=true"]
+        with started_trainer(overrides, trainer_cls=Reversed) as trainer:
             trainer.resident.enabled = resident
             before = trainer.groups.tensor_crossings()
-            metrics = []
+            metrics, moved = [], 0
             for trainer.global_step in (1, 2):
                 metrics.append(trainer.train_step())
+                moved += sum(len(g.delivered) for g in trainer.resident.generations.values())
             crossings = trainer.groups.tensor_crossings() - before
-            (state,) = trainer.workers.run_all(lambda w: w.actor_state.remote())
-        runs.append((metrics, state, crossings))
-    (kept, kept_state, kept_crossings), (sent, sent_state, sent_crossings) = runs
+            states = trainer.workers.run_all(lambda w: w.actor_state.remote())
+        runs.append((metrics, states, crossings, moved))
+    (kept, kept_states, kept_crossings, moved), (sent, sent_states, sent_crossings, _) = runs
+    assert moved == 16  # every row, at step 1 and 2: fetched by the other rank, not sent by the driver
     assert (kept_crossings, sent_crossings) == (16, 36)
     for a, b in zip(kept, sent):
         assert_same_computed_metrics(b, a)
-    assert kept_state.keys() == sent_state.keys()
-    for name, value in sent_state.items():
-        assert torch.equal(kept_state[name], value), name
+    for kept_state, sent_state in zip(kept_states, sent_states):
+        assert kept_state.keys() == sent_state.keys()
+        for name, value in sent_state.items():
+            assert torch.equal(kept_state[name], value), name

@@ -46,76 +46,113 @@ def _stores(plan: ResidentRows, group: Group, batch: RolloutBatch, tp: int = 1) 
     shards, _ = split_for_ranks(batch, engines)
     stores = []
     for rank in range(group.world_size):
-        store, shard = ResidentStore(), shards[rank // tp]
+        store, shard = ResidentStore(engine=rank // tp), shards[rank // tp]
         store.keep(*keep, {n: getattr(shard, n) for n in ["prompts", "prompt_mask", *FIELDS]})
         stores.append(store)
     return plan.mark(batch, keep, engines), stores
+
+
+def _deliver(stores: list, exports: dict) -> None:
+    """`ResidentRows.run_split`'s exports, without Ray: each source's payload fetched by its destination."""
+    for source, per_rank in exports.items():
+        for rank, rows in per_rank.items():
+            stores[rank].fetch(stores[source].payload(rows))
+
+
+def _assert_resolved_equal_sent(stores, shards, batch, names, replicas=1):
+    sent, _ = split_for_ranks(batch.select_fields(*names), len(stores) // replicas)
+    for rank, shard in enumerate(shards):
+        resolved = stores[rank].resolve(shard)
+        for name in names:
+            assert torch.equal(getattr(resolved, name), getattr(sent[rank // replicas], name)), (rank, name)
 
 
 def test_rows_on_their_engine_are_read_there_and_equal_the_sent_rows():
     plan, group = ResidentRows(), Group(world_size=2)
     batch, stores = _stores(plan, group, _generated(5))  # 5 rows over 2 ranks: padded with row 0
     assert batch.resident_rows.tolist() == [[1, 0, 0], [1, 0, 1], [1, 0, 2], [1, 1, 0], [1, 1, 1]]
-    names = [*batch.model_input_fields(), "advantages"]
-    # Rank 1's shard is padded with row 0, made by engine 0: it would have to move, so no resident call.
-    assert plan.shards(group, batch, names, replicas=1) is None
     batch = batch[torch.tensor([0, 1, 3, 4])]  # a filter dropped row 2: each rank's rows are still its own
-    shards = plan.shards(group, batch, names, replicas=1)
-    assert shards is not None and [s.rows for s in shards] == [[(1, 0), (1, 1)], [(1, 0), (1, 1)]]
+    names = [*batch.model_input_fields(), "advantages"]
+    shards, exports = plan.shards(group, batch, names, replicas=1)
+    assert exports == {} and [s.rows for s in shards] == [[(1, 0, 0), (1, 0, 1)], [(1, 1, 0), (1, 1, 1)]]
     assert shards[0].local == ("prompts", "prompt_mask", "responses", "response_mask")
     assert list(shards[0].sent) == ["advantages"]
     assert len(tensors_in(shards)) == 2  # only the advantages cross (both ranks' shards)
-    sent, _ = split_for_ranks(batch.select_fields(*names), 2)
-    for rank, shard in enumerate(shards):
-        resolved = stores[rank].resolve(shard)
-        for name in names:
-            assert torch.equal(getattr(resolved, name), getattr(sent[rank], name)), (rank, name)
+    _assert_resolved_equal_sent(stores, shards, batch, names)
 
 
-def test_balanced_rows_that_moved_take_the_transfer_path():
+def test_balanced_and_padded_rows_move_worker_to_worker_once():
     plan, group = ResidentRows(), Group(world_size=2)
-    batch, _ = _stores(plan, group, _generated(4, lengths=[4, 4, 1, 1]))
+    batch, stores = _stores(plan, group, _generated(5, lengths=[4, 4, 4, 1, 1]))
     balanced, _ = balance_over_ranks(batch, 2, reorder=True, groups_whole=False)
     assert not torch.equal(balanced.resident_rows[:, 1], batch.resident_rows[:, 1])  # rows changed rank
-    assert plan.shards(group, balanced, ["prompts", "responses"], replicas=1) is None
-    # Another group (a reference on a pool of its own), a dropped step, or no stamp: transfer as well.
+    names = list(balanced.model_input_fields())
+    shards, exports = plan.shards(group, balanced, names, replicas=1, keep="ref_log_probs")
+    moved = {(s, d): rows for s, per in exports.items() for d, rows in per.items()}
+    assert moved and all(s != d for s, d in moved)  # from the engine that made them to the rank needing them
+    for (source, rank), rows in moved.items():
+        assert all(e == source for _, e, _ in rows) and rows == [k for k in shards[rank].rows if k[1] != rank]
+    _deliver(stores, exports)
+    _assert_resolved_equal_sent(stores, shards, balanced, names)
+    # The reference's log-probs stay where they were computed; the update's rows are there: nothing moves.
+    for rank, shard in enumerate(shards):
+        assert stores[rank].answer(shard, torch.full((shard.num_rows, 4), float(rank))) is None
+    plan.generations[1].fields.add("ref_log_probs")
+    again, exports = plan.shards(group, balanced, [*names, "ref_log_probs"], replicas=1)
+    assert exports == {}
+    for rank, shard in enumerate(again):
+        assert stores[rank].resolve(shard).ref_log_probs.eq(rank).all()
+
+
+def test_batches_it_cannot_place_take_the_transfer_path():
+    plan, group = ResidentRows(), Group(world_size=2)
+    batch, _ = _stores(plan, group, _generated(4))
+    # Another group (a reference on a pool of its own), a dropped step, or no stamp: transfer.
     assert plan.shards(Group(world_size=2), batch, ["prompts"], replicas=1) is None
+    assert ResidentRows().shards(group, _generated(4), ["prompts"], replicas=1) is None
     plan.request(group, 1, step=2, validate=False, fields=FIELDS)
     assert plan.shards(group, batch, ["prompts"], replicas=1) is None
-    assert ResidentRows().shards(group, _generated(4), ["prompts"], replicas=1) is None
 
 
 def test_tensor_parallel_engines_and_sequence_parallel_replicas():
     """tp=2: ranks 0, 1 are engine 0 and hold its rows; sp=2: ranks 0, 1 get shard 0 (one engine's rows)."""
     plan, group = ResidentRows(), Group(world_size=4)
     batch, stores = _stores(plan, group, _generated(4), tp=2)
-    shards = plan.shards(group, batch, ["prompts", "prompt_mask", "responses"], replicas=2)
-    assert shards is not None and [s.rows for s in shards] == [[(1, 0), (1, 1)]] * 2 + [[(1, 0), (1, 1)]] * 2
-    assert torch.equal(stores[3].resolve(shards[3]).responses, batch.responses[2:])
+    names = ["prompts", "prompt_mask", "responses"]
+    shards, exports = plan.shards(group, batch, names, replicas=2)
+    assert (
+        exports == {}
+        and [s.rows for s in shards] == [[(1, 0, 0), (1, 0, 1)]] * 2 + [[(1, 1, 0), (1, 1, 1)]] * 2
+    )
+    _assert_resolved_equal_sent(stores, shards, batch, names, replicas=2)
     # sp=1: rank 1 needs row 1, which its engine (0, shared with rank 0) made: read there too.
-    shards = plan.shards(group, batch, ["prompts", "prompt_mask"], replicas=1)
-    assert shards is not None and [s.rows for s in shards] == [[(1, 0)], [(1, 1)], [(1, 0)], [(1, 1)]]
-    assert torch.equal(stores[1].resolve(shards[1]).prompts, batch.prompts[1:2])
-    # Rows of engine 1 first: ranks 0 and 1 would need rows they do not hold.
-    assert plan.shards(group, batch[torch.tensor([2, 3, 0, 1])], ["prompts"], replicas=2) is None
+    shards, exports = plan.shards(group, batch, names, replicas=1)
+    assert exports == {} and [s.rows for s in shards] == [[(1, 0, 0)], [(1, 0, 1)], [(1, 1, 0)], [(1, 1, 1)]]
+    # Engine 1's rows first: ranks 0 and 1 fetch them from rank 2 (engine 1's first rank), and the reverse.
+    swapped = batch[torch.tensor([2, 3, 0, 1])]
+    shards, exports = plan.shards(group, swapped, names, replicas=2)
+    assert sorted(exports) == [0, 2] and sorted(exports[2]) == [0, 1] and sorted(exports[0]) == [2, 3]
+    _deliver(stores, exports)
+    _assert_resolved_equal_sent(stores, shards, swapped, names, replicas=2)
 
 
 def test_store_keeps_an_answer_and_refuses_what_it_does_not_hold():
-    store = ResidentStore()
+    store = ResidentStore(engine=0)
     store.keep(
         7, 1, {"prompts": torch.arange(6).view(3, 2), "prompt_mask": torch.ones(3, 2), "uid": ["a"] * 3}
     )
-    assert set(store.fields[7]) == {"prompts", "prompt_mask"}  # non-tensor values are not kept
-    shard = ResidentShard(rows=[(7, 2), (7, 0)], local=("prompts", "prompt_mask"), keep="ref_log_probs")
+    assert set(store.fields[(7, 0)]) == {"prompts", "prompt_mask"}  # non-tensor values are not kept
+    shard = ResidentShard(rows=[(7, 0, 2), (7, 0, 0)], local=("prompts", "prompt_mask"), keep="ref_log_probs")
     assert store.resolve(shard).prompts.tolist() == [[4, 5], [0, 1]]
     assert store.answer(shard, torch.tensor([[0.5], [0.25]])) is None
-    later = ResidentShard(rows=[(7, 0), (7, 2)], local=("prompts", "ref_log_probs"))
-    later.local = ("prompts", "prompt_mask", "ref_log_probs")
+    later = ResidentShard(rows=[(7, 0, 0), (7, 0, 2)], local=("prompts", "prompt_mask", "ref_log_probs"))
     assert store.resolve(later).ref_log_probs.tolist() == [[0.25], [0.5]]
-    with pytest.raises(KeyError, match="'ref_log_probs' of generation 7 is not kept"):
-        store.read(ResidentShard(rows=[(7, 1)], local=()), "ref_log_probs")  # row 1 had no answer
+    with pytest.raises(KeyError, match="'ref_log_probs' of generation 7, engine 0 is not held"):
+        store.read([(7, 0, 1)], "ref_log_probs")  # row 1 had no answer
+    with pytest.raises(KeyError, match="generation 7, engine 1 are not on this worker"):
+        store.read([(7, 1, 0)], "prompts")  # another engine's row, not fetched
     plain = RolloutBatch(prompts=torch.zeros(1, 2), prompt_mask=torch.ones(1, 2), batch_size=[1])
     assert store.resolve(plain) is plain and store.answer(plain, torch.ones(1)) is not None
     store.keep(8, 2, {"prompts": torch.zeros(1, 2)})  # a later step's generation drops step 1's
-    with pytest.raises(KeyError, match="generation 7 are not on this worker"):
-        store.read(later, "prompts")
+    with pytest.raises(KeyError, match="generation 7, engine 0 are not on this worker"):
+        store.read(later.rows, "prompts")
