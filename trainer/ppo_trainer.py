@@ -209,7 +209,7 @@ class PPOTrainer(RewardModelScoring):
     def step_reference(self, batch: RolloutBatch, metrics: Metrics) -> RolloutBatch:
         if self.use_reference:
             with timer("ref", metrics):
-                batch = self.compute_ref_log_probs(batch)
+                batch = self.compute_ref_log_probs(batch, keep=True)  # kept on the workers for the update
         batch = self.await_reward_model_scores(batch, metrics)
         return self.apply_kl_penalty(batch, metrics) if self.run.algorithm.use_kl_in_reward else batch
 
@@ -489,13 +489,13 @@ class PPOTrainer(RewardModelScoring):
             actor_trains=self.actor_trains_this_step,
         )
 
-    def compute_ref_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
+    def compute_ref_log_probs(self, batch: RolloutBatch, keep: bool = False) -> RolloutBatch:
         t, sp = self.temperature, self.actor_sp  # the reference splits sequences as the actor does
-        ref, kl_in_reward = self.group_for("ref"), self.run.algorithm.use_kl_in_reward
-        keep = "ref_log_probs" if ref is self.workers and not kl_in_reward else None  # read by the update
+        ref, kl_in_reward = self.group_for("ref"), self.run.algorithm.use_kl_in_reward  # keep: for the update
+        kept = "ref_log_probs" if keep and ref is self.workers and not kl_in_reward else None
         ref.run_all(lambda w: w.load_ref.remote())
         call = lambda w, s: w.ref_compute_log_prob.remote(s, t)  # noqa: E731
-        parts = self.resident.run_split(ref, call, batch, batch.model_input_fields(), sp, keep)
+        parts = self.resident.run_split(ref, call, batch, batch.model_input_fields(), sp, kept)
         ref.run_all(lambda w: w.offload_ref.remote())
         batch.ref_log_probs = None if parts[0] is None else ref.gather_tensors(parts, batch)  # None: kept
         return batch

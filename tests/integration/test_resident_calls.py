@@ -55,7 +55,7 @@ def test_resident_calls_equal_the_transfer_path(tiny_model_dir, arithmetic_data,
         plan.enabled = True
 
         # The reference's log-probs stay on the worker; the update reads them there (lr 0: the same weights).
-        batch = trainer.compute_advantages(trainer.compute_ref_log_probs(batch))
+        batch = trainer.compute_advantages(trainer.compute_ref_log_probs(batch, keep=True))
         assert batch.ref_log_probs is None
         fields = [*names, *step_plan.update_fields(trainer.run, old_from_forward=True)]
         assert "ref_log_probs" in fields
