@@ -58,6 +58,7 @@ from fusedrl.third_party.vllm.multimodal import (
     use_image_only_processor,
     vlm_module_name,
 )
+from fusedrl.third_party.vllm.outputs import completion
 from fusedrl.workers.rollout.base import SampleParams  # engine-neutral; re-exported here
 
 logger = logging.getLogger(__name__)
@@ -216,21 +217,9 @@ def _sampling_params(params: SampleParams):
         ignore_eos=params.ignore_eos,
         logprobs=0,  # the sampled token's log-prob only
         detokenize=False,
+        flat_logprobs=True,  # one float per token, no dict (third_party/vllm/outputs.py)
         output_kind=RequestOutputKind.CUMULATIVE if params.pausable else RequestOutputKind.FINAL_ONLY,
     )
-
-
-def _completion(out) -> tuple[list[int], list[float], str]:
-    """``(token_ids, log_probs, finish_reason)`` of a finished single-sample request output."""
-    completion = out.outputs[0]
-    token_ids = list(completion.token_ids)
-    logprobs = [float(step[tok].logprob) for tok, step in zip(token_ids, completion.logprobs or []) if step]
-    if len(logprobs) != len(token_ids):
-        raise RuntimeError(
-            f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens; "
-            "logprobs=0 should give one per sampled token"
-        )
-    return token_ids, logprobs, "length" if completion.finish_reason == "length" else "stop"
 
 
 def engine_kwargs(cfg: EngineConfig, *, eager: bool, cuda: bool) -> dict[str, Any]:
@@ -365,7 +354,7 @@ class VLLMEngine:
         outputs = self.llm.generate(prompts, per_request, use_tqdm=False)
         if images:
             check_image_tokens(prompt_token_ids, [out.prompt_token_ids for out in outputs])
-        return [_completion(out)[:2] for out in outputs]
+        return [completion(out)[:2] for out in outputs]
 
     # ------------------------------------------------------------------ request queue (agent loops)
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SampleParams) -> None:
@@ -395,7 +384,7 @@ class VLLMEngine:
             self._latest.pop(request_id, None)
             self._pending.pop(request_id, None)
             self._unpausable.discard(request_id)
-            ids, lps, reason = _completion(out)
+            ids, lps, reason = completion(out)
             finished.append((request_id, ids, lps, reason))
         return finished
 
@@ -415,7 +404,7 @@ class VLLMEngine:
         for request_id in chosen:
             del self._pending[request_id]
             out = self._latest.pop(request_id, None)
-            ids, lps = _completion(out)[:2] if out is not None else ([], [])
+            ids, lps = completion(out)[:2] if out is not None else ([], [])
             paused.append((request_id, ids, lps))
         return paused
 
