@@ -22,9 +22,6 @@ import json
 import os
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 
 def model_config(path: Any) -> dict[str, Any] | None:
     """The text model's entries of ``path``/config.json (a multimodal config's ``text_config`` over its
@@ -42,41 +39,46 @@ def model_config(path: Any) -> dict[str, Any] | None:
     return {**raw, **text} if isinstance(text, dict) else raw
 
 
-def _select(cfg: DictConfig, key: str) -> Any:
-    """``cfg``'s value at ``key``, or None where it is missing (also through an interpolation: the critic's
-    path follows the actor's, which `fusedrl.config_checks.validate` reports once)."""
-    try:
-        return OmegaConf.select(cfg, key, throw_on_missing=False)
-    except OmegaConfBaseException:
-        return None
-
-
-def architecture_problems(cfg: DictConfig, roles: dict[str, bool]) -> list[str]:
-    """Problems of the architecture-dependent keys (module docstring); ``roles``: the optional roles the
-    run builds (`fusedrl.config.needed_roles`)."""
+def architecture_problems(run: Any, roles: dict[str, bool]) -> list[str]:
+    """Problems of the architecture-dependent keys (module docstring); ``run``: the typed sections,
+    ``roles``: the optional roles the run builds (`fusedrl.role_config.RunSections.needed_roles`)."""
     arr = "actor_rollout_ref"
-    # (model path key, Ulysses key, attention key or None) of each model the run trains or scores with
+    # (model path key, Ulysses key, attention key or None, and their values) of each model the run trains
+    # or scores with
     models = [
         (
             f"{arr}.model.path",
             f"{arr}.actor.ulysses_sequence_parallel_size",
             f"{arr}.model.attn_implementation",
+            (run.model.path, run.actor.ulysses_sequence_parallel_size, run.model.attn_implementation),
         )
     ]
     if roles.get("critic"):
+        critic = run.critic
         models.append(
-            ("critic.model.path", "critic.ulysses_sequence_parallel_size", "critic.model.attn_implementation")
+            (
+                "critic.model.path",
+                "critic.ulysses_sequence_parallel_size",
+                "critic.model.attn_implementation",
+                (critic.model.path, critic.ulysses_sequence_parallel_size, critic.model.attn_implementation),
+            )
         )
     if roles.get("reward_model"):
-        models.append(("reward_model.model.path", "reward_model.ulysses_sequence_parallel_size", None))
+        rm = run.reward_model
+        models.append(
+            (
+                "reward_model.model.path",
+                "reward_model.ulysses_sequence_parallel_size",
+                None,
+                (rm.model.path, rm.ulysses_sequence_parallel_size, None),
+            )
+        )
     problems: list[str] = []
-    for path_key, sp_key, attn_key in models:
-        path = _select(cfg, path_key)
+    for _, sp_key, attn_key, (path, sp, attn) in models:
         config = model_config(path)
         if config is None:
             continue
         name = config.get("model_type", "this model")
-        sp = _select(cfg, sp_key)
         heads = config.get("num_attention_heads")
         if isinstance(sp, int) and sp > 1 and isinstance(heads, int) and heads % sp:
             divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
@@ -86,7 +88,6 @@ def architecture_problems(cfg: DictConfig, roles: dict[str, bool]) -> list[str]:
                 f"Use one of {divisors}."
             )
         softcap = config.get("attn_logit_softcapping")
-        attn = _select(cfg, attn_key) if attn_key else None
         if softcap is not None and attn == "sdpa":
             problems.append(
                 f"`{attn_key}`=sdpa: {name} caps its attention logits (attn_logit_softcapping={softcap} in "

@@ -18,8 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-
-from omegaconf import DictConfig
+from typing import Any
 
 _PROBE = "fusedrl-end-of-turn-probe"
 _FILES = (
@@ -108,11 +107,11 @@ def _template_problems(path: str, _fingerprint: tuple) -> tuple[str, ...]:
     )
 
 
-def chat_template_problems(cfg: DictConfig) -> list[str]:
-    """Problems of the policy's chat template (module docstring)."""
-    from fusedrl.architecture_config import _select, model_config
+def chat_template_problems(run: Any) -> list[str]:
+    """Problems of the policy's chat template (module docstring); ``run``: the typed sections."""
+    from fusedrl.architecture_config import model_config
 
-    path = _select(cfg, "actor_rollout_ref.model.path")
+    path = run.model.path
     if model_config(path) is None:
         return []
     return template_problems(str(path))

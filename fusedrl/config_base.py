@@ -62,8 +62,9 @@ def import_plugin(spec: str) -> None:
 
 
 def needed_roles(cfg: DictConfig) -> dict[str, bool]:
-    """Which optional roles the fused workers must build (`fusedrl.algorithms.registry.roles_for`), for the
-    config check; the trainer asks its typed config (`RoleConfigs.needed_roles`)."""
+    """Which optional roles the fused workers must build (`fusedrl.algorithms.registry.roles_for`), for a
+    caller holding a DictConfig; the config checks and the trainer ask the typed sections
+    (`RunSections.needed_roles`)."""
     import fusedrl.algorithms  # noqa: F401  (registers the built-in estimators)
     from fusedrl.algorithms.registry import roles_for
 

@@ -22,6 +22,7 @@ def validate(cfg: DictConfig) -> None:
     """Check a composed config; raise one `ConfigError` listing every problem (every section's, then the
     cross-section ones), each once."""
     from fusedrl.config_cross_checks import cross_section_problems
+    from fusedrl.config_sections import budget_interpolations
     from fusedrl.role_config import RunSections, written_sections
 
     problems = [
@@ -31,6 +32,8 @@ def validate(cfg: DictConfig) -> None:
     run = RunSections(**written_sections(plain))  # type: ignore[arg-type]
     for name in SECTION_ORDER:
         problems.extend(getattr(run, name).problems())
-    problems.extend(cross_section_problems(cfg, run))
+    # the raw tree is read once more only for which token budgets interpolate another key (the typed
+    # sections hold resolved values; a budget's problem names the key it follows)
+    problems.extend(cross_section_problems(run, budget_interpolations(cfg)))
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))

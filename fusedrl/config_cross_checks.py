@@ -2,15 +2,17 @@
 estimator against the rollout and the reward, the engine against the actor, placement, asynchronous
 training, LoRA, the model's architecture, ...): `cross_section_problems`, called by
 `fusedrl.config_checks.validate` after every section's own ``problems()``. A number one of them combines
-is read quietly (`valid_positive`): its own section reports it."""
+is read quietly (`valid_positive`): its own section reports it.
+
+Every check reads the typed sections (`fusedrl.role_config.RunSections`: ``run.<section>.<field>``), not the
+DictConfig; the one fact they take from the raw tree is which token budgets interpolate another key
+(`fusedrl.config_sections.budget_interpolations`, passed in by `fusedrl.config_checks.validate`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import DictConfig
-
-from fusedrl.config_base import needed_roles
 from fusedrl.config_sections import (
     auto_key_problems,
     compile_layers_problems,
@@ -22,7 +24,7 @@ from fusedrl.model_sections import attn_problems
 from fusedrl.placement_config import actor_world, placement_problems, rollout_world
 
 
-def _batches(cfg: DictConfig, run: Any, found: list[str]) -> None:
+def _batches(run: Any, found: list[str]) -> None:
     """Each Ulysses size divides the workers; the samples of a step and of a mini-batch split across the
     actor's pool; the mini-batch divides the batch (checked only when every number in it is valid)."""
     slots, nnodes = valid_positive(run.trainer.n_gpus_per_node), valid_positive(run.trainer.nnodes)
@@ -41,7 +43,7 @@ def _batches(cfg: DictConfig, run: Any, found: list[str]) -> None:
     mini = valid_positive(run.actor.ppo_mini_batch_size)
     if slots is None or nnodes is None or n is None or bsz is None or mini is None:
         return
-    world = actor_world(cfg) or slots * nnodes  # the actor's pool (trainer.placement)
+    world = actor_world(run) or slots * nnodes  # the actor's pool (trainer.placement)
     if (bsz * n) % world:
         found.append(
             f"`data.train_batch_size` x `actor_rollout_ref.rollout.n` = {bsz * n} samples do not divide across "
@@ -93,7 +95,7 @@ def _estimator(run: Any, found: list[str]) -> None:
         )
 
 
-def _engine(cfg: DictConfig, run: Any, found: list[str]) -> None:
+def _engine(run: Any, found: list[str]) -> None:
     """The rollout's tensor-parallel size against its workers; an engine that generates with the actor's
     own parameters against parameter offload; the critic's attention implementation when it is not the
     actor's (the actor's: `ModelConfig.problems`)."""
@@ -104,7 +106,7 @@ def _engine(cfg: DictConfig, run: Any, found: list[str]) -> None:
     tp = check_number(r.tensor_model_parallel_size, "", [])
     slots, nnodes = run.trainer.n_gpus_per_node, run.trainer.nnodes
     workers = slots * nnodes if isinstance(slots, int) and isinstance(nnodes, int) else None
-    workers = rollout_world(cfg) or workers  # the rollout's pool (trainer.placement)
+    workers = rollout_world(run) or workers  # the rollout's pool (trainer.placement)
     if tp is not None and not (tp >= 1 and (workers is None or workers % tp == 0)):
         found.append(
             f"`actor_rollout_ref.rollout.tensor_model_parallel_size`={tp}: must divide the number of rollout "
@@ -134,10 +136,11 @@ def _traits(name: Any) -> Any:
     return engine_traits(name) if str(name) in engine_names() else EngineTraits()
 
 
-def _modules(cfg: DictConfig, run: Any, found: list[str]) -> None:
+def _modules(run: Any, follows: Mapping[str, str], found: list[str]) -> None:
     """The checks of their own modules, each reading several sections: token budgets, ``auto`` keys, layer
     compilation, the model's architecture, the chat template, LoRA against a critic, vision-language models, routing replay,
-    placement, asynchronous training and partial rollout, expert parallelism."""
+    placement, asynchronous training and partial rollout, expert parallelism. ``follows``: the token
+    budgets that interpolate another key (`fusedrl.config_sections.budget_interpolations`)."""
     from fusedrl.architecture_config import architecture_problems
     from fusedrl.async_config import async_problems, partial_rollout_problems
     from fusedrl.chat_config import chat_template_problems
@@ -146,27 +149,29 @@ def _modules(cfg: DictConfig, run: Any, found: list[str]) -> None:
     from fusedrl.routing_replay_checks import routing_replay_problems
     from fusedrl.vision_language_checks import vision_language_problems
 
-    roles = needed_roles(cfg)
-    found.extend(token_budget_problems(cfg))
-    found.extend(auto_key_problems(cfg))
-    found.extend(compile_layers_problems(cfg, with_critic=bool(roles["critic"])))
-    found.extend(architecture_problems(cfg, roles))
-    found.extend(chat_template_problems(cfg))
+    roles = run.needed_roles()
+    found.extend(token_budget_problems(run, roles, follows))
+    found.extend(auto_key_problems(run))
+    found.extend(compile_layers_problems(run, with_critic=bool(roles["critic"])))
+    found.extend(architecture_problems(run, roles))
+    found.extend(chat_template_problems(run))
     found.extend(lora_critic_problems(run.model, run.algorithm.adv_estimator, bool(roles["critic"])))
-    found.extend(vision_language_problems(cfg))
-    found.extend(routing_replay_problems(cfg))
-    placement = placement_problems(cfg, ["actor", "rollout", *[r for r, on in roles.items() if on]], found)
-    async_problems(cfg, placement, found)
-    partial_rollout_problems(cfg, placement, found)
-    found.extend(expert_parallel_problems(cfg))
+    found.extend(vision_language_problems(run, roles))
+    found.extend(routing_replay_problems(run))
+    placement = placement_problems(run, ["actor", "rollout", *[r for r, on in roles.items() if on]], found)
+    async_problems(run, placement, found)
+    partial_rollout_problems(run, placement, found)
+    found.extend(expert_parallel_problems(run))
 
 
-def cross_section_problems(cfg: DictConfig, run: Any) -> list[str]:
-    """Every problem that takes two sections to see: ``run`` is the typed sections (`RunSections`) of the
-    composed ``cfg``, which the checks of other modules read."""
+def cross_section_problems(run: Any, follows: Mapping[str, str] | None = None) -> list[str]:
+    """Every problem that takes two sections to see; ``run``: the typed sections (`RunSections`, or a
+    `fusedrl.run_config.RunConfig`), which every check reads; ``follows``: the token budgets that
+    interpolate another key (`fusedrl.config_sections.budget_interpolations` of the composed config; none
+    given: the budgets' problems do not say which key they follow)."""
     found: list[str] = []
-    _batches(cfg, run, found)
+    _batches(run, found)
     _estimator(run, found)
-    _engine(cfg, run, found)
-    _modules(cfg, run, found)
+    _engine(run, found)
+    _modules(run, follows or {}, found)
     return found

@@ -6,7 +6,7 @@ and the fix."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -153,43 +153,76 @@ def schedule_problems(optim: Any, prefix: str, problems: list[str]) -> None:
         problems.append(f"`{prefix}.lr_warmup_steps`={steps!r}: must be an integer (-1: use the ratio).")
 
 
-# (switch, token budget) pairs of dynamic batch size; the budgets are checked only where the switch is on.
-_TOKEN_BUDGETS = (
-    ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+# (switch, token budget) pairs of dynamic batch size, each as its key path and how the typed sections
+# (`fusedrl.role_config.RunSections`) hold it; the budgets are checked only where the switch is on.
+_ARR = "actor_rollout_ref"
+_TOKEN_BUDGETS: tuple[tuple[str, str, Callable[[Any], Any], Callable[[Any], Any]], ...] = (
     (
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        f"{_ARR}.actor.use_dynamic_bsz",
+        f"{_ARR}.actor.ppo_max_token_len_per_gpu",
+        lambda run: run.actor.use_dynamic_bsz,
+        lambda run: run.actor.ppo_max_token_len_per_gpu,
     ),
     (
-        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
-        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        f"{_ARR}.rollout.log_prob_use_dynamic_bsz",
+        f"{_ARR}.rollout.log_prob_max_token_len_per_gpu",
+        lambda run: run.rollout.log_prob_use_dynamic_bsz,
+        lambda run: run.rollout.log_prob_max_token_len_per_gpu,
     ),
-    ("critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu"),
-    ("critic.use_dynamic_bsz", "critic.forward_max_token_len_per_gpu"),
+    (
+        f"{_ARR}.ref.log_prob_use_dynamic_bsz",
+        f"{_ARR}.ref.log_prob_max_token_len_per_gpu",
+        lambda run: run.ref.log_prob_use_dynamic_bsz,
+        lambda run: run.ref.log_prob_max_token_len_per_gpu,
+    ),
+    (
+        "critic.use_dynamic_bsz",
+        "critic.ppo_max_token_len_per_gpu",
+        lambda run: run.critic.use_dynamic_bsz,
+        lambda run: run.critic.ppo_max_token_len_per_gpu,
+    ),
+    (
+        "critic.use_dynamic_bsz",
+        "critic.forward_max_token_len_per_gpu",
+        lambda run: run.critic.use_dynamic_bsz,
+        lambda run: run.critic.forward_max_token_len_per_gpu,
+    ),
 )
 
 
-def token_budget_problems(cfg: DictConfig) -> list[str]:
-    """Dynamic batch size: every token budget in use must hold one whole sequence (prompt + response)."""
-    from fusedrl.config_base import needed_roles
+def budget_interpolations(cfg: DictConfig) -> dict[str, str]:
+    """The token-budget keys written as an interpolation of another key (``${...}``), each with the key it
+    follows. The one read of the raw tree the cross-section checks need: the typed sections hold the
+    resolved value only, and the budget's problem says where that value came from."""
+    follows: dict[str, str] = {}
+    for _, key, _, _ in _TOKEN_BUDGETS:
+        parent, leaf = key.rsplit(".", 1)
+        section = OmegaConf.select(cfg, parent, throw_on_missing=False)
+        node = section._get_node(leaf) if isinstance(section, DictConfig) else None
+        if node is not None and node._is_interpolation():
+            follows[key] = str(node._value())[2:-1]
+    return follows
 
-    roles = needed_roles(cfg)
+
+def token_budget_problems(
+    run: Any, roles: Mapping[str, bool], follows: Mapping[str, str] | None = None
+) -> list[str]:
+    """Dynamic batch size: every token budget in use must hold one whole sequence (prompt + response).
+    ``run``: the typed sections; ``roles``: the optional roles the run builds; ``follows``: the budgets
+    that interpolate another key (`budget_interpolations`)."""
+    follows = follows or {}
     try:
-        longest = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
+        longest = int(run.data.max_prompt_length) + int(run.data.max_response_length)
     except (TypeError, ValueError):
         return []  # reported by the data.* checks
     problems = []
-    for switch, key in _TOKEN_BUDGETS:
-        if not OmegaConf.select(cfg, switch, throw_on_missing=False) or (
-            key.startswith("critic.") and not roles["critic"]
-        ):
+    for switch, key, switch_of, budget_of in _TOKEN_BUDGETS:
+        if not switch_of(run) or (key.startswith("critic.") and not roles["critic"]):
             continue
-        if key.startswith("actor_rollout_ref.ref.") and not roles["ref"]:
+        if key.startswith(f"{_ARR}.ref.") and not roles["ref"]:
             continue
-        node = OmegaConf.select(cfg, key, throw_on_missing=False)
-        parent, leaf = key.rsplit(".", 1)
-        source = OmegaConf.select(cfg, parent)._get_node(leaf)  # the raw node: inherited from another key?
-        inherited = f" (it follows `{source._value()[2:-1]}`)" if source._is_interpolation() else ""
+        node = budget_of(run)
+        inherited = f" (it follows `{follows[key]}`)" if key in follows else ""
         try:
             budget = int(node)
         except (TypeError, ValueError):
@@ -204,26 +237,35 @@ def token_budget_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def compile_layers_problems(cfg: DictConfig, *, with_critic: bool) -> list[str]:
+def compile_layers_problems(run: Any, *, with_critic: bool) -> list[str]:
     """``model.compile_layers`` (`fusedrl.workers.layer_compile`) takes neither LoRA nor Ulysses (not
-    supported compiled yet). ``with_critic``: the run builds a critic, so ``critic.model.compile_layers``
-    is checked too."""
+    supported compiled yet). ``run``: the typed sections; ``with_critic``: the run builds a critic, so
+    ``critic.model.compile_layers`` is checked too."""
     found: list[str] = []
-    arr = "actor_rollout_ref"
-    checks = {
-        f"{arr}.model": [
-            (f"{arr}.model.lora_rank", 0),
-            (f"{arr}.actor.ulysses_sequence_parallel_size", 1),
-        ],
-    }
+    # (section, its compile_layers, [(key, value, the one value compiled layers support)])
+    checks = [
+        (
+            f"{_ARR}.model",
+            run.model.compile_layers,
+            [
+                (f"{_ARR}.model.lora_rank", run.model.lora_rank, 0),
+                (f"{_ARR}.actor.ulysses_sequence_parallel_size", run.actor.ulysses_sequence_parallel_size, 1),
+            ],
+        )
+    ]
     if with_critic:
-        checks["critic.model"] = [("critic.ulysses_sequence_parallel_size", 1)]
-    for section, keys in checks.items():
+        checks.append(
+            (
+                "critic.model",
+                run.critic.model.compile_layers,
+                [("critic.ulysses_sequence_parallel_size", run.critic.ulysses_sequence_parallel_size, 1)],
+            )
+        )
+    for section, compile_layers, keys in checks:
         # auto never compiles with LoRA or Ulysses (`fusedrl.auto_defaults.compiles_for`): only true is refused
-        if OmegaConf.select(cfg, f"{section}.compile_layers", default=False) is not True:
+        if compile_layers is not True:
             continue
-        for key, allowed in keys:  # the one value of each key that compiled layers support
-            value = OmegaConf.select(cfg, key)
+        for key, value, allowed in keys:
             if value != allowed:
                 found.append(
                     f"`{section}.compile_layers`=true with `{key}`={value}: compiled layers run without LoRA "
@@ -234,32 +276,42 @@ def compile_layers_problems(cfg: DictConfig, *, with_critic: bool) -> list[str]:
 
 # The keys whose default is ``auto`` (resolved per device on the worker: `fusedrl.auto_defaults`).
 AUTO_DTYPE_KEYS = (
-    "actor_rollout_ref.actor.fsdp_config.param_dtype",
-    "actor_rollout_ref.ref.fsdp_config.param_dtype",
+    f"{_ARR}.actor.fsdp_config.param_dtype",
+    f"{_ARR}.ref.fsdp_config.param_dtype",
     "critic.model.fsdp_config.param_dtype",
 )
 AUTO_SWITCH_KEYS = (
-    "actor_rollout_ref.model.use_remove_padding",
-    "actor_rollout_ref.model.compile_layers",
+    f"{_ARR}.model.use_remove_padding",
+    f"{_ARR}.model.compile_layers",
     "critic.model.use_remove_padding",
     "critic.model.compile_layers",
 )
 
 
-def auto_key_problems(cfg: DictConfig) -> list[str]:
-    """The keys that take ``auto`` hold ``auto`` or a value the workers can use: a dtype name or null for
-    the dtypes, true / false for the switches (``bool("ture")`` would otherwise read as true)."""
+def auto_key_problems(run: Any) -> list[str]:
+    """The keys that take ``auto`` (``run``: the typed sections) hold ``auto`` or a value the workers can
+    use: a dtype name or null for the dtypes, true / false for the switches (``bool("ture")`` would
+    otherwise read as true)."""
     from fusedrl.workers.fsdp import DTYPES
 
     found: list[str] = []
-    for key in AUTO_DTYPE_KEYS:
-        value = OmegaConf.select(cfg, key, default=None)
+    dtypes = (
+        run.actor.fsdp_config.param_dtype,
+        run.ref.fsdp_config.param_dtype,
+        run.critic.model.fsdp_config.param_dtype,
+    )
+    for key, value in zip(AUTO_DTYPE_KEYS, dtypes, strict=True):
         if value is not None and value != "auto" and value not in DTYPES:
             found.append(
                 f"`{key}`={value!r}: use auto, null (model_dtype) or one of {', '.join(sorted(DTYPES))}."
             )
-    for key in AUTO_SWITCH_KEYS:
-        value = OmegaConf.select(cfg, key, default=None)
+    switches = (
+        run.model.use_remove_padding,
+        run.model.compile_layers,
+        run.critic.model.use_remove_padding,
+        run.critic.model.compile_layers,
+    )
+    for key, value in zip(AUTO_SWITCH_KEYS, switches, strict=True):
         if value not in (True, False, "auto"):
             found.append(f"`{key}`={value!r}: use auto, true or false.")
     return found

@@ -36,38 +36,30 @@ def _model_config(model_path: str) -> dict[str, Any] | None:
         return dict(json.load(f))
 
 
-def _get(cfg: Any, dotted: str) -> Any:
-    node = cfg
-    for part in dotted.split("."):
-        node = node.get(part) if hasattr(node, "get") else None
-        if node is None:
-            return None
-    return node
-
-
-def expert_parallel_problems(cfg: Any) -> list[str]:
-    """The problems of the actor's and the reference's expert-parallel sizes (each names the key and fix)."""
+def expert_parallel_problems(run: Any) -> list[str]:
+    """The problems of the actor's and the reference's expert-parallel sizes (each names the key and fix);
+    ``run``: the typed sections."""
     problems: list[str] = []
-    for role in ("actor", "ref"):
+    for role, fsdp in (("actor", run.actor.fsdp_config), ("ref", run.ref.fsdp_config)):
         key = KEY.format(role)
-        ep = check_number(_get(cfg, key), key, problems)
+        ep = check_number(fsdp.turbo_config.distributed.expert_parallel_size, key, problems)
         if ep is None or ep == 1:
             continue
         if ep < 1:
             problems.append(f"`{key}`={ep}: must be >= 1.")
             continue
-        problems.extend(_role_problems(cfg, role, key, ep))
+        problems.extend(_role_problems(run, key, ep))
     return problems
 
 
-def _role_problems(cfg: Any, role: str, key: str, ep: int) -> list[str]:
+def _role_problems(run: Any, key: str, ep: int) -> list[str]:
     out: list[str] = []
 
     def need(ok: bool, msg: str) -> None:
         if not ok:
             out.append(f"`{key}`={ep}: {msg}")
 
-    model_path = str(_get(cfg, "actor_rollout_ref.model.path"))
+    model_path = str(run.model.path)
     experts = num_experts(model_path)
     if experts is None:
         need(False, f"the model's config.json (`{model_path}`) must be a local file to check its experts.")
@@ -77,8 +69,8 @@ def _role_problems(cfg: Any, role: str, key: str, ep: int) -> list[str]:
         need(experts % ep == 0, f"does not divide the model's {experts} experts. Use a divisor of {experts}.")
         vision = "vision_config" in (_model_config(model_path) or {})
         need(not vision, "a vision-language model's experts are not spread (its own FSDP2 wrap). Set 1.")
-    slots, nnodes = _get(cfg, "trainer.n_gpus_per_node"), _get(cfg, "trainer.nnodes")
-    world = actor_world(cfg) or (int(slots) * int(nnodes) if slots and nnodes else None)
+    slots, nnodes = run.trainer.n_gpus_per_node, run.trainer.nnodes
+    world = actor_world(run) or (int(slots) * int(nnodes) if slots and nnodes else None)
     if world is not None:
         need(
             world % ep == 0,
@@ -89,24 +81,24 @@ def _role_problems(cfg: Any, role: str, key: str, ep: int) -> list[str]:
             f"a group smaller than the actor's {world} workers (experts replicated over several groups) is "
             f"not implemented. Use {world} or 1.",
         )
-    lora = _get(cfg, "actor_rollout_ref.model.lora_rank")
+    lora = run.model.lora_rank
     need(
         not lora,
         "LoRA (`actor_rollout_ref.model.lora_rank` > 0) on expert-parallel experts is not supported. Set "
         "lora_rank=0 or the key to 1.",
     )
-    sp = _get(cfg, "actor_rollout_ref.actor.ulysses_sequence_parallel_size")
+    sp = run.actor.ulysses_sequence_parallel_size
     need(
         sp in (None, 1),
         "Ulysses sequence parallelism (`actor_rollout_ref.actor.ulysses_sequence_parallel_size` > 1) has "
         "not been run with expert parallelism. Set it to 1.",
     )
     need(
-        _get(cfg, "actor_rollout_ref.model.compile_layers") is not True,
+        run.model.compile_layers is not True,
         "compiled decoder layers (`actor_rollout_ref.model.compile_layers`=true) have not been run with "
         "expert parallelism. Set it to false (or auto).",
     )
-    engine = _get(cfg, "actor_rollout_ref.rollout.name")
+    engine = run.rollout.name
     need(
         engine == "vllm",
         f"`actor_rollout_ref.rollout.name`={engine}: expert parallelism is run with the vLLM engine only "

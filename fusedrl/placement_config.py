@@ -13,6 +13,7 @@ user's view.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -119,11 +120,19 @@ def read_placement(trainer_cfg: Any, problems: list[str] | None = None) -> Place
     return Placement(pools=pools, role_pool=role_pool)
 
 
-def placement_problems(cfg: Any, roles: Sequence[str], problems: list[str]) -> Placement:
-    """Check ``trainer.placement`` against the run (``roles``: the roles it needs) and append every problem:
-    roles moved that the run does not use, roles that must share the actor's pool, pool sizes that do not
-    fit the batch sizes and the rollout's tensor parallelism. Returns the placement read."""
-    placement = read_placement(cfg.trainer, problems)
+def placement_of(trainer: Any, problems: list[str] | None = None) -> Placement:
+    """The `Placement` of the typed ``trainer`` section (`fusedrl.run_sections.TrainerConfig`): what the
+    config checks read. `read_placement` stays a reader of the section as a mapping, the form its other
+    callers hold (`fusedrl.micro_batches` reads the composed config's plain dict)."""
+    return read_placement(dataclasses.asdict(trainer), problems)
+
+
+def placement_problems(run: Any, roles: Sequence[str], problems: list[str]) -> Placement:
+    """Check ``trainer.placement`` against the run (``run``: the typed sections; ``roles``: the roles it
+    needs) and append every problem: roles moved that the run does not use, roles that must share the
+    actor's pool, pool sizes that do not fit the batch sizes and the rollout's tensor parallelism. Returns
+    the placement read."""
+    placement = placement_of(run.trainer, problems)
     for role in placement.role_pool:
         if role not in roles:
             problems.append(
@@ -137,7 +146,7 @@ def placement_problems(cfg: Any, roles: Sequence[str], problems: list[str]) -> P
                 f"`trainer.placement.roles.{role}`={placement.pool_of(role)!r}: the {role} must be on the "
                 f"actor's pool ({actor_pool!r}); the run checkpoint saves both from the same workers."
             )
-    rollout = cfg.actor_rollout_ref.rollout
+    rollout = run.rollout
     if placement.rollout_apart:
         from fusedrl.workers.rollout.registry import engine_names, engine_traits
 
@@ -147,7 +156,7 @@ def placement_problems(cfg: Any, roles: Sequence[str], problems: list[str]) -> P
                 f"{rollout.name} generates with the actor's own module; put it on the actor's pool "
                 f"({actor_pool!r}) or use rollout.name=vllm."
             )
-    if int(cfg.actor_rollout_ref.model.lora_rank) > 0:
+    if int(run.model.lora_rank) > 0:
         # LoRA streams only the adapted modules, in place, and its reference is the actor's own module.
         for role in ("rollout", "ref"):
             if role in roles and placement.pool_of(role) != actor_pool:
@@ -156,22 +165,22 @@ def placement_problems(cfg: Any, roles: Sequence[str], problems: list[str]) -> P
                     f"(actor_rollout_ref.model.lora_rank > 0) the {role} must be on the actor's pool "
                     f"({actor_pool!r}) for now."
                 )
-    # Batch sizes and TP against the pools are checked by `fusedrl.config_checks.validate` with the worlds below.
+    # Batch sizes and TP against the pools: `fusedrl.config_cross_checks`, with the worlds below.
     return placement
 
 
-def actor_world(cfg: Any) -> int | None:
-    """Ranks of the actor's pool, as far as the placement is valid (its problems are reported by
-    `placement_problems`); None when the trainer section cannot be read at all."""
+def actor_world(run: Any) -> int | None:
+    """Ranks of the actor's pool (``run``: the typed sections), as far as the placement is valid (its
+    problems are reported by `placement_problems`); None when the trainer section cannot be read at all."""
     try:
-        return read_placement(cfg.trainer, []).world_of("actor")
+        return placement_of(run.trainer, []).world_of("actor")
     except (KeyError, TypeError, AttributeError):
         return None
 
 
-def rollout_world(cfg: Any) -> int | None:
+def rollout_world(run: Any) -> int | None:
     """Ranks of the rollout's pool, as far as the placement is valid (see `actor_world`)."""
     try:
-        return read_placement(cfg.trainer, []).world_of("rollout")
+        return placement_of(run.trainer, []).world_of("rollout")
     except (KeyError, TypeError, AttributeError):
         return None

@@ -135,6 +135,16 @@ class RunSections:
     async_training: AsyncTrainingConfig
     trainer: TrainerConfig
 
+    def needed_roles(self) -> dict[str, bool]:
+        """Which optional roles the run builds (``ref``, ``critic``, ``reward_model``: on or off)."""
+        import fusedrl.algorithms  # noqa: F401  (registers the built-in estimators)
+        from fusedrl.algorithms.registry import roles_for
+
+        use_kl = bool(self.actor.use_kl_loss or self.algorithm.use_kl_in_reward)
+        return roles_for(
+            str(self.algorithm.adv_estimator), use_kl=use_kl, reward_model=bool(self.reward_model.enable)
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class RoleConfigs(RunSections):
@@ -143,14 +153,6 @@ class RoleConfigs(RunSections):
     tokens: TokenIds
     agent_tools: tuple[Any, ...]  # tools passed in Python to the trainer (agentic rollouts)
     total_steps: int | None  # the run's planned steps (`model.compile_layers=auto` reads it); None: unknown
-
-    def needed_roles(self) -> dict[str, bool]:
-        """Which optional roles the run builds (``ref``, ``critic``, ``reward_model``: on or off)."""
-        import fusedrl.algorithms  # noqa: F401  (registers the built-in estimators)
-        from fusedrl.algorithms.registry import roles_for
-
-        use_kl = self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
-        return roles_for(self.algorithm.adv_estimator, use_kl=use_kl, reward_model=self.reward_model.enable)
 
     def with_slots(self, *, nnodes: int, n_gpus_per_node: int) -> RoleConfigs:
         """The same configs for a pool of another size (its workers' rendezvous and device index)."""

@@ -58,10 +58,6 @@ class RunConfig(RunSections):
             total_steps=total_steps,
         )
 
-    def needed_roles(self) -> dict[str, bool]:
-        """Which optional roles the run builds (`RoleConfigs.needed_roles`)."""
-        return self.roles().needed_roles()
-
     def __getattr__(self, name: str) -> Any:
         """A key the sections do not hold (``actor_rollout_ref``): ``source``'s, as the DictConfig reads it."""
         source = self.__dict__.get("source")

@@ -7,53 +7,60 @@ never)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
-
-from fusedrl.config_base import needed_roles
-from fusedrl.expert_parallel_checks import _get
 
 ARR = "actor_rollout_ref"
 
 
-def vision_language_problems(cfg: Any) -> list[str]:
-    """The problems of a run whose model is a vision-language model (empty for a text model)."""
+def vision_language_problems(run: Any, roles: Mapping[str, bool]) -> list[str]:
+    """The problems of a run whose model is a vision-language model (empty for a text model); ``run``: the
+    typed sections, ``roles``: the optional roles it builds."""
     from fusedrl.models.qwen_vl import is_vision_language_model
 
-    path = _get(cfg, f"{ARR}.model.path")
+    path = run.model.path
     if path is None or not is_vision_language_model(str(path)):
         return []
     what = f"`{ARR}.model.path` ({path}) is a vision-language model"
+    placed = dict(run.trainer.placement.roles or {})
+    # (key, its value, whether the value is supported, the fix)
     checks = [
         (
             f"{ARR}.model.compile_layers",
-            _get(cfg, f"{ARR}.model.compile_layers") is not True,
+            run.model.compile_layers,
+            run.model.compile_layers is not True,
             "compiled layers are not built for it. Set false or auto (auto leaves it eager).",
         ),
         (
             f"{ARR}.actor.ulysses_sequence_parallel_size",
-            int(_get(cfg, f"{ARR}.actor.ulysses_sequence_parallel_size") or 1) == 1,
+            run.actor.ulysses_sequence_parallel_size,
+            int(run.actor.ulysses_sequence_parallel_size or 1) == 1,
             "Ulysses sequence parallelism is not built for its image rows. Set 1.",
         ),
         (
             f"{ARR}.rollout.multi_turn.enable",
-            not _get(cfg, f"{ARR}.rollout.multi_turn.enable"),
+            run.rollout.multi_turn.enable,
+            not run.rollout.multi_turn.enable,
             "agent loops send the engine no images. Set false.",
         ),
         (
             "async_training.partial_rollout",
-            not _get(cfg, "async_training.partial_rollout"),
+            run.async_training.partial_rollout,
+            not run.async_training.partial_rollout,
             "paused and resumed requests send the engine no images. Set false.",
         ),
         (
             "trainer.placement.roles",
-            "rollout" not in dict(_get(cfg, "trainer.placement.roles") or {}),
+            run.trainer.placement.roles,
+            "rollout" not in placed,
             "a rollout pool of its own (the broadcast weight route) has not been run with one. Keep the "
             "rollout in the fused pool (drop its placement).",
         ),
         (
             "algorithm.adv_estimator",
-            not needed_roles(cfg).get("critic"),
+            run.algorithm.adv_estimator,
+            not roles.get("critic"),
             "a critic on image prompts is not built. Use a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...).",
         ),
     ]
-    return [f"`{key}`={_get(cfg, key)}: {what}; {msg}" for key, ok, msg in checks if not ok]
+    return [f"`{key}`={value}: {what}; {msg}" for key, value, ok, msg in checks if not ok]

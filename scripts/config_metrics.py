@@ -1,6 +1,6 @@
 """The config figures of docs/architecture.md's before/after table, measured on the source tree.
 
-    .venv/bin/python scripts/config_metrics.py [--rev COMMIT] [--cycles]
+    .venv/bin/python scripts/config_metrics.py [--rev COMMIT] [--cycles] [--list]
 
 ``--rev`` measures the files of a commit (``git show``) instead of the work tree. Prints:
 
@@ -10,6 +10,9 @@
   on such a name, ``OmegaConf.select(.., "a.b")``, and ``driver_value(config, .., "a.b")``. The functions
   in `ADAPTERS` (a library caller's partial config into typed sections) are not counted.
   ``tests/unit/test_driver_reads_typed.py`` holds the driver to 0.
+- **config paths the checks read as strings**: the same reads in the config checks (`CHECKS` and
+  ``fusedrl/*_checks.py``), plus their path helpers ``_get(cfg, "a.b")`` / ``_select(cfg, key)``; ``--list``
+  prints each.
 - **`validate`'s size**: the lines of ``fusedrl.config_checks.validate`` (its ``def`` to its last line).
 - **import cycles**: the import graph of ``fusedrl/``, ``workers/``, ``trainer/`` and ``third_party/`` (the
   last three install as ``fusedrl.workers`` / ``fusedrl.trainer`` / ``fusedrl.third_party``), built with
@@ -40,6 +43,17 @@ DRIVER = [
     "trainer/dynamic_sampling.py",
     "trainer/async_trainer.py",
     "trainer/runtime.py",
+]
+# The config checks (`fusedrl.config_checks.validate`'s cross-section checks and the modules they call).
+CHECKS = [
+    "fusedrl/config_checks.py",
+    "fusedrl/config_cross_checks.py",
+    "fusedrl/config_sections.py",
+    "fusedrl/async_config.py",
+    "fusedrl/placement_config.py",
+    "fusedrl/architecture_config.py",
+    "fusedrl/chat_config.py",
+    "fusedrl/auto_defaults.py",
 ]
 # A partial DictConfig / dict from a library caller (no RoleConfigs at hand) into typed sections.
 ADAPTERS = {("fusedrl/rewards/__init__.py", "typed_reward_sections")}
@@ -109,6 +123,32 @@ def key_path_reads(rel: str, source: str) -> list[str]:
         if bad:
             found.append(f"{rel}:{getattr(node, 'lineno', 0)}: {ast.unparse(node)}")
     return found
+
+
+def check_files(tree: Tree) -> list[str]:
+    return [*CHECKS, *(f for f in tree.files("fusedrl") if f.endswith("_checks.py") and f.count("/") == 1)]
+
+
+# Not counted: ``config.get(..)`` (a model folder's config.json) and the file of
+# `auto_defaults.resolve_configs`, whose ``cfg`` is the typed `RoleConfigs`.
+
+
+def check_key_path_reads(rel: str, source: str) -> list[str]:
+    """`key_path_reads` plus the checks' own path readers: ``_get(cfg, "a.b")`` / ``_select(cfg, key)``
+    (a call of ``_get`` / ``_select`` whose first argument is a config) and ``OmegaConf.select`` with a
+    computed key; less the two kinds above."""
+    found = key_path_reads(rel, source)
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        name = ast.unparse(node.func)
+        computed = name == "OmegaConf.select" and not any(
+            isinstance(a, ast.Constant) and isinstance(a.value, str) for a in node.args
+        )
+        if computed or (name in ("_get", "_select") and _config_like(node.args[0])):
+            found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    typed = "def resolve_configs" in source or "def _resolve_sft" in source
+    return [h for h in found if not (h.split(": ", 1)[1].startswith("config.get(") or (typed and rel in h))]
 
 
 def validate_size(src: Tree) -> int:
@@ -218,6 +258,16 @@ def main(argv: list[str]) -> int:
     for rel, hits in reads.items():
         if hits:
             print(f"  {rel}: {len(hits)}")
+    checks = {rel: check_key_path_reads(rel, text) for rel in check_files(src) if (text := src.read(rel))}
+    print(
+        f"config paths read as strings by the config checks: {sum(map(len, checks.values()))} in "
+        f"{sum(1 for r in checks.values() if r)} files"
+    )
+    for rel, hits in checks.items():
+        if hits:
+            print(f"  {rel}: {len(hits)}")
+            if "--list" in argv:
+                print("\n".join(f"    {h}" for h in hits))
     print(f"validate: {validate_size(src)} lines")
     graph = import_graph(src)
     comps = strongly_connected(graph)

@@ -99,12 +99,13 @@ def test_a_template_ending_turns_with_a_non_stop_token_is_named_with_the_fix(fil
 
 def test_a_path_without_config_json_is_not_checked(tmp_path):
     from fusedrl.chat_config import chat_template_problems
-    from fusedrl.config import trainer_yaml
+    from fusedrl.config import load_config
 
-    cfg = trainer_yaml()
     for path in ("some-org/some-hub-model", str(tmp_path)):
-        cfg.actor_rollout_ref.model.path = path
-        assert chat_template_problems(cfg) == []
+        run = load_config(
+            ["data.train_files=t", f"actor_rollout_ref.model.path={path}"], validate_config=False
+        )
+        assert chat_template_problems(run) == []
 
 
 def test_lora_keeps_tied_embeddings_tied_and_streams_the_head_as_the_embedding(tmp_path):

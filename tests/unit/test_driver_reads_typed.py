@@ -47,3 +47,19 @@ def test_the_guard_sees_key_path_reads():
     )
     hits = _metrics().key_path_reads("sample.py", sample)
     assert sorted(h.split(":")[1] for h in hits) == ["2", "3", "4", "5", "6"]
+
+
+def test_the_config_checks_read_the_typed_sections():
+    """The cross-section checks read ``run.<section>.<field>``; what is left reading key paths is the
+    placement parser of the ``trainer`` mapping (`read_placement`, shared with callers holding plain dicts)
+    and the one narrow raw read, `budget_interpolations`."""
+    m = _metrics()
+    src = m.Tree()
+    files = m.check_files(src)
+    assert "fusedrl/config_cross_checks.py" in files and "fusedrl/expert_parallel_checks.py" in files
+    hits = [hit for rel in files for hit in m.check_key_path_reads(rel, src.read(rel) or "")]
+    allowed = ("fusedrl/placement_config.py:", "fusedrl/config_sections.py:")
+    assert all(h.startswith(allowed) for h in hits), "\n".join(hits)
+    assert len(hits) <= 7, "\n".join(hits)
+    sample = "def f(cfg, OmegaConf, key):\n    a = _get(cfg, 'a.b')\n    b = OmegaConf.select(cfg, key)\n"
+    assert len(m.check_key_path_reads("sample.py", sample)) == 2
