@@ -23,6 +23,8 @@ NOT_CONFIG = {
     "g_now",
     "self.sinks",
     "mask_kwargs",  # Transformers' mask-builder keywords (workers/cpu_attention.py::one_row_mask)
+    "self.step",  # the step each kept generation came from (workers/resident_store.py)
+    "exports",  # rows each rank fetches from another's store (trainer/resident.py)
 }
 
 
