@@ -62,16 +62,6 @@ def join_process_group(
     )
 
 
-def any_rank(flag: bool) -> bool:
-    """True where some rank of the default process group passes True (collective; one flag's all-reduce,
-    on the group's device); ``flag`` itself without a group or with one rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    wants = torch.tensor([int(flag)], device=device_type())  # [1]
-    dist.all_reduce(wants, op=dist.ReduceOp.MAX)
-    return bool(wants.item())
-
-
 class DistributedWorker:
     """What every worker kind shares: who it is, and the two-phase join of its group's process group.
 

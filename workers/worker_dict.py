@@ -42,7 +42,7 @@ from fusedrl.utils.hardware import bind_process_cpus
 from fusedrl.workers.actor import ActorRole, RefRole
 from fusedrl.workers.checkpoint_io import load_role_shards, save_role_shards
 from fusedrl.workers.critic import CriticRole
-from fusedrl.workers.distributed import DistributedWorker, any_rank
+from fusedrl.workers.distributed import DistributedWorker
 from fusedrl.workers.export import export_policy
 from fusedrl.workers.fsdp import device_type
 from fusedrl.workers.health import HEALTH_GROUP, HealthReporter
@@ -412,7 +412,7 @@ class WorkerDict(DistributedWorker):
     def _partial_rollout(self) -> PartialRollout | PartialAgentRollout:
         if self.partial is None:
             rollout = self._need(self.rollout, "rollout", "rollout_generate_partial")
-            self.partial = partial_rollout_for(rollout, self.config, any_rank=any_rank)  # every worker calls
+            self.partial = partial_rollout_for(rollout, self.config)
         return self.partial
 
     # ------------------------------------------------------------------ log-probs

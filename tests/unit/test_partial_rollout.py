@@ -7,9 +7,6 @@ version and returned group is hand-checked; and the model of the gain built on i
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 
@@ -70,64 +67,6 @@ def test_the_first_groups_to_finish_return_and_the_rest_resume_under_the_next_ve
     assert out3.policy_version.tolist() == [5, 5]  # the oldest version in each row
     # the log-probs of a resumed row are those of each position, wherever it was sampled
     assert out3.rollout_log_probs[1, :10].tolist() == pytest.approx([-(k + 1) / 100 for k in range(10)])
-
-
-class _Ranks:
-    """``any_rank`` of ``world`` ranks run as threads: each call waits for every rank's flag."""
-
-    def __init__(self, world: int) -> None:
-        self.flags = [False] * world
-        self.barrier = threading.Barrier(world)
-
-    def of(self, rank: int):
-        def any_rank(wants: bool) -> bool:
-            self.flags[rank] = wants
-            self.barrier.wait()
-            out = any(self.flags)
-            self.barrier.wait()  # every rank has read the flags before the next call writes them
-            return out
-
-        return any_rank
-
-
-def _together(batches: list[RolloutBatch], quota: int) -> list[tuple[PartialRollout, RolloutBatch]]:
-    ranks, rollouts = _Ranks(len(batches)), []
-    for rank in range(len(batches)):
-        pr = _rollout()
-        pr.any_rank = ranks.of(rank)
-        rollouts.append(pr)
-    with ThreadPoolExecutor(len(batches)) as pool:
-        outs = list(
-            pool.map(
-                lambda pb: pb[0].generate_partial(
-                    pb[1], SamplingConfig(max_tokens=TR), version=1, quota=quota
-                ),
-                zip(rollouts, batches),
-            )
-        )
-    return list(zip(rollouts, outs))
-
-
-def test_workers_step_together_until_every_one_has_its_groups():
-    """Rank 0 has its group after 3 iterations, rank 1 after 6: rank 0 keeps sampling its paused group
-    until rank 1 is done (6 tokens carried, not 3), and a rank with nothing left to run waits without
-    stepping; the same calls give the same rows and carried tokens every time (no timing decides)."""
-    runs = [
-        _together([_batch([2, 3, 9, 10]), _batch([6, 6, 12, 12]), _batch([2, 2, 3, 3])], quota=1)
-        for _ in range(2)
-    ]
-    for (fast, out0), (slow, out1), (idle, out2) in runs:
-        assert out0.ground_truth == ["2", "3"] and out1.ground_truth == ["6", "6"]
-        assert fast.engine.steps == slow.engine.steps == 6  # alone, rank 0 stopped after 3
-        (group,) = fast.carried
-        assert [len(s.ids) for s in group] == [6, 6] and [s.resumes for s in group] == [1, 1]
-        assert idle.engine.steps == 3  # both its groups whole after 3: it steps no further
-        assert out2.ground_truth == ["2", "2"] and [[s.done for s in g] for g in idle.carried] == [
-            [True, True]
-        ]
-    (a, _), _, _ = runs[0]
-    (b, _), _, _ = runs[1]
-    assert [[s.ids for s in g] for g in a.carried] == [[s.ids for s in g] for g in b.carried]
 
 
 def test_a_group_at_its_resume_cap_finishes_before_the_call_returns():

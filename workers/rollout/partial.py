@@ -15,10 +15,6 @@ Rules:
 - A sample paused ``max_resumes`` times must finish in the call that resumes it: the call does not stop
   before every such group has finished (so no group waits for ever, and its age in versions is bounded by
   ``max_resumes + 1``).
-- With several workers (``any_rank``, a collective over them) every engine steps until every worker has
-  its groups: a worker that reaches its quota first keeps sampling its requests in flight (their tokens
-  carry over to the next step; groups finished beyond the quota wait for it) instead of idling while the
-  others finish. All stop at the same iteration, which depends on no timing: a run stays reproducible.
 - A resumed request samples with a seed of its own, derived from the row's seed and the resume count, so a
   run stays reproducible.
 
@@ -28,7 +24,6 @@ padding) and ``policy_version`` [B] (the oldest version in the row).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -81,7 +76,6 @@ class PartialRollout(EngineRollout):
         max_response_length: int,
         eos_token_id: int,
         pad_token_id: int,
-        any_rank: Callable[[bool], bool] | None = None,
     ) -> None:
         super().__init__(
             engine,
@@ -94,10 +88,6 @@ class PartialRollout(EngineRollout):
         self.n = int(n)
         self.max_resumes = int(max_resumes)
         self.carried: list[list[_Sample]] = []  # groups waiting for the next call, oldest first
-        # The workers' engines step together (`any_rank`: a collective, True where some rank passes True):
-        # while any worker still needs groups every worker keeps stepping, so one that has its quota banks
-        # tokens for the next step instead of idling, and each stops at the same iteration as every run does.
-        self.any_rank = any_rank or (lambda wants: wants)
 
     @property
     def carried_samples(self) -> int:
@@ -137,14 +127,8 @@ class PartialRollout(EngineRollout):
         overdue = [g for g in groups if any(s.resumes >= self.max_resumes and not s.done for s in g)]
         if drain:
             overdue = groups
-
-        def wants_more() -> bool:
-            return bool(running) and (
-                len(finished) < quota or not all(all(s.done for s in g) for g in overdue)
-            )
-
-        while self.any_rank(wants_more()):
-            for rid, ids, lps, _ in self.engine.step() if running else []:
+        while running and (len(finished) < quota or not all(all(s.done for s in g) for g in overdue)):
+            for rid, ids, lps, _ in self.engine.step():
                 group, s = running.pop(rid)
                 self._extend(s, ids, lps, version)
                 s.done = True

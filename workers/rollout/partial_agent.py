@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,12 +194,9 @@ class PartialAgentRollout:
                 self._start(rows, budget)
 
 
-def partial_rollout_for(
-    rollout: Any, cfg: Any, *, any_rank: Callable[[bool], bool] | None = None
-) -> PartialRollout | PartialAgentRollout:
+def partial_rollout_for(rollout: Any, cfg: Any) -> PartialRollout | PartialAgentRollout:
     """The worker's partial rollout on the engine of ``rollout``: agent loops under ``multi_turn`` (an
-    `AgentRollout`), else single-turn requests; ``cfg`` is the worker's typed config. ``any_rank``: the
-    collective by which the single-turn workers' engines step together (`PartialRollout`)."""
+    `AgentRollout`), else single-turn requests; ``cfg`` is the worker's typed config."""
     resumes = cfg.async_training.partial_rollout_max_resumes
     if isinstance(rollout, AgentRollout):
         return PartialAgentRollout(rollout, n=cfg.rollout.n, max_resumes=resumes)
@@ -211,5 +207,4 @@ def partial_rollout_for(
         max_response_length=cfg.data.max_response_length,
         eos_token_id=cfg.tokens.eos,
         pad_token_id=cfg.tokens.pad,
-        any_rank=any_rank,
     )
