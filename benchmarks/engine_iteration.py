@@ -25,49 +25,12 @@ import time
 
 def measure(rows: int, max_tokens: int, rounds: int) -> dict:
     import torch
-    import torch.distributed as dist
-    from transformers import AutoTokenizer
 
-    from benchmarks.common import model_dir
-    from benchmarks.rollout_throughput import _prompt_ids
-    from fusedrl.batch import RolloutBatch
-    from fusedrl.config import role_configs_from_overrides
-    from fusedrl.plugins import load_function
+    from benchmarks.single_turn_loop import tiny_engine
     from fusedrl.third_party.vllm.iteration_phases import phase_timers
-    from fusedrl.workers.rollout.base import EngineContext, SamplingConfig
-    from fusedrl.workers.rollout.registry import engine_spec
+    from fusedrl.workers.rollout.base import SamplingConfig
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29617")
-    os.environ.update(dict(engine_spec("vllm").traits.worker_env))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    path = model_dir("tiny")
-    tok = AutoTokenizer.from_pretrained(path)
-    prompts = _prompt_ids(tok, rows)
-    cfg = role_configs_from_overrides(
-        [
-            "data.train_files=unused",
-            f"actor_rollout_ref.model.path={path}",
-            "actor_rollout_ref.rollout.name=vllm",
-            "actor_rollout_ref.rollout.dtype=float32",
-            "actor_rollout_ref.rollout.cpu_kv_cache_gb=0.25",
-        ]
-    )
-    width = max(map(len, prompts))
-    ctx = EngineContext(
-        cfg=cfg.rollout,
-        model_path=path,
-        seed=0,
-        max_model_len=width + max_tokens,
-        max_response_length=max_tokens,
-        eos_token_id=int(tok.eos_token_id),
-        pad_token_id=int(tok.pad_token_id or 0),
-    )
-    rollout = load_function(engine_spec("vllm").build)(ctx)
-    batch = RolloutBatch(
-        prompts=torch.tensor([[0] * (width - len(p)) + p for p in prompts]),  # [B, Tp] left-padded
-        prompt_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]),  # [B, Tp]
-        batch_size=[rows],
-    )
+    rollout, batch, _ = tiny_engine("vllm", rows, max_tokens, port=29617)
     sampling = SamplingConfig(max_tokens=max_tokens, temperature=1.0)
     per_iter: dict[str, list[float]] = {}
     wall, iterations, tokens = [], 0, 0

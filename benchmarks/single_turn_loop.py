@@ -21,25 +21,24 @@ import statistics
 import time
 
 
-def measure(engine_name: str, rows: int, max_tokens: int, rounds: int) -> dict:
+def tiny_engine(engine_name: str, rows: int, max_tokens: int, port: int) -> tuple:
+    """One in-process engine (``engine_name``, float32) on the tiny model in a one-rank gloo group on
+    ``port``, and a batch of ``rows`` left-padded prompts for it: ``(rollout, batch, ctx)``."""
     import torch
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from benchmarks.common import model_dir
     from benchmarks.rollout_throughput import _prompt_ids
+    from fusedrl.batch import RolloutBatch
     from fusedrl.config import role_configs_from_overrides
     from fusedrl.plugins import load_function
-    from fusedrl.workers.rollout.base import (
-        EngineContext,
-        SamplingConfig,
-        attach_responses,
-        sample_params,
-        unpadded_prompts,
-    )
+    from fusedrl.workers.rollout.base import EngineContext
     from fusedrl.workers.rollout.registry import engine_spec
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29613")
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     os.environ.update(dict(engine_spec(engine_name).traits.worker_env))
     dist.init_process_group("gloo", rank=0, world_size=1)
     path = model_dir("tiny")
@@ -65,13 +64,20 @@ def measure(engine_name: str, rows: int, max_tokens: int, rounds: int) -> dict:
         pad_token_id=int(tok.pad_token_id or 0),
     )
     rollout = load_function(engine_spec(engine_name).build)(ctx)
-    from fusedrl.batch import RolloutBatch
-
     batch = RolloutBatch(
         prompts=torch.tensor([[0] * (width - len(p)) + p for p in prompts]),  # [B, Tp] left-padded
         prompt_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]),  # [B, Tp]
         batch_size=[rows],
     )
+    return rollout, batch, ctx
+
+
+def measure(engine_name: str, rows: int, max_tokens: int, rounds: int) -> dict:
+    import torch
+
+    from fusedrl.workers.rollout.base import SamplingConfig, attach_responses, sample_params, unpadded_prompts
+
+    rollout, batch, ctx = tiny_engine(engine_name, rows, max_tokens, port=29613)
     sampling = SamplingConfig(max_tokens=max_tokens, temperature=1.0)
     params = sample_params(sampling, stop_token_id=ctx.eos_token_id)
     times: dict[str, list[float]] = {"loop": [], "batch_generate": []}
