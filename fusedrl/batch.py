@@ -240,8 +240,13 @@ def pad_to_multiple(batch: RolloutBatch, multiple: int) -> tuple[RolloutBatch, i
     pad = (-b) % multiple
     if pad == 0:
         return batch, 0
-    index = torch.arange(pad) % b  # [pad]
-    return concat([batch, batch[index]]), pad
+    return concat([batch, batch[padded_rows(b, multiple)[b:]]]), pad
+
+
+def padded_rows(b: int, multiple: int) -> torch.Tensor:
+    """``[b + pad]``: which row of a ``b``-row batch each row of its `pad_to_multiple` padding is (every
+    row in order, then the first rows again)."""
+    return torch.cat([torch.arange(b), torch.arange((-b) % multiple) % b])
 
 
 def unpad(batch: RolloutBatch, pad: int) -> RolloutBatch:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fusedrl.batch import RolloutBatch
+from fusedrl.batch import RolloutBatch, padded_rows
 from fusedrl.controller import WorkerGroup
 from fusedrl.resident import ResidentShard
 
@@ -62,7 +62,7 @@ class ResidentRows:
         if keep is None:
             return batch
         b = batch.num_samples
-        chunk = (b + (-b) % engines) // engines
+        chunk = padded_rows(b, engines).numel() // engines
         i = torch.arange(b)
         batch.resident_rows = torch.stack(
             [torch.full_like(i, keep[0]), i // chunk, i % chunk], dim=1
@@ -86,9 +86,7 @@ class ResidentRows:
         if any(not isinstance(getattr(batch, n), torch.Tensor) for n in sent):
             return None
         b, n_shards = batch.num_samples, group.world_size // replicas
-        index = torch.cat(
-            [torch.arange(b), torch.arange((-b) % n_shards) % b]
-        )  # the padding of split_for_ranks
+        index = padded_rows(b, n_shards)  # split_for_ranks' rows
         chunk = index.numel() // n_shards
         tp = torch.tensor([made[int(g)].tp for g in rows[:, 0].tolist()])  # type: ignore[union-attr]
         out: list[ResidentShard] = []
