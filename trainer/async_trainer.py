@@ -43,6 +43,7 @@ from fusedrl.async_config import max_staleness
 from fusedrl.batch import NON_TENSOR_FIELDS, RolloutBatch, concat
 from fusedrl.controller.worker_group import Submitted
 from fusedrl.metrics import Metrics
+from fusedrl.rollout_request import RolloutRequest
 from fusedrl.tracking import timer
 from fusedrl.trainer import step_plan
 from fusedrl.trainer.ppo_trainer import PPOTrainer
@@ -69,7 +70,7 @@ class InFlight:
 
     step: int
     batch: RolloutBatch
-    to_send: RolloutBatch | None = None
+    to_send: RolloutRequest | None = None  # what the rollout workers were sent (`fusedrl.rollout_request`)
     calls: list[Submitted] = field(default_factory=list)
     submitted_at: float = 0.0
     done_at: list[float] = field(default_factory=list)  # when each generate call answered (driver clock)

@@ -37,6 +37,7 @@ from fusedrl.lr_schedule import scheduled_lr
 from fusedrl.metrics import Metrics, batch_metrics, mean_over_ranks
 from fusedrl.rewards import build_reward_manager
 from fusedrl.role_config import RoleConfigs, TokenIds, records_routed_experts
+from fusedrl.rollout_request import RolloutRequest
 from fusedrl.run_config import RunConfig, as_run_config
 from fusedrl.tracking import Tracker, timer
 from fusedrl.trainer import step_plan
@@ -45,7 +46,7 @@ from fusedrl.trainer.dynamic_sampling import GroupCollector, group_metric, infor
 from fusedrl.trainer.health_checks import check_step, rollout_check_bound
 from fusedrl.trainer.resident import ResidentRows
 from fusedrl.trainer.reward_scoring import RewardModelScoring
-from fusedrl.trainer.step_plan import due, sample_seeds
+from fusedrl.trainer.step_plan import due
 from fusedrl.trainer.validation import print_generations, validation_metrics
 from fusedrl.workers.rollout.base import SamplingConfig
 from fusedrl.workers.worker_dict import WorkerDict
@@ -395,17 +396,9 @@ class PPOTrainer(RewardModelScoring):
 
     def generation_request(
         self, prompts: RolloutBatch, validate: bool, seed_offset: int, step: int
-    ) -> tuple[RolloutBatch, RolloutBatch]:
-        """One generation call's rows (prompts ``n`` times, seeds of ``step``) and the fields sent."""
-        r = self.run.rollout
-        batch = prompts.repeat_samples(r.val_kwargs.n if validate else r.n)
-        batch.sample_seeds = sample_seeds(r.seed, step, seed_offset, batch.num_samples)
-        # Group ids unique to this generation call, so groups never merge across rounds or epochs.
-        batch.uid = [f"{u}@{step}.{seed_offset}" for u in batch.field_list("uid")]
-        fields = ["prompts", "prompt_mask", "sample_seeds", *batch.image_fields()]  # images: the engine's too
-        if self.multi_turn:  # agent loops read the row: agent_name, tools_kwargs, prompt messages
-            fields += ["uid", "data_source", "ground_truth", "extra_info"]
-        return batch, batch.select_fields(*fields)
+    ) -> tuple[RolloutBatch, RolloutRequest]:
+        """One generation call's rows (prompts ``n`` times, seeds of ``step``) and the request sent."""
+        return step_plan.generation_request(self.run, prompts, validate, seed_offset, step, self.multi_turn)
 
     @property
     def response_fields(self) -> list[str]:

@@ -14,6 +14,7 @@ from fusedrl.algorithms.rollout_correction import is_weights
 from fusedrl.auto_defaults import AUTO, driver_value
 from fusedrl.batch import RolloutBatch
 from fusedrl.role_config import RoleConfigs
+from fusedrl.rollout_request import RolloutRequest, SeedRows, row_seeds
 from fusedrl.workers.rollout.base import SamplingConfig
 
 
@@ -131,9 +132,27 @@ def sampling(run: RoleConfigs, validate: bool) -> SamplingConfig:
 
 def sample_seeds(rollout_seed: int, step: int, round_index: int, num_samples: int) -> torch.Tensor:
     """``[B]`` sampling seed of each row, a function of (``rollout.seed``, step, round, row): a resumed run
-    regenerates exactly the samples the uninterrupted run would have."""
-    base = rollout_seed * 1_000_003 + step * 10_007 + round_index * 101
-    return (base + torch.arange(num_samples, dtype=torch.long) * 7919) % (2**31 - 1)
+    regenerates exactly the samples the uninterrupted run would have. The rollout workers compute their
+    rows' seeds with the same function (`fusedrl.rollout_request.SeedRows`)."""
+    return row_seeds(rollout_seed, step, round_index, torch.arange(num_samples, dtype=torch.long))
+
+
+def generation_request(
+    run: RoleConfigs, prompts: RolloutBatch, validate: bool, seed_offset: int, step: int, multi_turn: bool
+) -> tuple[RolloutBatch, RolloutRequest]:
+    """One generation call's rows (the prompts ``n`` times, with the seeds of ``step`` and round
+    ``seed_offset``) and the request its rollout engines get: the fields they read, without the seeds, which
+    each worker computes for its rows (`fusedrl.rollout_request`)."""
+    r = run.rollout
+    batch = prompts.repeat_samples(r.val_kwargs.n if validate else r.n)
+    batch.sample_seeds = sample_seeds(r.seed, step, seed_offset, batch.num_samples)
+    # Group ids unique to this generation call, so groups never merge across rounds or epochs.
+    batch.uid = [f"{u}@{step}.{seed_offset}" for u in batch.field_list("uid")]
+    fields = ["prompts", "prompt_mask", *batch.image_fields()]  # images: the engine's too
+    if multi_turn:  # agent loops read the row: agent_name, tools_kwargs, prompt messages
+        fields += ["uid", "data_source", "ground_truth", "extra_info"]
+    seeds = SeedRows(int(r.seed), step, seed_offset, batch.num_samples)
+    return batch, RolloutRequest(batch.select_fields(*fields), tuple(fields), seeds)
 
 
 def advantage_inputs(run: RoleConfigs, batch: RolloutBatch) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from fusedrl.batch import RolloutBatch
 from fusedrl.checkpoint import seed_rng
 from fusedrl.lora import lora_enabled
 from fusedrl.role_config import ModelConfig, RefConfig, RoleConfigs, records_routed_experts
+from fusedrl.rollout_request import GenerationInput, request_batch, wire_answer
 from fusedrl.utils.hardware import bind_process_cpus
 from fusedrl.workers.actor import ActorRole, RefRole
 from fusedrl.workers.checkpoint_io import load_role_shards, save_role_shards
@@ -372,15 +373,15 @@ class WorkerDict(DistributedWorker):
         return rollout.generate(_to_device(batch), sampling).cpu()
 
     def rollout_generate_fields(
-        self, batch: RolloutBatch, sampling: SamplingConfig, fields: Sequence[str], keep: Any = None
-    ) -> dict[str, torch.Tensor]:
-        """`rollout_generate`, answering only the named fields (what the driver adds to its batch: the
-        request's prompts and seeds do not travel back). ``keep``: (generation, step), the rows also stay here."""
-        out = self.rollout_generate(batch, sampling)
+        self, request: GenerationInput, sampling: SamplingConfig, fields: Sequence[str], keep: Any = None
+    ) -> dict[str, Any]:
+        """`rollout_generate` of a request (`fusedrl.rollout_request`) answering the named fields (`wire_answer`).
+        ``keep``: (generation, step), the rows also stay here, padded as the driver holds them."""
+        out = self.rollout_generate(batch := request_batch(request), sampling)
         answer = {name: getattr(out, name) for name in fields}
         if keep is not None:
             self.kept.keep(*keep, {**answer, "prompts": batch.prompts, "prompt_mask": batch.prompt_mask})
-        return answer
+        return wire_answer(answer)
 
     def resident_export(self, wanted: dict[int, list[tuple[int, int, int]]]) -> dict[int, Any]:
         """Rows other ranks need, put in Ray's object store: ``{rank: reference}`` (`fusedrl.resident`)."""

@@ -33,7 +33,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from fusedrl.batch import RolloutBatch, gather_from_ranks, split_for_ranks
 from fusedrl.controller.health import kill_pids, memory_diagnosis, resume_hint, wait_pids_gone
 from fusedrl.controller.preemption import Preempted, PreemptionGuard
+from fusedrl.ragged import RaggedRows
 from fusedrl.resident import ResidentShard
+from fusedrl.rollout_request import RequestShard, RolloutRequest, expand_answer
 
 HEALTH_GROUP = "health"  # the workers' concurrency group for health_report / dump_stacks (workers/health.py)
 POLL_S = 1.0  # how often a remote wait wakes up to check the watchdog and the preemption deadline
@@ -57,11 +59,24 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
         obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
     if isinstance(obj, ResidentShard):  # only what is sent crosses; the rows' keys are plain ints
         obj = obj.sent
+    if isinstance(obj, RaggedRows):  # a field and its mask as one tensor (lengths + tokens)
+        return [obj.packed]
+    if isinstance(obj, RequestShard):  # the seeds are plain ints; the prompts one ragged tensor
+        obj = [obj.prompts, obj.fields]
     if isinstance(obj, dict):
         obj = list(obj.values())
     if isinstance(obj, (list, tuple)):
         return [t for item in obj for t in tensors_in(item)]
     return []
+
+
+def _split(batch: RolloutBatch | RolloutRequest, n_shards: int) -> list[Any]:
+    """`split_for_ranks`' shards of a batch, or a generation request's (`RolloutRequest.shards_for`)."""
+    return (
+        batch.shards_for(n_shards)
+        if isinstance(batch, RolloutRequest)
+        else split_for_ranks(batch, n_shards)[0]
+    )
 
 
 @dataclass
@@ -76,8 +91,9 @@ class TensorTraffic:
     by_call: dict[str, int] = field(default_factory=dict)
 
     def add(self, per_rank: Sequence[Any], call: str) -> None:
-        """Count one call's arguments (or answers), ``per_rank[r]`` being rank ``r``'s."""
-        count = len(tensors_in(per_rank[0])) if per_rank else 0
+        """Count one call's arguments (or answers), ``per_rank[r]`` being rank ``r``'s (the most any rank got:
+        a rank whose answer could not be packed, `fusedrl.ragged`, sends one tensor more)."""
+        count = max((len(tensors_in(p)) for p in per_rank), default=0)
         if count:
             self.crossings += count
             self.by_call[call] = self.by_call.get(call, 0) + count
@@ -369,11 +385,15 @@ class WorkerGroup:
         kill_pids([int(r["pid"]) for r in self.reports.values() if r.get("node") == here])
 
     def run_split(
-        self, call: Callable[[Any, RolloutBatch], ray.ObjectRef], batch: RolloutBatch, *, replicas: int = 1
+        self,
+        call: Callable[[Any, Any], ray.ObjectRef],
+        batch: RolloutBatch | RolloutRequest,
+        *,
+        replicas: int = 1,
     ) -> list[Any]:
         """Split ``batch`` by DP rank (padding to a multiple of the number of shards), call each rank on its
         shard, and return the per-shard results with the padding still in (see `gather_batches`,
-        `gather_tensors`).
+        `gather_tensors`). A generation call's `RolloutRequest` is cut the same way (`RolloutRequest.shards_for`).
 
         ``replicas`` > 1 gives consecutive groups of that many ranks the same shard (the ranks of one
         tensor-parallel rollout engine must all see the same requests); their results are identical, and
@@ -381,19 +401,23 @@ class WorkerGroup:
         """
         if self.world_size % replicas:
             raise ValueError(f"replicas={replicas} does not divide the world size {self.world_size}")
-        shards, _ = split_for_ranks(batch, self.world_size // replicas)
+        shards = _split(batch, self.world_size // replicas)
         results = self.run_shards(call, [shards[r // replicas] for r in range(self.world_size)])
         return results[::replicas]
 
     def submit_split(
-        self, call: Callable[[Any, RolloutBatch], ray.ObjectRef], batch: RolloutBatch, *, replicas: int = 1
+        self,
+        call: Callable[[Any, Any], ray.ObjectRef],
+        batch: RolloutBatch | RolloutRequest,
+        *,
+        replicas: int = 1,
     ) -> Submitted:
         """`run_split` without waiting: the calls are sent and run while the driver does other work;
         `wait` gives the same results. Calls sent later to the same workers run after these (Ray keeps
         one caller's calls to an actor in order)."""
         if self.world_size % replicas:
             raise ValueError(f"replicas={replicas} does not divide the world size {self.world_size}")
-        shards, _ = split_for_ranks(batch, self.world_size // replicas)
+        shards = _split(batch, self.world_size // replicas)
         recorders = [CallRecorder(w) for w in self.workers]
         refs = [call(w, shards[r // replicas]) for r, w in enumerate(recorders)]
         phase = recorders[0].method if recorders else "?"
@@ -422,7 +446,7 @@ class WorkerGroup:
         return self._get(refs, list(range(len(refs))), phase)
 
     @staticmethod
-    def split_pad(batch: RolloutBatch, num_shards: int) -> int:
+    def split_pad(batch: RolloutBatch | RolloutRequest, num_shards: int) -> int:
         return (-batch.num_samples) % num_shards
 
     def gather_batches(self, shards: Sequence[RolloutBatch], batch: RolloutBatch) -> RolloutBatch:
@@ -430,12 +454,16 @@ class WorkerGroup:
         return gather_from_ranks(shards, self.split_pad(batch, len(shards)))
 
     def gather_fields(
-        self, parts: Sequence[dict[str, torch.Tensor]], batch: RolloutBatch
+        self, parts: Sequence[dict[str, Any]], batch: RolloutBatch | RolloutRequest
     ) -> dict[str, torch.Tensor]:
-        """Per-shard ``{field: [b, ...]}`` answers back into ``{field: [B, ...]}`` in the original row order."""
-        return {name: self.gather_tensors([p[name] for p in parts], batch) for name in parts[0]}
+        """Per-shard ``{field: [b, ...]}`` answers back into ``{field: [B, ...]}`` in the original row order
+        (a field that crossed packed with its mask, `fusedrl.rollout_request.wire_answer`, unpacked first)."""
+        full = [expand_answer(p) for p in parts]
+        return {name: self.gather_tensors([p[name] for p in full], batch) for name in full[0]}
 
-    def gather_tensors(self, parts: Sequence[torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
+    def gather_tensors(
+        self, parts: Sequence[torch.Tensor], batch: RolloutBatch | RolloutRequest
+    ) -> torch.Tensor:
         """Per-shard ``[b, ...]`` tensors back into ``[B, ...]`` in the original row order."""
         full = torch.cat(list(parts), dim=0)
         pad = self.split_pad(batch, len(parts))

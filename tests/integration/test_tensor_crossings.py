@@ -20,8 +20,8 @@ pytestmark = pytest.mark.integration
 # the worker that made them (`fusedrl.resident`), so the reference reads its model inputs there and keeps
 # its log-probs there (4 out and 1 back before: 18), and the update gets only the advantages (6 before).
 EXPECTED = {
-    "rollout_generate_fields out": 3,
-    "rollout_generate_fields back": 3,
+    "rollout_generate_fields out": 1,
+    "rollout_generate_fields back": 2,
     "actor_update_old_from_forward out": 1,
     "actor_update_old_from_forward back": 1,
 }
