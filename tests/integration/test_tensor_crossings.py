@@ -19,6 +19,8 @@ pytestmark = pytest.mark.integration
 # prompts, prompt_mask and sample_seeds too before `rollout_generate_fields`: 21). The generated rows stay on
 # the worker that made them (`fusedrl.resident`), so the reference reads its model inputs there and keeps
 # its log-probs there (4 out and 1 back before: 18), and the update gets only the advantages (6 before).
+# The request crosses as one ragged tensor (`fusedrl.rollout_request`: the prompts with their mask; the
+# workers make the seeds) and the responses come back with their mask as one (3 out, 3 back before).
 EXPECTED = {
     "rollout_generate_fields out": 1,
     "rollout_generate_fields back": 2,
