@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fusedrl.batch import RolloutBatch
+from fusedrl.log_prob_gap import gap_metrics, gap_stats
 
 Metrics = dict[str, float]
 
@@ -15,13 +16,23 @@ def mean_over_ranks(per_rank: list[Metrics]) -> Metrics:
     return {k: float(np.mean([m[k] for m in per_rank])) for k in keys}
 
 
-def batch_metrics(batch: RolloutBatch, step_time: float, global_step: int) -> Metrics:
-    """Scores, advantages, lengths, the rollout-vs-actor log-prob gap and throughput of one step's batch."""
+def batch_metrics(
+    batch: RolloutBatch, step_time: float, global_step: int, gap: Metrics | None = None
+) -> Metrics:
+    """Scores, advantages, lengths, the rollout-vs-actor log-prob gap and throughput of one step's batch.
+    The gap (`fusedrl.log_prob_gap`) from the batch's log-probs, or ``gap``: its metrics as the workers that
+    hold them answered (`fusedrl.trainer.actor_calls`)."""
     mask = batch.response_mask.float()  # [B, Tr]
     lengths = mask.sum(-1)  # [B]
     scores = batch.token_level_scores.sum(-1)  # [B]
     adv = batch.advantages[batch.response_mask.bool()]  # [N valid]
-    diff = (batch.rollout_log_probs - batch.old_log_probs).abs()[batch.response_mask.bool()]  # [N valid]
+    if gap is None:
+        if batch.rollout_log_probs is None or batch.old_log_probs is None:
+            raise ValueError(
+                "batch_metrics: the batch holds no rollout_log_probs / old_log_probs (they stayed on the "
+                "workers, fusedrl.resident) and no gap metrics were given"
+            )
+        gap = gap_metrics([gap_stats(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask)])
     prompt_tokens = float(batch.prompt_mask.sum())
     real = batch.response_mask if batch.response_attention_mask is None else batch.response_attention_mask
     agent: Metrics = {}
@@ -42,8 +53,8 @@ def batch_metrics(batch: RolloutBatch, step_time: float, global_step: int) -> Me
         "response_length/clip_ratio": float((real.sum(-1) >= mask.shape[1]).float().mean()),
         "prompt_length/mean": prompt_tokens / batch.num_samples,
         # Rollout vs trainer log-probs of the same tokens: ~0 when the weight sync is right.
-        "rollout/log_prob_abs_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
-        "rollout/log_prob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
+        "rollout/log_prob_abs_diff_mean": gap["rollout/log_prob_abs_diff_mean"],
+        "rollout/log_prob_abs_diff_max": gap["rollout/log_prob_abs_diff_max"],
         "perf/total_num_tokens": prompt_tokens + float(real.sum()),
         "perf/throughput": (prompt_tokens + float(real.sum())) / max(step_time, 1e-9),
         "training/global_step": float(global_step),

@@ -39,6 +39,7 @@ from omegaconf import DictConfig
 
 from fusedrl.async_config import groups_in_flight
 from fusedrl.batch import RolloutBatch, concat
+from fusedrl.log_prob_gap import gap_metrics, gap_stats
 from fusedrl.metrics import Metrics
 from fusedrl.tracking import timer
 from fusedrl.trainer import step_plan
@@ -169,16 +170,15 @@ class PartialRolloutTrainer(PPOTrainer):
         assert batch.token_versions is not None
         # The actor trained since: the version that computed old_log_probs is the one before the update.
         current = self.actor_version - int(self.actor_trains_this_step)
-        diff = (batch.rollout_log_probs - batch.old_log_probs).abs()  # [B, Tr]
         mask = batch.response_mask.bool()
         fresh = mask & (batch.token_versions == current)
         for name, keep in (
             ("rollout/log_prob_abs_diff", fresh),
             ("partial/behaviour_log_prob_abs_diff", mask & ~fresh),
-        ):
-            values = diff[keep]
-            metrics[f"{name}_mean"] = float(values.mean()) if values.numel() else 0.0
-            metrics[f"{name}_max"] = float(values.max()) if values.numel() else 0.0
+        ):  # as `fusedrl.metrics.batch_metrics` measures the gap (`fusedrl.log_prob_gap`), on those tokens
+            gap = gap_metrics([gap_stats(batch.rollout_log_probs, batch.old_log_probs, keep)])
+            metrics[f"{name}_mean"] = gap["rollout/log_prob_abs_diff_mean"]
+            metrics[f"{name}_max"] = gap["rollout/log_prob_abs_diff_max"]
         return metrics
 
     # ------------------------------------------------------------------ checkpoints

@@ -40,7 +40,7 @@ from fusedrl.role_config import RoleConfigs, TokenIds, records_routed_experts
 from fusedrl.rollout_request import RolloutRequest
 from fusedrl.run_config import RunConfig, as_run_config
 from fusedrl.tracking import Tracker, timer
-from fusedrl.trainer import step_plan
+from fusedrl.trainer import actor_calls, step_plan
 from fusedrl.trainer.data_setup import prompt_data
 from fusedrl.trainer.dynamic_sampling import GroupCollector, group_metric, informative_groups
 from fusedrl.trainer.health_checks import check_step, rollout_check_bound
@@ -305,7 +305,7 @@ class PPOTrainer(RewardModelScoring):
         )
         for round_index in itertools.count():
             prompts = self.next_prompts()
-            with timer("gen", metrics):
+            with timer("gen", metrics), self.resident.staying(self.fields_staying(prompts)):
                 batch = self.generate(prompts, seed_offset=round_index)
             with timer("reward", metrics):
                 batch = self.compute_rewards(batch, metrics)
@@ -456,22 +456,18 @@ class PPOTrainer(RewardModelScoring):
         return correct_batch(batch, self.run.algorithm.rollout_correction, metrics)
 
     def compute_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
-        """``old_log_probs``: the actor's log-probs of the samples before this step's update. In
+        """``old_log_probs``: the actor's log-probs of the samples before this step's update (kept on the
+        workers where the rollout's stayed there, `fusedrl.trainer.actor_calls`). In
         ``algorithm.rollout_correction.bypass_mode`` they are the rollout's own (no trainer forward)."""
-        if self.run.algorithm.rollout_correction.bypass_mode:
-            batch.old_log_probs = batch.rollout_log_probs.clone()
-            return batch
-        t, inputs = self.temperature, batch.model_input_fields()
-        actor = self.group_for("actor")
-        actor.run_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
-        spp, sp = self.adv_traits.needs_sum_pi_squared, self.actor_sp
-        call = lambda w, s: w.actor_compute_log_prob.remote(s, t, spp)  # noqa: E731
-        parts = self.resident.run_split(actor, call, batch, inputs, sp)
-        if spp:  # (log-probs, Σπ²) pairs from the same forwards (optimal token baseline)
-            batch.sum_pi_squared = actor.gather_tensors([p[1] for p in parts], batch)
-            parts = [p[0] for p in parts]
-        batch.old_log_probs = actor.gather_tensors(parts, batch)
-        return batch
+        return actor_calls.compute_log_probs(self, batch)
+
+    def fields_staying(self, prompts: RolloutBatch) -> list[str]:
+        """What a training generation of ``prompts`` leaves on the workers (`step_plan.rollout_log_probs_stay`)."""
+        with_actor, images = (
+            self.group_for("rollout") is self.group_for("actor"),
+            bool(prompts.image_fields()),
+        )
+        return step_plan.rollout_log_probs_stay(self.run, rollout_with_actor=with_actor, images=images)
 
     def old_log_probs_from_update(self, batch: RolloutBatch) -> bool:
         """Whether the update's own forward gives ``old_log_probs`` (`step_plan.old_log_probs_reusable`)."""
@@ -527,31 +523,9 @@ class PPOTrainer(RewardModelScoring):
         return batch
 
     def update_actor(self, batch: RolloutBatch) -> Metrics:
-        """PPO update of the policy on the fused workers (FSDP2; micro-batches; global loss normaliser)."""
-        from_forward = batch.old_log_probs is None  # see `old_log_probs_from_update`: the update gives them
-        fields = [
-            *batch.model_input_fields(),
-            *step_plan.update_fields(self.run, old_from_forward=from_forward),
-        ]
-        t = self.temperature
-        # The actor's schedule starts when it starts training (after trainer.critic_warmup steps).
-        step = self.global_step - 1 - self.run.trainer.critic_warmup
-        lr = scheduled_lr(self.run.actor.optim, step, self.total_steps)
-        actor, sp = self.group_for("actor"), self.actor_sp
-        # The optimizer state is on the device only for the update.
-        actor.run_all(lambda w: w.load_actor.remote(optimizer=True))
-        if from_forward:
-            call = lambda w, s: w.actor_update_old_from_forward.remote(s, t, lr)  # noqa: E731
-            pairs = self.resident.run_split(actor, call, batch, fields, sp)
-            batch.old_log_probs = actor.gather_tensors([p[1] for p in pairs], batch)  # [B, Tr]
-            # the advantages the loss corrected (its rollout_corr/* metrics came with the update's)
-            correct_batch(batch, self.run.algorithm.rollout_correction, {})
-            per_rank = [p[0] for p in pairs]
-        else:
-            call = lambda w, s: w.actor_update.remote(s, t, lr)  # noqa: E731
-            per_rank = self.resident.run_split(actor, call, batch, fields, sp)
-        actor.run_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
-        return mean_over_ranks(per_rank)
+        """PPO update of the policy on the fused workers (FSDP2; micro-batches; global loss normaliser;
+        `fusedrl.trainer.actor_calls`)."""
+        return actor_calls.update_actor(self, batch)
 
     def sync_weights(self, force: bool = False) -> Metrics:
         """Stream the policy into every rollout engine in place (collective), unless the rollout workers
@@ -590,4 +564,5 @@ class PPOTrainer(RewardModelScoring):
     # ------------------------------------------------------------------ metrics
     def batch_metrics(self, batch: RolloutBatch, step_time: float) -> Metrics:
         """Per-step metrics of the finished batch (`fusedrl.metrics.batch_metrics`); a hook to extend."""
-        return batch_metrics(batch, step_time, self.global_step)
+        gap = self.resident.log_prob_gap if actor_calls.log_probs_stayed(batch) else None
+        return batch_metrics(batch, step_time, self.global_step, gap)

@@ -95,6 +95,28 @@ def update_fields(run: RoleConfigs, *, old_from_forward: bool) -> list[str]:
     return fields
 
 
+def rollout_log_probs_stay(run: RoleConfigs, *, rollout_with_actor: bool, images: bool = False) -> list[str]:
+    """The fields a training generation leaves on the workers that sampled it, unanswered (`fusedrl.resident`):
+    ``rollout_log_probs`` where the driver computes nothing on them but the step's log-prob gap metrics,
+    which the workers then answer as numbers (`fusedrl.trainer.actor_calls`). They come back to the driver
+    for the rollout correction (``rollout_is`` / ``rollout_rs`` weight the advantages there; bypass mode takes
+    them as the old log-probs), where the driver holds the old log-probs anyway (the in-reward KL, an
+    estimator reading them: the optimal token baseline) and where the actor's calls send the rows: a rollout
+    with workers of its own (``rollout_with_actor`` False), prompts with ``images`` (not kept on the workers)."""
+    alg, rc = run.algorithm, run.algorithm.rollout_correction
+    if (
+        not rollout_with_actor
+        or images
+        or rc.bypass_mode
+        or rc.rollout_is is not None
+        or rc.rollout_rs is not None
+    ):
+        return []
+    if alg.use_kl_in_reward or get_adv_traits(alg.adv_estimator).needs_sum_pi_squared:
+        return []
+    return ["rollout_log_probs"]
+
+
 def reward_components(keys: list[str], extras: list[dict] | None, num_samples: int) -> torch.Tensor:
     """``[B, K]`` float32: entry ``keys[k]`` of each row's scorer dict (``algorithm.gdpo_reward_keys``; a row
     that has none, e.g. an empty response, gets 0). Raises naming the key when no row of the batch has it."""

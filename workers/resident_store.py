@@ -4,8 +4,8 @@ Rows are blocks per (generation, engine): `keep` stores this worker's engine's s
 (``[n, ...]`` CPU tensors, padding included) and drops the generations of earlier steps; `export` puts rows
 another rank needs into Ray's object store (worker to worker: they never reach the driver); `resolve` turns a
 `ResidentShard` into the `RolloutBatch` the role computes on (its fetched rows added to their blocks first);
-`answer` stores a call's answer under the shard's ``keep`` name instead of sending it back. Each field of a
-block has a ``[n]`` bool mask of the rows it holds: a row it does not hold is refused, by name.
+`answer` stores a call's answer under the shard's ``keep`` name instead of sending it back, and answers the
+rollout-vs-actor log-prob gap as numbers where the shard asks (``gap``). Each field of a block has a ``[n]`` bool mask of the rows it holds: a row it does not hold is refused, by name.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import ray
 import torch
 
 from fusedrl.batch import RolloutBatch
-from fusedrl.resident import ResidentShard
+from fusedrl.log_prob_gap import GapStats, gap_stats
+from fusedrl.resident import ResidentShard, on_mask
 
 Key = tuple[int, int]  # (generation, engine)
 
@@ -128,6 +129,10 @@ class ResidentStore:
         batch.fetch = []  # fetched once (the call may resolve its shard again)
         values = {name: self.read(batch.rows, name) for name in batch.local}
         values.update(batch.sent)
+        for name, form in batch.per_row.items():  # [b] -> [b, Tr] on the rows' response mask, bit for bit
+            mask = values.get("response_mask")
+            mask = self.read(batch.rows, "response_mask") if mask is None else mask
+            values[name] = on_mask(values[name], mask, form)
         out = RolloutBatch(
             prompts=values.pop("prompts"), prompt_mask=values.pop("prompt_mask"), batch_size=[batch.num_rows]
         )
@@ -135,9 +140,19 @@ class ResidentStore:
             setattr(out, name, value)
         return out
 
-    def answer(self, batch: RolloutBatch | ResidentShard, value: torch.Tensor) -> torch.Tensor | None:
-        """``value`` (``[b, ...]``, the shard's rows), or None once stored under the shard's ``keep`` name."""
-        if not isinstance(batch, ResidentShard) or batch.keep is None:
+    def answer(
+        self, batch: RolloutBatch | ResidentShard, value: torch.Tensor
+    ) -> torch.Tensor | GapStats | None:
+        """``value`` (``[b, ...]``, the shard's rows); None once stored under the shard's ``keep`` name; with
+        the shard's ``gap``, the gap of the held ``rollout_log_probs`` to ``value`` (old log-probs) instead."""
+        if not isinstance(batch, ResidentShard):
             return value
-        self._put(batch.rows, batch.keep, value.detach().cpu())
-        return None
+        if batch.keep is not None:
+            self._put(batch.rows, batch.keep, value.detach().cpu())
+        if batch.gap is not None:
+            rows, n = batch.rows[: batch.gap], batch.gap
+            if n == 0:
+                return gap_stats(value[:0], value[:0], value[:0])
+            rollout, mask = self.read(rows, "rollout_log_probs"), self.read(rows, "response_mask")
+            return gap_stats(rollout, value[:n].detach().cpu(), mask)
+        return None if batch.keep is not None else value

@@ -379,8 +379,9 @@ class WorkerDict(DistributedWorker):
         ``keep``: (generation, step), the rows also stay here, padded as the driver holds them."""
         out = self.rollout_generate(batch := request_batch(request), sampling)
         answer = {name: getattr(out, name) for name in fields}
-        if keep is not None:
-            self.kept.keep(*keep, {**answer, "prompts": batch.prompts, "prompt_mask": batch.prompt_mask})
+        if keep is not None:  # (generation, step, the fields that stay here only: `ResidentRows.staying`)
+            self.kept.keep(*keep[:2], {**answer, "prompts": batch.prompts, "prompt_mask": batch.prompt_mask})
+            answer = {name: value for name, value in answer.items() if name not in keep[2]}
         return wire_answer(answer)
 
     def resident_export(self, wanted: dict[int, list[tuple[int, int, int]]]) -> dict[int, Any]:
@@ -436,7 +437,7 @@ class WorkerDict(DistributedWorker):
             max_token_len=budget,
             with_sum_pi_squared=with_sum_pi_squared,
         )
-        return (out[0].cpu(), out[1].cpu()) if with_sum_pi_squared else out.cpu()
+        return (out[0].cpu(), out[1].cpu()) if with_sum_pi_squared else self.kept.answer(batch, out.cpu())
 
     def ref_compute_log_prob(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
         """The frozen reference's log-probs of this shard's responses."""
@@ -467,13 +468,12 @@ class WorkerDict(DistributedWorker):
 
     def actor_update_old_from_forward(
         self, batch: RolloutBatch, temperature: float, lr: float | None = None
-    ) -> tuple[dict[str, float], torch.Tensor]:
+    ) -> tuple[dict[str, float], Any]:
         """`actor_update` of a batch without ``old_log_probs`` that is used once in one mini-batch: the
-        update's own forward provides them (detached); returns ``(metrics, old_log_probs [b, Tr])``."""
-        metrics = self.actor_update(batch, temperature, lr)
-        actor = self._need(self.actor, "actor", "actor_update_old_from_forward")
-        assert actor.forward_log_probs is not None
-        return metrics, actor.forward_log_probs.cpu()
+        update's own forward provides them (detached); returns ``(metrics, old_log_probs [b, Tr] or gap)``."""
+        metrics = self.actor_update(batch, temperature, lr)  # (it checked that the actor is here)
+        assert self.actor is not None and self.actor.forward_log_probs is not None
+        return metrics, self.kept.answer(batch, self.actor.forward_log_probs.cpu())  # `ResidentShard.gap`
 
     def critic_compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """The critic's values of every response position of this shard."""

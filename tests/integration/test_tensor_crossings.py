@@ -21,11 +21,13 @@ pytestmark = pytest.mark.integration
 # its log-probs there (4 out and 1 back before: 18), and the update gets only the advantages (6 before).
 # The request crosses as one ragged tensor (`fusedrl.rollout_request`: the prompts with their mask; the
 # workers make the seeds) and the responses come back with their mask as one (3 out, 3 back before).
+# The rollout's log-probs stay on the worker too (`step_plan.rollout_log_probs_stay`), and the update's old
+# log-probs with them: it answers their gap, the step's `rollout/log_prob_abs_diff_*`, as numbers
+# (`fusedrl.log_prob_gap`; 1 back before, and the rollout 1 more); the advantages cross as [B].
 EXPECTED = {
     "rollout_generate_fields out": 1,
-    "rollout_generate_fields back": 2,
-    "actor_update_old_from_forward out": 1,
-    "actor_update_old_from_forward back": 1,
+    "rollout_generate_fields back": 1,
+    "actor_update_old_from_forward out": 1,  # the advantages, one number per row: [B]
 }
 
 
@@ -44,6 +46,7 @@ def test_tensor_crossings_per_grpo_step(tiny_model_dir, arithmetic_data, tmp_pat
         traffic = trainer.workers.traffic
         step2 = {k: v - calls_before.get(k, 0) for k, v in traffic.by_call.items()}
     assert metrics["actor/old_log_prob_from_update"] == 1.0
+    assert 0.0 <= metrics["rollout/log_prob_abs_diff_mean"] <= metrics["rollout/log_prob_abs_diff_max"] < 1e-3
     # Step 1 re-streams first (the engine slept once built): weight streams move no tensor through the driver.
     assert per_step == [sum(EXPECTED.values())] * 2, per_step  # 8
     assert {k: v for k, v in step2.items() if v} == EXPECTED

@@ -47,7 +47,7 @@ def _stores(plan: ResidentRows, group: Group, batch: RolloutBatch, tp: int = 1) 
     stores = []
     for rank in range(group.world_size):
         store, shard = ResidentStore(engine=rank // tp), shards[rank // tp]
-        store.keep(*keep, {n: getattr(shard, n) for n in ["prompts", "prompt_mask", *FIELDS]})
+        store.keep(*keep[:2], {n: getattr(shard, n) for n in ["prompts", "prompt_mask", *FIELDS]})
         stores.append(store)
     return plan.mark(batch, keep, engines), stores
 
@@ -156,3 +156,78 @@ def test_store_keeps_an_answer_and_refuses_what_it_does_not_hold():
     store.keep(8, 2, {"prompts": torch.zeros(1, 2)})  # a later step's generation drops step 1's
     with pytest.raises(KeyError, match="generation 7, engine 0 are not on this worker"):
         store.read(later.rows, "prompts")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_advantages_one_number_per_row_cross_as_rows_and_come_back_bit_for_bit():
+    """GRPO's ``adv[:, None] * mask`` (-0.0 off the mask of a negative row) and a ``where`` broadcast cross
+    as ``[B]``; token-level values do not; the worker rebuilds every bit from its resident response mask."""
+    from fusedrl.algorithms.advantages import compute_grpo_advantage
+    from fusedrl.resident import on_mask, row_values
+
+    plan, group = ResidentRows(), Group(world_size=2)
+    batch, stores = _stores(plan, group, _generated(5, lengths=[4, 2, 0, 3, 1]))  # row 2: no token
+    rewards = torch.zeros(5, 4)
+    rewards[:, 0] = torch.tensor([1.0, 0.0, 0.5, 0.0, 2.0])
+    grpo, _ = compute_grpo_advantage(rewards, batch.response_mask, index=["a", "a", "b", "b", "b"])
+    assert (grpo < 0).any() and torch.signbit(grpo[batch.response_mask == 0]).any()  # -0.0 off the mask
+    values, form = row_values(grpo, batch.response_mask)
+    assert form == "times" and values.shape == (5,)
+    where = on_mask(torch.tensor([0.5, -1.0, 3.0, -2.0, 0.25]), batch.response_mask, "where")
+    assert row_values(where, batch.response_mask)[1] == "where"
+    token_level = grpo.clone()
+    token_level[0, 1] += 1.0
+    assert row_values(token_level, batch.response_mask) is None
+    assert row_values(grpo.masked_fill(batch.response_mask == 0, 0.0), batch.response_mask) is not None
+    batch.advantages = grpo
+    names = [*batch.model_input_fields(), "advantages"]
+    shards, exports = plan.shards(group, batch, names, replicas=1)
+    _deliver(stores, exports)  # the padding's row 0, to rank 1
+    assert [s.per_row for s in shards] == [{"advantages": "times"}] * 2
+    assert [s.sent["advantages"].shape for s in shards] == [(3,), (3,)]  # 5 rows padded to 6
+    sent, _ = split_for_ranks(batch.select_fields("advantages"), 2)
+    for rank, shard in enumerate(shards):
+        assert torch.equal(_bits(stores[rank].resolve(shard).advantages), _bits(sent[rank].advantages))
+
+
+def test_old_log_probs_answer_their_gap_without_the_padding_rows():
+    """Each rank answers the gap of its real rows (the padding of the split left out); the driver's sum of
+    them is the metric it computes from the whole batch, to the bit."""
+    from fusedrl.log_prob_gap import GapStats, gap_metrics, gap_stats
+
+    plan, group = ResidentRows(), Group(world_size=2)
+    batch, stores = _stores(plan, group, _generated(5, lengths=[4, 2, 3, 3, 1]))
+    old = batch.rollout_log_probs - torch.rand(5, 4) * 0.1
+    shards, exports = plan.shards(group, batch, batch.model_input_fields(), 1, keep="old_log_probs", gap=True)
+    _deliver(stores, exports)
+    assert [s.gap for s in shards] == [3, 2]  # rank 1's third row is row 0 again
+    padded_old = torch.cat([old, old[:1]])
+    answers = [stores[r].answer(s, padded_old[3 * r : 3 * r + 3]) for r, s in enumerate(shards)]
+    assert all(isinstance(a, GapStats) for a in answers) and [a.count for a in answers] == [9, 4]
+    expected = gap_metrics([gap_stats(batch.rollout_log_probs, old, batch.response_mask)])
+    assert gap_metrics(answers) == expected
+    kept = ResidentShard(rows=shards[1].rows, local=("prompts", "prompt_mask", "old_log_probs"))
+    assert torch.equal(stores[1].resolve(kept).old_log_probs, padded_old[3:])  # kept for the update
+
+
+def test_which_runs_leave_the_rollout_log_probs_on_the_workers():
+    from fusedrl.config import load_config
+    from fusedrl.role_config import run_config
+    from fusedrl.trainer.step_plan import rollout_log_probs_stay
+
+    def stay(*extra: str, with_actor: bool = True, images: bool = False) -> list[str]:
+        base = ["data.train_files=x", "actor_rollout_ref.model.path=/m", "algorithm.adv_estimator=grpo"]
+        run = run_config(load_config([*base, *extra], validate_config=False))
+        return rollout_log_probs_stay(run, rollout_with_actor=with_actor, images=images)
+
+    assert stay() == ["rollout_log_probs"]
+    assert stay(with_actor=False) == []  # a rollout pool: the actor's calls send the rows
+    assert stay(images=True) == []  # images are not kept on the workers: the rows are sent
+    assert stay("algorithm.rollout_correction.rollout_is=token") == []
+    assert stay("algorithm.rollout_correction.rollout_rs=token") == []
+    assert stay("algorithm.rollout_correction.bypass_mode=true") == []
+    assert stay("algorithm.use_kl_in_reward=true") == []
+    assert stay("algorithm.adv_estimator=optimal_token_baseline") == []
