@@ -48,7 +48,7 @@ class RaggedRows:
         lengths = self.lengths.long()
         real = _real_positions(lengths, self.width, self.left)  # [rows, width] bool
         values = torch.full((self.rows, self.width), self.pad, dtype=self.packed.dtype)
-        values[real] = self.packed[self.rows :]
+        values.masked_scatter_(real, self.packed[self.rows :])  # row-major, as `pack` read them
         return values, real.to(self.mask_dtype)
 
 
@@ -74,13 +74,13 @@ def pack(values: torch.Tensor, mask: torch.Tensor, *, left: bool, mask_name: str
     rows, width = values.shape
     if width > torch.iinfo(values.dtype).max:
         return None  # the lengths would not fit the tokens' dtype
-    lengths = (mask != 0).sum(dim=1)  # [B]
+    lengths = mask.sum(dim=1)  # [B]; a mask that is not 0 / 1 fails the comparison below
     real = _real_positions(lengths, width, left)
     if not torch.equal(mask, real.to(mask.dtype)):
         return None  # holes in the mask, or values other than 0 / 1
-    padding = values[~real]
-    pad = int(padding[0]) if padding.numel() else 0
-    if padding.numel() and not bool((padding == pad).all()):
-        return None
-    packed = torch.cat([lengths.to(values.dtype), values[real]])  # [B + sum(lengths)]
+    short = (lengths < width).nonzero()  # rows with padding: the first one's padding id is the pad
+    pad = 0 if short.numel() == 0 else int(values[int(short[0, 0]), 0 if left else width - 1])
+    if not torch.equal(values.masked_fill(real, pad), torch.full_like(values, pad)):
+        return None  # more than one id in the padding
+    packed = torch.cat([lengths.to(values.dtype), torch.masked_select(values, real)])  # [B + sum(lengths)]
     return RaggedRows(packed, rows, width, pad, left, mask.dtype, mask_name)
