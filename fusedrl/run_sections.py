@@ -155,7 +155,8 @@ class AsyncTrainingConfig:
         if isinstance(resumes, bool) or not isinstance(resumes, int) or resumes < 0:
             found.append(f"`{MAX_RESUMES}`={resumes!r}: must be an integer >= 0.")
         if not on:
-            for key, setting, default in ((THRESHOLD, threshold, 0.1), (MAX_RESUMES, resumes, 3)):
+            # the defaults of trainer/config/ppo_trainer.yaml
+            for key, setting, default in ((THRESHOLD, threshold, 0.1), (MAX_RESUMES, resumes, 4)):
                 if setting is not None and setting != default:
                     found.append(
                         f"`{key}`={setting} is read only with `{PARTIAL}`=true; set {PARTIAL}=true or drop the key."
