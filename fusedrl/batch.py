@@ -255,10 +255,13 @@ def unpad(batch: RolloutBatch, pad: int) -> RolloutBatch:
 
 
 def split_for_ranks(batch: RolloutBatch, world_size: int) -> tuple[list[RolloutBatch], int]:
-    """Pad to a multiple of ``world_size`` and cut into equal contiguous chunks, one per DP rank."""
+    """Pad to a multiple of ``world_size`` and cut into equal contiguous chunks, one per DP rank. Each chunk
+    owns its tensors: a slice keeps its parent's storage, and pickling a tensor (as Ray does with a call's
+    arguments) writes the whole storage, so every rank would be sent the whole batch."""
     padded, pad = pad_to_multiple(batch, world_size)
     chunk = padded.num_samples // world_size
-    return [padded[r * chunk : (r + 1) * chunk] for r in range(world_size)], pad
+    shards = [padded[r * chunk : (r + 1) * chunk] for r in range(world_size)]
+    return ([s.clone() for s in shards] if world_size > 1 else shards), pad
 
 
 def gather_from_ranks(shards: Sequence[RolloutBatch], pad: int) -> RolloutBatch:

@@ -84,10 +84,13 @@ class TensorTraffic:
     """Tensors that crossed Ray between the driver and a group's workers, either way. ``crossings``: one per
     tensor field per call (a batch's ``responses`` sent to every rank of one call is one crossing, answers
     likewise); ``by_call``: the same by worker method, ``"<method> out"`` / ``"<method> back"``; ``bytes``:
-    what every rank's shards and answers held. Tests and benchmarks read it."""
+    what every rank's shards and answers held; ``storage_bytes``: what pickling them writes (a tensor that is a
+    slice of a larger one pickles that one's whole storage: more than ``bytes`` means a call sent or answered
+    rows it did not need). Tests and benchmarks read it."""
 
     crossings: int = 0
     bytes: int = 0
+    storage_bytes: int = 0
     by_call: dict[str, int] = field(default_factory=dict)
 
     def add(self, per_rank: Sequence[Any], call: str) -> None:
@@ -97,7 +100,9 @@ class TensorTraffic:
         if count:
             self.crossings += count
             self.by_call[call] = self.by_call.get(call, 0) + count
-            self.bytes += sum(t.numel() * t.element_size() for p in per_rank for t in tensors_in(p))
+            tensors = [t for p in per_rank for t in tensors_in(p)]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+            self.storage_bytes += sum(t.untyped_storage().nbytes() for t in tensors)
 
 
 class CallRecorder:

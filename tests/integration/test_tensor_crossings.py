@@ -51,6 +51,7 @@ def test_tensor_crossings_per_grpo_step(tiny_model_dir, arithmetic_data, tmp_pat
     assert per_step == [sum(EXPECTED.values())] * 2, per_step  # 8
     assert {k: v for k, v in step2.items() if v} == EXPECTED
     assert traffic.bytes > 0
+    assert traffic.storage_bytes == traffic.bytes  # no call sends or answers a slice of a larger tensor
     # Each step: the engine slept at level 2, the update found its weights discarded, the sync restored them.
     assert phase["moves"][-3:] == [
         "sleep -> asleep, weights discarded",
