@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from support import spawned_result
+from support import spawned_result, vllm_engine_rank
 
 pytestmark = pytest.mark.integration
 
@@ -23,16 +23,12 @@ DROPPED = "model.layers.0.input_layernorm.weight"
 
 
 def _body(port: int, model_dir: str, out: str) -> None:
-    import torch.distributed as dist
     from safetensors.torch import load_file
 
     from fusedrl.third_party.vllm import EngineConfig, VLLMEngine
     from fusedrl.third_party.vllm.engine import IncompleteReloadError
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
-    )
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    vllm_engine_rank(port)
     engine = VLLMEngine(
         EngineConfig(
             model_path=model_dir,

