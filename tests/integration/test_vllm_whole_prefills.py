@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from support import spawned_result, vllm_engine_rank
+from support import spawned_result, tiny_vllm_engine
 
 pytestmark = pytest.mark.integration
 
@@ -27,19 +27,14 @@ ROWS, PROMPT, BUDGET = 8, 120, 256  # 960 prompt tokens against a budget of 256 
 
 def _body(port: int, model_dir: str, out: str) -> None:
     from fusedrl.sampling import SampleParams
-    from fusedrl.third_party.vllm import EngineConfig, VLLMEngine
 
-    vllm_engine_rank(port)
-    engine = VLLMEngine(
-        EngineConfig(
-            model_path=model_dir,
-            dtype="float32",
-            kv_cache_memory_bytes=64 << 20,
-            max_model_len=PROMPT + 8,
-            max_num_batched_tokens=BUDGET,
-            enable_chunked_prefill=True,  # verl's default: not honoured on CPU
-            enforce_eager=True,
-        )
+    engine = tiny_vllm_engine(
+        port,
+        model_dir,
+        max_model_len=PROMPT + 8,
+        max_num_batched_tokens=BUDGET,
+        enable_chunked_prefill=True,  # verl's default: not honoured on CPU
+        enforce_eager=True,
     )
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (PROMPT,), generator=g).tolist() for _ in range(ROWS)]
