@@ -36,7 +36,7 @@ def compute_log_probs(trainer: PPOTrainer, batch: RolloutBatch) -> RolloutBatch:
         return batch
     t, inputs = trainer.temperature, batch.model_input_fields()
     actor = trainer.group_for("actor")
-    actor.run_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
+    actor.send_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
     spp, sp = trainer.adv_traits.needs_sum_pi_squared, trainer.actor_sp
     call = lambda w, s: w.actor_compute_log_prob.remote(s, t, spp)  # noqa: E731
     if log_probs_stayed(batch):  # kept there for the update; the gap comes back
@@ -64,7 +64,7 @@ def update_actor(trainer: PPOTrainer, batch: RolloutBatch) -> Metrics:
     lr = scheduled_lr(trainer.run.actor.optim, step, trainer.total_steps)
     actor, sp = trainer.group_for("actor"), trainer.actor_sp
     # The optimizer state is on the device only for the update.
-    actor.run_all(lambda w: w.load_actor.remote(optimizer=True))
+    actor.send_all(lambda w: w.load_actor.remote(optimizer=True))
     if from_forward:
         call = lambda w, s: w.actor_update_old_from_forward.remote(s, t, lr)  # noqa: E731
         gap = log_probs_stayed(batch)  # then the workers answer the gap, not the old log-probs
@@ -77,5 +77,5 @@ def update_actor(trainer: PPOTrainer, batch: RolloutBatch) -> Metrics:
     else:
         call = lambda w, s: w.actor_update.remote(s, t, lr)  # noqa: E731
         per_rank = trainer.resident.run_split(actor, call, batch, fields, sp)
-    actor.run_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
+    actor.send_all(lambda w: w.offload_actor.remote(params=False, optimizer=True))
     return mean_over_ranks(per_rank)

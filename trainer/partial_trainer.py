@@ -122,15 +122,15 @@ class PartialRolloutTrainer(PPOTrainer):
         batch, _ = self.generation_request(self.take_prompts(new), False, 0, self.global_step)
         rollout = self.group_for("rollout")
         self.sync_weights()  # the rollout workers decide whether their engines need the weights
-        rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
+        rollout.send_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
         sampling, version = self.sampling(False), self.actor_version
         quota = self.run.data.train_batch_size // self.rollout_workers
         drain = self.drains_this_step
         shards = rollout.run_split(
             lambda w, shard: w.rollout_generate_partial.remote(shard, sampling, version, quota, drain), batch
         )
-        rollout.run_all(lambda w: w.rollout_sleep.remote())
-        self.group_for("actor").run_all(lambda w: w.load_actor.remote())
+        rollout.send_all(lambda w: w.rollout_sleep.remote())
+        self.group_for("actor").send_all(lambda w: w.load_actor.remote())
         self.carried_groups += new - self.run.data.train_batch_size
         metrics["partial/new_groups"] = float(new)
         metrics["partial/drained"] = float(drain)

@@ -384,14 +384,14 @@ class PPOTrainer(RewardModelScoring):
         tp = self.run.rollout.tensor_model_parallel_size
         rollout = self.group_for("rollout")
         self.sync_weights()  # the rollout workers decide whether their engines need the weights
-        rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
+        rollout.send_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
         sampling, fields = self.sampling(validate), self.response_fields
         keep = self.resident.request(rollout, tp, self.global_step, validate, fields)
         shards = rollout.run_split(
             lambda w, s: w.rollout_generate_fields.remote(s, sampling, fields, keep), to_send, replicas=tp
         )
-        rollout.run_all(lambda w: w.rollout_sleep.remote())
-        self.group_for("actor").run_all(lambda w: w.load_actor.remote())
+        rollout.send_all(lambda w: w.rollout_sleep.remote())
+        self.group_for("actor").send_all(lambda w: w.load_actor.remote())
         return self.resident.mark(batch.set_fields(rollout.gather_fields(shards, to_send)), keep, len(shards))
 
     def generation_request(
@@ -482,10 +482,10 @@ class PPOTrainer(RewardModelScoring):
         t, sp = self.temperature, self.actor_sp  # the reference splits sequences as the actor does
         ref, kl_in_reward = self.group_for("ref"), self.run.algorithm.use_kl_in_reward  # keep: for the update
         kept = "ref_log_probs" if keep and ref is self.workers and not kl_in_reward else None
-        ref.run_all(lambda w: w.load_ref.remote())
+        ref.send_all(lambda w: w.load_ref.remote())
         call = lambda w, s: w.ref_compute_log_prob.remote(s, t)  # noqa: E731
         parts = self.resident.run_split(ref, call, batch, batch.model_input_fields(), sp, kept)
-        ref.run_all(lambda w: w.offload_ref.remote())
+        ref.send_all(lambda w: w.offload_ref.remote())
         batch.ref_log_probs = None if parts[0] is None else ref.gather_tensors(parts, batch)  # None: kept
         return batch
 
@@ -493,7 +493,7 @@ class PPOTrainer(RewardModelScoring):
         """Critic values ``V(s_t)`` of every response position (PPO with GAE)."""
         inputs = self._model_inputs(batch)
         critic, sp = self.group_for("critic"), self.run.critic.ulysses_sequence_parallel_size
-        critic.run_all(lambda w: w.load_critic.remote())
+        critic.send_all(lambda w: w.load_critic.remote())
         parts = critic.run_split(lambda w, s: w.critic_compute_values.remote(s), inputs, replicas=sp)
         batch.critic_values = critic.gather_tensors(parts, inputs)
         return batch
@@ -503,9 +503,9 @@ class PPOTrainer(RewardModelScoring):
         inputs = batch.select_fields(*batch.model_input_fields(), "critic_values", "returns")
         lr = self.scheduled_lr(self.run.critic.optim)
         critic, sp = self.group_for("critic"), self.run.critic.ulysses_sequence_parallel_size
-        critic.run_all(lambda w: w.load_critic.remote(optimizer=True))
+        critic.send_all(lambda w: w.load_critic.remote(optimizer=True))
         per_rank = critic.run_split(lambda w, s: w.critic_update.remote(s, lr), inputs, replicas=sp)
-        critic.run_all(lambda w: w.offload_critic.remote())
+        critic.send_all(lambda w: w.offload_critic.remote())
         return mean_over_ranks(per_rank)
 
     def scheduled_lr(self, optim: Any) -> float:
@@ -539,11 +539,11 @@ class PPOTrainer(RewardModelScoring):
         if not (needed or force):
             return {"sync/streamed": 0.0}
         actor, rollout = self.group_for("actor"), self.group_for("rollout")
-        rollout.run_all(lambda w: w.prepare_weight_update.remote())
-        actor.run_all(lambda w: w.load_actor.remote())
-        rollout.run_all(lambda w: w.rollout_wake_up.remote(["weights"]))
+        rollout.send_all(lambda w: w.prepare_weight_update.remote())
+        actor.send_all(lambda w: w.load_actor.remote())
+        rollout.send_all(lambda w: w.rollout_wake_up.remote(["weights"]))
         per_rank = self.groups.stream_weights(version)  # in place, or by broadcast to a rollout pool
-        actor.run_all(lambda w: w.offload_actor.remote(params=True, optimizer=False))
+        actor.send_all(lambda w: w.offload_actor.remote(params=True, optimizer=False))
         return {**mean_over_ranks(per_rank), "sync/streamed": 1.0}
 
     @property

@@ -156,6 +156,8 @@ class RoleGroups:
             started.add(pool_name)
             by_role.update(dict.fromkeys(roles, group))
         groups = cls(by_role)
+        if len(groups.unique()) == 1:  # moves need no round trip of their own (`WorkerGroup.send_all`)
+            groups.unique()[0].defer_moves = True
         groups.auto_settings = announce_resolved(groups.unique())  # one line printed, the values kept
         groups.bind_cpus(pools, cpus)
         if "rollout" in by_role and by_role["rollout"] is not by_role["actor"]:
@@ -183,14 +185,15 @@ class RoleGroups:
         for group in self.unique():
             group.run_shards(lambda w, cpus: w.bind_cpus.remote(cpus), by_pool[id(group.pool)])
 
-    def engines_need_stream(self) -> tuple[bool, int]:
+    def engines_need_stream(self) -> tuple[bool, int | None]:
         """Whether the rollout engines need the actor's weights, as the rollout workers decide from their
-        phase (`WorkerDict.rollout_needs_stream`); and the actor's policy version. In place the worker saw
-        its actor change; a rollout pool is told the version and compares it with the one it holds. Every
-        rank must agree (one collective stream or none); nothing may be queued on the workers."""
-        version = int(self.group_for("actor").run_rank0(lambda w: w.policy_version.remote()))
-        ask = None if self.weight_route is None else version
-        needs = set(self.group_for("rollout").run_all(lambda w: w.rollout_needs_stream.remote(ask)))
+        phase (`WorkerDict.rollout_needs_stream`); and, for a rollout pool, the actor's policy version. In
+        place the worker saw its actor change (no version asked); a rollout pool is told the version and
+        compares it with the one it holds. Every rank must agree (one collective stream or none)."""
+        version = None
+        if self.weight_route is not None:
+            version = int(self.group_for("actor").run_rank0(lambda w: w.policy_version.remote()))
+        needs = set(self.group_for("rollout").run_all(lambda w: w.rollout_needs_stream.remote(version)))
         if len(needs) != 1:
             raise RuntimeError(f"rollout ranks disagree whether their engines need a stream: {sorted(needs)}")
         return needs.pop(), version
