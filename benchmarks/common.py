@@ -120,7 +120,7 @@ def git_commit() -> str:
 def record(title: str, command: str, table: str, payload: dict, block: str = "") -> None:
     """Print the table and a JSON line; append the run to this month's archive and rewrite its block on the
     results page (`benchmarks.results_page`), with the machine, date and commit."""
-    from benchmarks.results_page import Run, record_run
+    from benchmarks.results_page import Run, curated, record_run
 
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     # A shared machine's load decides absolute figures; only ratios from one run's alternating rounds travel
@@ -131,4 +131,7 @@ def record(title: str, command: str, table: str, payload: dict, block: str = "")
     print("JSON " + json.dumps(payload))
     run = Run(title, stamp, machine(), command, table, json.dumps(payload), commit=git_commit(), block=block)
     archive, name = record_run(run, page_path=RESULTS)
-    print(f"recorded: {archive.relative_to(ROOT)} (full run), {RESULTS.relative_to(ROOT)} (block {name})")
+    page = f"{RESULTS.relative_to(ROOT)} (block {name})"
+    if curated(RESULTS.read_text(), name):
+        page = f"not {page}: a curated block, add the run's row by hand"
+    print(f"recorded: {archive.relative_to(ROOT)} (full run); {page}")

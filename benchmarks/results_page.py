@@ -118,6 +118,18 @@ def replace_block(page: str, name: str, block: str) -> str:
     return page[:k] + block + "\n\n" + page[k:]
 
 
+# A block whose rows were put together by hand (several machines and dates in one table) says so on the line
+# after its start marker; a run then goes to the archive only, and its row is added by hand.
+CURATED = "<!-- curated: rows added by hand from the archive; a run does not rewrite this block -->"
+
+
+def curated(page: str, name: str) -> bool:
+    """Whether the page's block of ``name`` is curated (`CURATED`)."""
+    start, _ = markers(name)
+    i = page.find(start)
+    return i >= 0 and page[i + len(start) :].lstrip("\n").startswith(CURATED)
+
+
 def block_names(page: str) -> list[str]:
     """The names of the page's blocks, in page order."""
     return re.findall(r"<!-- bench:(\w+) -->", page)
@@ -158,7 +170,8 @@ def sections_by_month(text: str) -> dict[str, list[str]]:
 
 
 def record_run(run: Run, page_path: Path = PAGE, archive_dir: Path = ARCHIVE_DIR) -> tuple[Path, str]:
-    """Append ``run`` to its month's archive and rewrite its block on the page; returns (archive, block name)."""
+    """Append ``run`` to its month's archive and rewrite its block on the page (not a `curated` one); returns
+    (archive, block name)."""
     month = month_of(run.stamp)
     if month is None:
         raise ValueError(f"run stamp without a date: {run.stamp!r}")
@@ -168,5 +181,6 @@ def record_run(run: Run, page_path: Path = PAGE, archive_dir: Path = ARCHIVE_DIR
     archive.write_text(append_section(old, month, render_section(run)))
     name = run.block or bench_name(run.command, run.title)
     page = page_path.read_text() if page_path.exists() else "# Benchmark results\n"
-    page_path.write_text(replace_block(page, name, render_block(name, run)))
+    if not curated(page, name):
+        page_path.write_text(replace_block(page, name, render_block(name, run)))
     return archive, name

@@ -123,6 +123,19 @@ def test_record_run_writes_archive_and_page(tmp_path):
     assert "| b |" in text and "| 1 |" not in text and "old lora" in text
 
 
+def test_a_curated_block_is_not_rewritten(tmp_path):
+    """A block of hand-picked rows (machines and dates side by side) keeps them: the run goes to the archive."""
+    from benchmarks.results_page import CURATED, curated
+
+    page = tmp_path / "RESULTS.md"
+    page.write_text(_page("weight_sync", "lora").replace("old weight_sync", f"{CURATED}\n| row of a Xeon |"))
+    assert curated(page.read_text(), "weight_sync") and not curated(page.read_text(), "lora")
+    before = page.read_text()
+    archive, name = record_run(_run(table="| new |"), page_path=page, archive_dir=tmp_path / "archive")
+    assert name == "weight_sync" and page.read_text() == before
+    assert "| new |" in archive.read_text()
+
+
 def test_a_run_naming_its_block_keeps_the_modules_other_block(tmp_path):
     """One module, two blocks (trl_side_by_side on the small model and on SmolLM2): the named block is
     rewritten, the module's own block stays."""
