@@ -13,6 +13,7 @@ policy, placement and metrics:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections import defaultdict
@@ -126,10 +127,12 @@ class _RewardManager:
         scores = self._shape(decoded, scores, metrics)
         token_level_scores = torch.zeros((b, decoded.width), dtype=torch.float32, device=decoded.device)
         by_source: dict[str, list[float]] = defaultdict(list)
-        for i, score in enumerate(scores):
-            by_source[decoded.data_sources[i]].append(score)
-            if decoded.lengths[i] > 0:
-                token_level_scores[i, decoded.last_index[i]] = score
+        for source, score in zip(decoded.data_sources, scores):
+            by_source[source].append(score)
+        placed = [i for i, n in enumerate(decoded.lengths) if n > 0]  # an empty response has no token
+        token_level_scores[placed, decoded.last_index[placed]] = torch.tensor(
+            [scores[i] for i in placed], dtype=torch.float32, device=decoded.device
+        )
         values = torch.tensor(scores, dtype=torch.float32)
         metrics.update(
             {
@@ -170,12 +173,14 @@ class _RewardManager:
                 raise ValueError(f"{name}: batch has {len(values)} {field} values for {b} samples")
         positions = torch.arange(tr, device=responses.device).expand(b, tr)  # [B, Tr]
         last_index = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values  # [B]
-        texts = self.tokenizer.batch_decode(
-            [responses[i][mask[i]].tolist() for i in range(b)], skip_special_tokens=True
-        )
+        lengths = mask.sum(dim=1).tolist()
+        valid = responses[mask].tolist()  # every row's valid tokens, row after row: one tensor op, not B
+        ends = list(itertools.accumulate(lengths))
+        rows = [valid[end - n : end] for n, end in zip(lengths, ends)]
+        texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
         return _Decoded(
             texts=list(texts),
-            lengths=mask.sum(dim=1).tolist(),
+            lengths=lengths,
             last_index=last_index,
             data_sources=[str(s) for s in data_sources],
             ground_truths=ground_truths,

@@ -104,6 +104,36 @@ def test_batch_manager_calls_once_with_lists(tokenizer):
     assert metrics["reward/errors"] == 0.0
 
 
+def test_decode_reads_masked_tokens_of_each_row(tokenizer):
+    """Multi-turn masks have holes (observation tokens): each row decodes only its response_mask tokens, an
+    empty row decodes to "" and scores nothing, and the score sits on the row's last masked token."""
+    seen = []
+
+    def batch_fn(data_sources, solution_strs, ground_truths, extra_infos):
+        seen.extend(solution_strs)
+        return [0.25 * (i + 1) for i in range(len(solution_strs))]
+
+    batch = _batch(tokenizer, ["1 2 3 4", "5 6", "", "7 8 9"], ["0"] * 4)
+    mask = batch.response_mask.clone()
+    mask[0, 1:3] = 0  # an observation in the middle of row 0
+    mask[2] = 0  # row 2: nothing sampled
+    mask[3, 0] = 0  # row 3 starts with an observation
+    batch.response_mask = mask
+    scores, metrics = BatchRewardManager(tokenizer, batch_fn)(batch)
+    want = [
+        tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
+        for r, m in zip(batch.responses, mask)
+    ]
+    assert seen == want and seen[2] == "" and seen[0] != "1 2 3 4"
+    last = [max((j for j in range(TR) if mask[i, j]), default=None) for i in range(4)]
+    expected = torch.zeros(4, TR)
+    for i, j in enumerate(last):
+        if j is not None:
+            expected[i, j] = 0.25 * (i + 1)
+    assert torch.equal(scores, expected)
+    assert metrics["reward/empty_responses"] == 1.0
+
+
 def test_batch_manager_dicts_default_and_errors(tokenizer):
     batch = _batch(tokenizer, ["is 7", "is 8"], ["7", "7"])
     scores, metrics = BatchRewardManager(tokenizer)(batch)  # default: the built-in rules per sample
