@@ -41,8 +41,8 @@ _PLANS: weakref.WeakKeyDictionary[torch.nn.Module, _Plan | None] = weakref.WeakK
 
 @dataclass(frozen=True)
 class _Plan:
-    kernels: list[tuple[str, torch.nn.Module]]
-    attention: list[torch.nn.Module]
+    kernels: list[tuple[str, Any]]  # vLLM layers (their quant_method, loaders: untyped here)
+    attention: list[Any]
 
 
 class NameRecorder:
@@ -106,7 +106,7 @@ def _fresh_weight(layer: torch.nn.Module, poison: bool) -> torch.Tensor:
 
     info = LAYERWISE_INFO[layer]
     with info.restore_device:
-        tensor = materialize_meta_tensor(info.restore_metadata[0]["weight"])  # attributes: a copy
+        tensor: Any = materialize_meta_tensor(info.restore_metadata[0]["weight"])  # attributes: a copy
     if poison:
         tensor.data.fill_(float("nan"))
     # A layerwise reload wraps the recorded tensor's loader in its own, which, outside that reload, drops
@@ -125,7 +125,7 @@ def _reload(worker: Any, stream: Iterable[tuple[str, torch.Tensor]], poison: boo
     plan = _plan(model)
     assert plan is not None, "direct_reload.reload on a model `applies` refuses"
     with set_current_vllm_config(worker.vllm_config):
-        packed: list[tuple[str, torch.nn.Module, dict[str, torch.nn.Parameter]]] = []
+        packed: list[tuple[str, Any, dict[str, torch.nn.Parameter]]] = []
         for name, layer in plan.kernels:
             kernel = dict(layer._parameters)
             if type(layer.quant_method) is linear_kind and layer.weight.numel() == 0:  # packed away
