@@ -12,7 +12,7 @@ offload, wake, sleep; no answer) of a run whose roles all share one group: those
 next awaited call answers for them too. One caller's calls to an actor run in the order they were sent (a
 Ray actor with one thread for its default concurrency group; the health methods run on a thread of their
 own), so a worker still moves its memory before the call after the move, and a round trip per move is
-saved (14 of a GRPO step's 21 calls were moves). With several groups every call waits: a move on one
+saved (a GRPO step waited on 20 calls, 11 of them moves). With several groups every call waits: a move on one
 group must not overlap another group's phase on the same devices.
 
 Several groups may share one pool (one worker of each per slot, e.g. the reference apart from the fused
@@ -288,9 +288,8 @@ class WorkerGroup:
         if not self.defer_moves:
             self.run_all(call)
             return
-        recorders = [CallRecorder(w) for w in self.workers]
-        refs = [call(r) for r in recorders]
-        self._unawaited += [(ref, rank, recorders[0].method) for rank, ref in enumerate(refs)]
+        sent = self.submit_all(call)
+        self._unawaited += [(ref, rank, sent.phase) for rank, ref in enumerate(sent.refs)]
 
     def run_rank0(self, call: Callable[[Any], ray.ObjectRef]) -> Any:
         """Call rank 0 only; its result."""
