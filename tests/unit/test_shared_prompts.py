@@ -82,6 +82,31 @@ def test_layout_by_hand():
     assert prompt_groups(batch) == [[0, 1]]
 
 
+def test_layout_by_hand_interleaved_groups_and_an_empty_response():
+    """A group whose rows are not adjacent (rows 0 and 2 share [11, 12]), a row with no response, prompts of
+    different lengths: every index of the row and its one attention call, worked out by hand."""
+    from fusedrl.batch import RolloutBatch
+
+    batch = RolloutBatch(
+        prompts=torch.tensor([[0, 11, 12], [13, 14, 15], [0, 11, 12]]),
+        prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1]]),
+        responses=torch.tensor([[21, 0], [41, 42], [0, 0]]),
+        response_mask=torch.tensor([[1, 0], [1, 1], [0, 0]]),
+        batch_size=[3],
+    )
+    assert prompt_groups(batch) == [[0, 2], [1]]
+    packed = pack_batch(batch, share_prompts=True)
+    assert packed.input_ids.tolist() == [[11, 12, 21, 13, 14, 15, 41, 42]]  # group [0, 2], then group [1]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
+    assert packed.pred_index.tolist() == [1, 5, 6]  # 21 from 12, 41 from 15, 42 from 41
+    assert packed.targets.tolist() == [21, 41, 42]
+    ((src, dst, tokens),) = packed.model_kwargs[cpu_attention.SHARED_LAYOUT_KWARG]
+    # samples shortest first: row 2 (its prompt only), row 0, row 1; padding repeats the last token
+    assert src.tolist() == [[0, 1, 1, 1, 1], [0, 1, 2, 2, 2], [3, 4, 5, 6, 7]]
+    assert dst.tolist() == [5, 6, 7, 10, 11, 12, 13, 14]  # the shared prompt reads row 0's slots
+    assert tokens.tolist() == list(range(8))
+
+
 def test_fewer_tokens_and_the_padded_numbers():
     """Log-probs, entropy and every gradient equal the padded forward's and the whole-row packing's."""
     model, batch = _model(), _grouped_batch()
