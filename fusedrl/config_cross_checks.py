@@ -127,6 +127,33 @@ def _engine(run: Any, found: list[str]) -> None:
         )
     if run.critic.model.attn_implementation != run.model.attn_implementation:  # else reported once
         found.extend(attn_problems(run.critic.model.attn_implementation, "critic.model.attn_implementation"))
+    if r.calculate_log_probs is False:
+        found.extend(no_log_probs_problems(run))
+
+
+def no_log_probs_problems(run: Any) -> list[str]:
+    """``actor_rollout_ref.rollout.calculate_log_probs=false`` against what reads the rollout's log-probs: the
+    rollout correction, a numeric rollout check, the asynchronous and partial-rollout trainers."""
+    key, rc = "`actor_rollout_ref.rollout.calculate_log_probs`=false", run.algorithm.rollout_correction
+    found: list[str] = []
+    if rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None:
+        found.append(
+            f"{key} with algorithm.rollout_correction (rollout_is / rollout_rs / bypass_mode): the correction "
+            "reads the rollout's log-probs of every sample. Set calculate_log_probs=auto (or true)."
+        )
+    tol = run.trainer.rollout_check_tol
+    if tol is not None and tol != "auto":
+        found.append(
+            f"{key} with `trainer.rollout_check_tol`={tol}: the check compares the rollout's log-probs with the "
+            "actor's. Set calculate_log_probs=auto (the check's steps) or rollout_check_tol=null."
+        )
+    staleness = run.async_training.max_staleness
+    if run.async_training.partial_rollout is True or (isinstance(staleness, int) and staleness > 0):
+        found.append(
+            f"{key} with asynchronous training / partial rollout (async_training.*): their updates weight each "
+            "sample by the policy that generated it, from the rollout's log-probs. Set calculate_log_probs=auto."
+        )
+    return found
 
 
 def _traits(name: Any) -> Any:

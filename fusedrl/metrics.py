@@ -21,7 +21,8 @@ def batch_metrics(
 ) -> Metrics:
     """Scores, advantages, lengths, the rollout-vs-actor log-prob gap and throughput of one step's batch.
     The gap (`fusedrl.log_prob_gap`) from the batch's log-probs, or ``gap``: its metrics as the workers that
-    hold them answered (`fusedrl.trainer.actor_calls`)."""
+    hold them answered (`fusedrl.trainer.actor_calls`); ``{}``: the rollout computed no log-probs this step
+    (`fusedrl.trainer.step_plan.rollout_log_probs_wanted`), no gap metrics."""
     mask = batch.response_mask.float()  # [B, Tr]
     lengths = mask.sum(-1)  # [B]
     scores = batch.token_level_scores.sum(-1)  # [B]
@@ -53,8 +54,7 @@ def batch_metrics(
         "response_length/clip_ratio": float((real.sum(-1) >= mask.shape[1]).float().mean()),
         "prompt_length/mean": prompt_tokens / batch.num_samples,
         # Rollout vs trainer log-probs of the same tokens: ~0 when the weight sync is right.
-        "rollout/log_prob_abs_diff_mean": gap["rollout/log_prob_abs_diff_mean"],
-        "rollout/log_prob_abs_diff_max": gap["rollout/log_prob_abs_diff_max"],
+        **gap,
         "perf/total_num_tokens": prompt_tokens + float(real.sum()),
         "perf/throughput": (prompt_tokens + float(real.sum())) / max(step_time, 1e-9),
         "training/global_step": float(global_step),

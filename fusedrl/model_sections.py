@@ -274,6 +274,7 @@ class RolloutConfig:
     max_num_batched_tokens: int
     max_model_len: int | None
     disable_log_stats: bool
+    calculate_log_probs: bool | str  # "auto": `fusedrl.trainer.step_plan.rollout_log_probs_wanted`
     enable_rollout_routing_replay: bool  # MoE: the actor's / reference's forwards use the engine's experts
     record_routed_experts: bool  # MoE: the engine's experts recorded (implied by routing replay)
     multi_turn: MultiTurnConfig  # the agent package's own section type
@@ -331,6 +332,11 @@ class RolloutConfig:
                 f"`{key}.sleep_level`={self.sleep_level!r}: use 1 (keep a host copy of the engine's weights "
                 "while asleep), 2 (discard them; they are re-streamed before the next rollout) or auto (2 on "
                 "CUDA, 1 under LoRA and on CPU)."
+            )
+        if self.calculate_log_probs not in (True, False, "auto"):
+            found.append(
+                f"`{key}.calculate_log_probs`={self.calculate_log_probs!r}: use true (the engine's log-probs of "
+                "every sample), false (none) or auto (where the step reads them, and on the rollout check's steps)."
             )
         temperature = check_number(self.temperature, f"{key}.temperature", found, float)
         if temperature is not None and not temperature > 0:

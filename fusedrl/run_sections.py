@@ -331,6 +331,7 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: int | None
     max_consecutive_skipped_steps: int
     rollout_check_tol: float | str | None
+    rollout_check_freq: int
     step_timeout_s: float | None
     preemption_save_timeout_s: float | None
     ray_num_cpus: int | None
@@ -366,6 +367,9 @@ class TrainerConfig:
                 float(tol)
             except (TypeError, ValueError):
                 found.append(f"`trainer.rollout_check_tol`={tol!r}: use auto, null or a number (e.g. 1e-3).")
+        freq = check_number(self.rollout_check_freq, "trainer.rollout_check_freq", found)
+        if freq is not None and freq < 1:
+            found.append(f"`trainer.rollout_check_freq`={freq}: must be >= 1 (1: every step).")
         for key, limit in (
             ("step_timeout_s", self.step_timeout_s),
             ("preemption_save_timeout_s", self.preemption_save_timeout_s),

@@ -21,3 +21,6 @@ class SampleParams:
     # batch generate does; a cumulative output of every request at every step costs ~10% on the tiny model);
     # `pause` refuses it. The agent runner's requests (single-turn generation included) are not pausable.
     pausable: bool = True
+    # False: the engine does not compute the sampled tokens' log-probs (an empty list comes back); a training
+    # step asks for them only where something reads them (`fusedrl.trainer.step_plan.rollout_log_probs_wanted`).
+    log_probs: bool = True

@@ -150,7 +150,6 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
         "training rollouts always sample (val_kwargs.do_sample: validation)",
     ),
     ("actor_rollout_ref.rollout.ignore_eos", "generation stops at EOS"),
-    ("actor_rollout_ref.rollout.calculate_log_probs", "the rollout's log-probs are always kept"),
     ("actor_rollout_ref.rollout.logprobs_mode", "always processed_logprobs (after temperature)"),
     ("actor_rollout_ref.rollout.skip_tokenizer_init", "the engine never loads a tokenizer"),
     ("actor_rollout_ref.rollout.cudagraph_capture_sizes", _SAME_ENGINE),

@@ -24,9 +24,10 @@ if TYPE_CHECKING:
     from fusedrl.trainer.ppo_trainer import PPOTrainer
 
 
-def log_probs_stayed(batch: RolloutBatch) -> bool:
-    """Whether the batch's rollout log-probs stayed on the workers that sampled them (not on the driver)."""
-    return batch.rollout_log_probs is None and batch.resident_rows is not None
+def log_probs_stayed(trainer: PPOTrainer, batch: RolloutBatch) -> bool:
+    """Whether the batch's rollout log-probs stayed on the workers that sampled them (not on the driver; a
+    rollout that computed none, `step_plan.rollout_log_probs_wanted`, left none anywhere)."""
+    return batch.rollout_log_probs is None and trainer.resident.holds(batch, "rollout_log_probs")
 
 
 def compute_log_probs(trainer: PPOTrainer, batch: RolloutBatch) -> RolloutBatch:
@@ -39,7 +40,7 @@ def compute_log_probs(trainer: PPOTrainer, batch: RolloutBatch) -> RolloutBatch:
     actor.send_all(lambda w: w.load_actor.remote())  # a no-op after a rollout (it brought them back)
     spp, sp = trainer.adv_traits.needs_sum_pi_squared, trainer.actor_sp
     call = lambda w, s: w.actor_compute_log_prob.remote(s, t, spp)  # noqa: E731
-    if log_probs_stayed(batch):  # kept there for the update; the gap comes back
+    if log_probs_stayed(trainer, batch):  # kept there for the update; the gap comes back
         trainer.resident.run_split(actor, call, batch, inputs, sp, keep="old_log_probs", gap=True)
         return batch
     parts = trainer.resident.run_split(actor, call, batch, inputs, sp)
@@ -67,7 +68,7 @@ def update_actor(trainer: PPOTrainer, batch: RolloutBatch) -> Metrics:
     actor.send_all(lambda w: w.load_actor.remote(optimizer=True))
     if from_forward:
         call = lambda w, s: w.actor_update_old_from_forward.remote(s, t, lr)  # noqa: E731
-        gap = log_probs_stayed(batch)  # then the workers answer the gap, not the old log-probs
+        gap = log_probs_stayed(trainer, batch)  # then the workers answer the gap, not the old log-probs
         pairs = trainer.resident.run_split(actor, call, batch, fields, sp, gap=gap)
         if not gap:
             batch.old_log_probs = actor.gather_tensors([p[1] for p in pairs], batch)  # [B, Tr]

@@ -306,7 +306,9 @@ class PPOTrainer(RewardModelScoring):
         for round_index in itertools.count():
             prompts = self.next_prompts()
             with timer("gen", metrics), self.resident.staying(self.fields_staying(prompts)):
-                batch = self.generate(prompts, seed_offset=round_index)
+                batch = self.generate(
+                    prompts, seed_offset=round_index, log_probs=self.rollout_log_probs_wanted
+                )
             with timer("reward", metrics):
                 batch = self.compute_rewards(batch, metrics)
             if self.adv_traits.needs_greedy_baseline:
@@ -371,7 +373,7 @@ class PPOTrainer(RewardModelScoring):
         return step_plan.sampling(self.run, validate)
 
     def generate(
-        self, prompts: RolloutBatch, *, validate: bool = False, seed_offset: int = 0
+        self, prompts: RolloutBatch, *, validate: bool = False, seed_offset: int = 0, log_probs: bool = True
     ) -> RolloutBatch:
         """Repeat each prompt ``n`` times and sample one response per row on the rollout workers.
 
@@ -379,13 +381,17 @@ class PPOTrainer(RewardModelScoring):
         stale: an update since the last stream, or a level-2 sleep threw them away) -> wake the engine -> generate ->
         the engine sleeps -> the actor's parameters come back for the log-prob passes. Each row gets its
         own sampling seed (`step_plan.sample_seeds`), so a resumed run regenerates the same samples.
+        ``log_probs``: the engine's log-probs of its samples (``rollout_log_probs``; never for validation); a
+        training step asks for them where it reads them (`rollout_log_probs_wanted`).
         """
         batch, to_send = self.generation_request(prompts, validate, seed_offset, self.global_step)
         tp = self.run.rollout.tensor_model_parallel_size
         rollout = self.group_for("rollout")
         self.sync_weights()  # the rollout workers decide whether their engines need the weights
         rollout.send_all(lambda w: w.rollout_wake_up.remote(["weights", "kv_cache"]))
-        sampling, fields = self.sampling(validate), self.response_fields
+        log_probs = log_probs and not validate
+        sampling = dataclasses.replace(self.sampling(validate), log_probs=log_probs)
+        fields = [f for f in self.response_fields if log_probs or f != "rollout_log_probs"]
         keep = self.resident.request(rollout, tp, self.global_step, validate, fields)
         shards = rollout.run_split(
             lambda w, s: w.rollout_generate_fields.remote(s, sampling, fields, keep), to_send, replicas=tp
@@ -399,6 +405,11 @@ class PPOTrainer(RewardModelScoring):
     ) -> tuple[RolloutBatch, RolloutRequest]:
         """One generation call's rows (prompts ``n`` times, seeds of ``step``) and the request sent."""
         return step_plan.generation_request(self.run, prompts, validate, seed_offset, step, self.multi_turn)
+
+    @property
+    def rollout_log_probs_wanted(self) -> bool:
+        """Whether this step's rollout asks the engine for log-probs (`step_plan.rollout_log_probs_wanted`)."""
+        return step_plan.rollout_log_probs_wanted(self.run, self.global_step)
 
     @property
     def response_fields(self) -> list[str]:
@@ -563,6 +574,9 @@ class PPOTrainer(RewardModelScoring):
 
     # ------------------------------------------------------------------ metrics
     def batch_metrics(self, batch: RolloutBatch, step_time: float) -> Metrics:
-        """Per-step metrics of the finished batch (`fusedrl.metrics.batch_metrics`); a hook to extend."""
-        gap = self.resident.log_prob_gap if actor_calls.log_probs_stayed(batch) else None
+        """Per-step metrics of the finished batch (`fusedrl.metrics.batch_metrics`); a hook to extend. No
+        ``rollout/log_prob_abs_diff_*`` on a step whose rollout computed no log-probs."""
+        gap = self.resident.log_prob_gap if actor_calls.log_probs_stayed(self, batch) else None
+        if gap is None and batch.rollout_log_probs is None:
+            gap = {}
         return batch_metrics(batch, step_time, self.global_step, gap)

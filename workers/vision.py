@@ -263,7 +263,8 @@ def cut_at_vision_tokens(batch: RolloutBatch, vision_ids: Sequence[int], pad_tok
     keep = (hit.long().cumsum(dim=1) == 0).long()  # [B, Tr]
     batch.response_mask = batch.response_mask * keep
     batch.responses = torch.where(keep.bool(), batch.responses, pad_token_id)
-    batch.rollout_log_probs = batch.rollout_log_probs * keep
+    if batch.rollout_log_probs is not None:  # None: not asked for this step
+        batch.rollout_log_probs = batch.rollout_log_probs * keep
     return batch
 
 

@@ -141,6 +141,7 @@ class TurnSampling:
     top_p: float = 1.0
     top_k: int = -1
     stop_token_id: int = 0
+    log_probs: bool = True  # False: the engine computes none (`fusedrl.sampling.SampleParams.log_probs`)
 
 
 def turn_seed(row_seed: int | None, turn: int) -> int | None:
@@ -292,6 +293,7 @@ class AgentRunner:
             stop_token_ids=(s.stop_token_id,),
             seed=turn_seed(traj.seed, turn),
             pausable=pausable,
+            log_probs=s.log_probs,
         )
         return f"{index}.{turn}", params
 

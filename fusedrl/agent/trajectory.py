@@ -56,6 +56,9 @@ class Trajectory:
     def add_sampled(self, ids: list[int], log_probs: list[float], text: str) -> None:
         versions = self.turn_versions if self.turn_versions is not None else [0] * len(ids)
         self.turn_versions = None
+        # No log-probs: the turn did not ask for them (`SampleParams.log_probs`); 0.0 keeps the lists aligned
+        # and the batch then carries no rollout_log_probs at all.
+        log_probs = log_probs if log_probs else [0.0] * len(ids)
         ids, log_probs = ids[: self.remaining], log_probs[: self.remaining]
         self.versions += list(versions[: len(ids)]) + [0] * (len(ids) - len(versions))
         self.response_ids += ids

@@ -4,7 +4,8 @@ Each engine is built the way the fused worker builds it (its registry entry's ``
 `EngineContext`), in a spawned one-rank process, and must:
 
 * sample what the model says: the log-probs it returns are the float32 model's at the sampling temperature;
-  one sampling seed per row gives the same tokens again; greedy follows the model's argmax;
+  one sampling seed per row gives the same tokens again, with or without log-probs (asked for none, it
+  answers none); greedy follows the model's argmax;
 * follow the actor: after a weight stream (for an engine on the actor's own module: after the actor changes)
   its log-probs are the new weights';
 * keep its traits: after ``sleep(2)`` an engine whose level 2 discards the weights says so and refuses a
@@ -121,6 +122,12 @@ def _body(port: int, args: str, out: str) -> None:
     r["masks_prefix"] = bool((first.response_mask.cummin(dim=1).values == first.response_mask).all())
     r["again_equal"] = torch.equal(sample().responses, first.responses)
     r["other_seeds_differ"] = not torch.equal(sample((21, 22, 23)).responses, first.responses)
+    # A rollout asked for no log-probs (the steps that read none, `step_plan.rollout_log_probs_wanted`)
+    # samples the same tokens, and answers no rollout_log_probs at all.
+    seeded = base.clone()
+    seeded.sample_seeds = torch.tensor([11, 12, 13])
+    quiet = rollout.generate(seeded, replace(sampling, log_probs=False))
+    r["no_log_probs"] = (torch.equal(quiet.responses, first.responses), quiet.rollout_log_probs is None)
     r["gap"] = float((first.rollout_log_probs - model_log_probs(actor, first)).abs().max())
     g = rollout.generate(base.clone(), greedy)
     prompts = [base.prompts[i][base.prompt_mask[i].bool()].tolist() for i in range(base.num_samples)]
@@ -224,6 +231,7 @@ def test_engine_contract(name, tiny_model_dir, tmp_path):
     assert r["param_dtype"] == "torch.float32"
     assert r["masks_prefix"]
     assert r["again_equal"] and r["other_seeds_differ"], r
+    assert r["no_log_probs"] == (True, True), r
     # float32 on both sides: the engine's log-probs are the model's (vLLM's kernels: ~1e-5)
     assert r["gap"] < 1e-3 and r["gap_after_update"] < 1e-3 and r["gap_after_sleep"] < 1e-3, r
     assert all(r["greedy_equal"]), r

@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 EP = [
     f"actor_rollout_ref.{role}.fsdp_config.turbo_config.distributed.expert_parallel_size=2"
     for role in ("actor", "ref")
-]
+] + ["actor_rollout_ref.rollout.calculate_log_probs=true"]  # the sync checked on every step, not only 1, 2
 
 
 @pytest.fixture(scope="module")

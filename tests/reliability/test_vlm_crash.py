@@ -13,7 +13,10 @@ from vlm_support import tiny_vlm_and_shapes
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("vllm")
 
-VLM = ["data.max_prompt_length=48"]  # driver_args' 2 fused workers: each rank's rows and their images
+VLM = [
+    "data.max_prompt_length=48",  # driver_args' 2 fused workers: each rank's rows and their images
+    "actor_rollout_ref.rollout.calculate_log_probs=true",  # the engine's log-probs checked on every step
+]
 
 
 def test_image_run_sigkill_mid_step_then_resume_equals_uninterrupted(reward_file, tmp_path_factory, tmp_path):

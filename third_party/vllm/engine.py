@@ -202,7 +202,7 @@ def _sampling_params(params: SampleParams):
         stop_token_ids=list(params.stop_token_ids),
         seed=params.seed,
         ignore_eos=params.ignore_eos,
-        logprobs=0,  # the sampled token's log-prob only
+        logprobs=0 if params.log_probs else None,  # the sampled token's log-prob only, where asked
         detokenize=False,
         flat_logprobs=True,  # one float per token, no dict (third_party/vllm/outputs.py)
         output_kind=RequestOutputKind.CUMULATIVE if params.pausable else RequestOutputKind.FINAL_ONLY,

@@ -26,13 +26,17 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
 
 def completion(out: Any) -> tuple[list[int], list[float], str]:
     """``(token_ids, log_probs, finish_reason)`` of a single-sample request output; ``finish_reason`` is
-    ``"length"`` when ``max_tokens`` ended it, else ``"stop"``."""
+    ``"length"`` when ``max_tokens`` ended it, else ``"stop"``. ``log_probs`` is empty for a request that asked
+    for none (``logprobs=None``: vLLM then holds no container at all; one that asked always gets one)."""
     first = out.outputs[0]
     token_ids = list(first.token_ids)
+    reason = "length" if first.finish_reason == "length" else "stop"
+    if first.logprobs is None:
+        return token_ids, [], reason
     logprobs = sampled_logprobs(token_ids, first.logprobs)
     if len(logprobs) != len(token_ids):
         raise RuntimeError(
             f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens; "
             "logprobs=0 should give one per sampled token"
         )
-    return token_ids, logprobs, "length" if first.finish_reason == "length" else "stop"
+    return token_ids, logprobs, reason

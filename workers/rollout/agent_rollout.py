@@ -68,7 +68,11 @@ class AgentRollout(EngineRollout):
             with self.recorder.recording():
                 trajs = run()
         attach_trajectories(
-            batch, trajs, max_response_length=self.max_response_length, pad_token_id=self.pad_token_id
+            batch,
+            trajs,
+            max_response_length=self.max_response_length,
+            pad_token_id=self.pad_token_id,
+            log_probs=sampling.log_probs,
         )
         if self.recorder is not None:  # each sampled token's experts, from the turn that sampled it
             batch.routed_experts = self.recorder.trajectory_rows(batch, [t.turn_starts for t in trajs])
@@ -102,24 +106,31 @@ def agent_rows(batch: RolloutBatch) -> list[dict[str, Any]]:
 
 
 def attach_trajectories(
-    batch: RolloutBatch, trajs: Sequence[Trajectory], *, max_response_length: int, pad_token_id: int
+    batch: RolloutBatch,
+    trajs: Sequence[Trajectory],
+    *,
+    max_response_length: int,
+    pad_token_id: int,
+    log_probs: bool = True,
 ) -> RolloutBatch:
-    """Set one trajectory per row of ``batch`` on it (the fields of the module docstring)."""
+    """Set one trajectory per row of ``batch`` on it (the fields of the module docstring); ``log_probs``
+    False: the engine computed none, ``rollout_log_probs`` is None."""
     b, tr = batch.num_samples, max_response_length
     responses = torch.full((b, tr), pad_token_id, dtype=torch.long)  # [B, Tr]
     mask = torch.zeros((b, tr), dtype=torch.long)  # [B, Tr]
     attn = torch.zeros((b, tr), dtype=torch.long)  # [B, Tr]
-    log_probs = torch.zeros((b, tr), dtype=torch.float32)  # [B, Tr]
+    values = torch.zeros((b, tr), dtype=torch.float32)  # [B, Tr]
     for i, t in enumerate(trajs):
         n = len(t.response_ids)  # <= Tr: the runner keeps every trajectory within the budget
         responses[i, :n] = torch.as_tensor(t.response_ids, dtype=torch.long)
         mask[i, :n] = torch.as_tensor(t.mask, dtype=torch.long)
         attn[i, :n] = 1
-        log_probs[i, :n] = torch.as_tensor(t.log_probs, dtype=torch.float32)
+        if log_probs:
+            values[i, :n] = torch.as_tensor(t.log_probs, dtype=torch.float32)
     batch.responses = responses
     batch.response_mask = mask
     batch.response_attention_mask = attn
-    batch.rollout_log_probs = log_probs
+    batch.rollout_log_probs = values if log_probs else None
     batch.agent_stats = torch.tensor([t.stat_row() for t in trajs], dtype=torch.float32).view(
         b, len(STAT_NAMES)
     )  # [B, K]

@@ -26,6 +26,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = -1
     do_sample: bool = True
+    log_probs: bool = True  # False: the rollout answers no ``rollout_log_probs`` (None)
 
 
 def turn_sampling(sampling: SamplingConfig, *, stop_token_id: int) -> TurnSampling:
@@ -38,6 +39,7 @@ def turn_sampling(sampling: SamplingConfig, *, stop_token_id: int) -> TurnSampli
         top_p=sampling.top_p,
         top_k=sampling.top_k,
         stop_token_id=stop_token_id,
+        log_probs=sampling.log_probs,
     )
 
 
@@ -49,6 +51,7 @@ def sample_params(sampling: SamplingConfig, *, stop_token_id: int) -> SamplePara
         top_p=sampling.top_p,
         top_k=sampling.top_k,
         stop_token_ids=(stop_token_id,),
+        log_probs=sampling.log_probs,
     )
 
 
@@ -146,20 +149,23 @@ def attach_responses(
     *,
     max_response_length: int,
     pad_token_id: int,
+    log_probs: bool = True,
 ) -> RolloutBatch:
-    """Right-pad ``(token_ids, log_probs)`` samples to ``[B, Tr]`` and set them on ``batch``."""
+    """Right-pad ``(token_ids, log_probs)`` samples to ``[B, Tr]`` and set them on ``batch``; ``log_probs``
+    False: the engine computed none, ``rollout_log_probs`` is None."""
     b = batch.num_samples
     responses = torch.full((b, max_response_length), pad_token_id, dtype=torch.long)  # [B, Tr]
     response_mask = torch.zeros((b, max_response_length), dtype=torch.long)  # [B, Tr]
-    log_probs = torch.zeros((b, max_response_length), dtype=torch.float32)  # [B, Tr]
+    values = torch.zeros((b, max_response_length), dtype=torch.float32)  # [B, Tr]
     for i, (ids, lps) in enumerate(samples):
         n = min(len(ids), max_response_length)
         responses[i, :n] = torch.as_tensor(list(ids[:n]), dtype=torch.long)
         response_mask[i, :n] = 1
-        log_probs[i, :n] = torch.as_tensor(list(lps[:n]), dtype=torch.float32)
+        if log_probs:
+            values[i, :n] = torch.as_tensor(list(lps[:n]), dtype=torch.float32)
     batch.responses = responses
     batch.response_mask = response_mask
-    batch.rollout_log_probs = log_probs
+    batch.rollout_log_probs = values if log_probs else None
     return batch
 
 
@@ -206,6 +212,7 @@ class EngineRollout:
             [(t.response_ids, t.log_probs) for t in trajs],
             max_response_length=self.max_response_length,
             pad_token_id=self.pad_token_id,
+            log_probs=sampling.log_probs,
         )
 
     def update_weights(
@@ -229,7 +236,11 @@ class EngineRollout:
         images = [row.images[0] for row in batch.field_list("multi_modal_inputs")]  # each row: its images
         samples = self.engine.generate(unpadded_prompts(batch), params, seeds, images=images)
         batch = attach_responses(
-            batch, samples, max_response_length=self.max_response_length, pad_token_id=self.pad_token_id
+            batch,
+            samples,
+            max_response_length=self.max_response_length,
+            pad_token_id=self.pad_token_id,
+            log_probs=sampling.log_probs,
         )
         return cut_at_vision_tokens(batch, self.vision_token_ids, self.pad_token_id)
 

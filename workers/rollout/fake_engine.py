@@ -101,7 +101,8 @@ class FakeEngine:
         else:
             token = int(logp.argmax())
         r.ids.append(token)
-        r.lps.append(float(logp[token]))
+        if r.params.log_probs:  # as vLLM: none at all for a request that asked for none
+            r.lps.append(float(logp[token]))
         if token in r.params.stop_token_ids and not r.params.ignore_eos:
             return "stop"
         return "length" if len(r.ids) >= r.budget else None

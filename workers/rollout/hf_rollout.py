@@ -69,9 +69,11 @@ class HFRollout:
             response_mask[i, :n] = 1
         batch.responses = responses
         batch.response_mask = response_mask
-        # The engine's "own" log-probs: the same model scores its samples (temperature-scaled).
-        log_probs, _ = response_log_probs(self.model, batch, temperature=max(sampling.temperature, 1e-6))
-        batch.rollout_log_probs = log_probs.float() * response_mask
+        # The engine's "own" log-probs: the same model scores its samples (temperature-scaled), where asked.
+        batch.rollout_log_probs = None
+        if sampling.log_probs:
+            log_probs, _ = response_log_probs(self.model, batch, temperature=max(sampling.temperature, 1e-6))
+            batch.rollout_log_probs = log_probs.float() * response_mask
         return batch
 
     def update_weights(
