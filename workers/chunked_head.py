@@ -140,7 +140,9 @@ def whole_token_log_probs(
     the optimal token baseline), or None."""
     if with_entropy and with_sum_pi_squared:
         raise ValueError("token log-probs: ask for the entropy or for sum_pi_squared, not both")
-    logits = logits.float() / temperature  # [..., V]
+    logits = logits.float()  # [..., V]
+    if temperature != 1.0:  # x / 1.0 == x bit for bit: skip a pass over the whole logits
+        logits = logits / temperature
     log_z = torch.logsumexp(logits, dim=-1)  # [...]
     token_logits = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [...]
     extra = entropy_from_logits(logits) if with_entropy else None  # [...]

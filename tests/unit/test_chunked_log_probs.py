@@ -161,6 +161,50 @@ def test_large_logits_stay_finite(monkeypatch):
     assert torch.isfinite(got).all()
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, TEMPERATURE])
+def test_whole_path_divides_by_the_temperature_only_when_it_is_not_one(kind, dtype, temperature):
+    """At temperature 1.0 the whole-logits path skips the division (no ``aten.div`` runs) and its values and
+    gradient equal bit for bit those of the division by 1.0; other temperatures divide."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Divisions(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.div:
+                Divisions.count += 1
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(3, 7, 50, generator=gen) * 4).to(dtype).requires_grad_()  # [B, T, V]
+    targets = torch.randint(0, 50, (3, 7), generator=gen)  # [B, T]
+    g = torch.randn(2, 3, 7, generator=gen)  # [2, B, T]
+    flags = {"with_entropy": False, **KINDS[kind]}
+
+    def loss(lp, x):
+        return (lp * g[0]).sum() + (0.0 if x is None else (x * g[1]).sum())
+
+    with Divisions():
+        lp, x = whole_token_log_probs(logits, targets, temperature=temperature, **flags)
+    assert (Divisions.count == 0) == (temperature == 1.0), Divisions.count
+    (grad,) = torch.autograd.grad(loss(lp, x), logits)
+    # the same math with the division always taken (the code before the skip)
+    z = logits.float() / temperature
+    log_z = torch.logsumexp(z, dim=-1)
+    want_lp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
+    want_x = None
+    if kind == "entropy":
+        want_x = chunked_head.entropy_from_logits(z)
+    elif kind == "sum_pi_squared":
+        want_x = torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * log_z)
+    (want_grad,) = torch.autograd.grad(loss(want_lp, want_x), logits)
+    assert torch.equal(lp, want_lp)
+    assert (x is None and want_x is None) or torch.equal(x, want_x)
+    assert torch.equal(grad, want_grad)
+
+
 # --------------------------------------------------------------------------- through the model
 
 
