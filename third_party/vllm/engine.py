@@ -62,6 +62,7 @@ from fusedrl.third_party.vllm.multimodal import (
     vlm_module_name,
 )
 from fusedrl.third_party.vllm.outputs import completion
+from fusedrl.third_party.vllm.sampler_fastpath import install_sampler_fastpath
 from fusedrl.workers.rollout.base import SampleParams  # engine-neutral; re-exported here
 
 logger = logging.getLogger(__name__)
@@ -311,6 +312,7 @@ class VLLMEngine:
             use_image_only_processor()
         self.llm = LLM(**kwargs)
         torch.set_num_threads = original_set_num_threads
+        install_sampler_fastpath(self.llm)  # CPU only: cheaper seed draw and rank count, same tokens
         if cpu_tp:
             torch.distributed.barrier()  # every rank has mapped every segment of its group
             _unlink_own_cpu_shm()
