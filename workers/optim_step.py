@@ -4,13 +4,14 @@ normaliser for the whole mini-batch across ranks, guarded optimizer steps, metri
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from fusedrl.algorithms import agg_denominator
 from fusedrl.batch import RolloutBatch
@@ -32,10 +33,7 @@ class GuardedStepper:
     consecutive_skipped: int = 0
 
     def __call__(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        value = float(grad_norm)
+        value = float(clip_grad_norm(self.model.parameters(), self.max_norm))
         if math.isfinite(value):
             self.optimizer.step()
             self.consecutive_skipped = 0
@@ -44,6 +42,53 @@ class GuardedStepper:
             self.consecutive_skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
         return value
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm) of the gradients, returning the global norm as a plain
+    tensor (every rank the same). Collective when the gradients are sharded DTensors.
+
+    Where every gradient is a DTensor sharded (``Shard``) on one 1-D mesh (FSDP2's layout) with one device
+    and dtype, the work is done on the local shards, in the DTensor path's operations and order: each
+    shard's norm, the stacked norms squared, summed over ranks by one all-reduce, square-rooted, the norm
+    of those; then every gradient times ``min(max_norm / (norm + 1e-6), 1)``. The norm and the clipped
+    gradients are therefore the same bit for bit, without DTensor's dispatch on every parameter (the tiny
+    model's 27 gradients, 2 gloo ranks, alternating: 4.2-5.6 -> 2.7-4.1 ms median, 2.0-2.6 -> 1.2-1.4 ms
+    min). Any other layout takes PyTorch's own path."""
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    group = _shard_group(grads)
+    if group is None:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    local = [g.to_local() for g in grads]  # type: ignore[union-attr]
+    if local[0].device.type == "cpu":  # on CPU a loop of the same per-tensor kernel, in one call
+        norms = list(torch._foreach_norm(local, 2.0))
+    else:  # elsewhere a foreach kernel may sum in another order: the per-tensor norms DTensor takes
+        norms = [torch.linalg.vector_norm(g, 2.0) for g in local]
+    squares = torch.stack(norms) ** 2.0  # [P] the partial norms, as DTensor reduces them
+    dist.all_reduce(squares, group=group)
+    norm = torch.linalg.vector_norm(squares ** (1.0 / 2.0), 2.0)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(local, coef)  # an elementwise product: the same on every kernel
+    return norm
+
+
+def _shard_group(grads: Sequence[torch.Tensor]) -> dist.ProcessGroup | None:
+    """The process group of the mesh when every one of ``grads`` is a DTensor sharded on the same 1-D
+    mesh (so the squared norms of the local shards add up to the global ones), all of one device and
+    dtype (one group, in PyTorch's grouping, keeps the order of the norms); else None."""
+    if not grads or not isinstance(grads[0], DTensor):
+        return None
+    mesh, kind = grads[0].device_mesh, (grads[0].device, grads[0].dtype)
+    if mesh.ndim != 1:
+        return None
+    for g in grads:
+        if not isinstance(g, DTensor) or g.device_mesh != mesh or (g.device, g.dtype) != kind:
+            return None
+        if not all(isinstance(p, Shard) for p in g.placements):
+            return None
+    return mesh.get_group()
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> None:

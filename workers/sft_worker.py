@@ -35,7 +35,7 @@ from fusedrl.workers.fsdp import (
     shard_for_training,
 )
 from fusedrl.workers.logprob import micro_batches
-from fusedrl.workers.optim_step import defer_grad_sync, grad_sync
+from fusedrl.workers.optim_step import clip_grad_norm, defer_grad_sync, grad_sync
 
 Batch = dict[str, torch.Tensor]
 LR_SCHEDULERS = SCHEDULERS  # `fusedrl.lr_schedule` is their home
@@ -181,10 +181,7 @@ class SFTWorker(DistributedWorker):
         lr = self.current_lr()
         for group in optimizer.param_groups:
             group["lr"] = lr
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(self.config.optim.clip_grad))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        norm = float(grad_norm)
+        norm = float(clip_grad_norm(model.parameters(), float(self.config.optim.clip_grad)))
         if math.isfinite(norm):
             optimizer.step()
         else:
