@@ -217,7 +217,7 @@ def test_bf16_actor_reports_routing_mismatch(tiny_moe_dir, arithmetic_data, tmp_
             "actor_rollout_ref.rollout.temperature=1.0",
             "actor_rollout_ref.actor.fsdp_config.param_dtype=bf16",
             "actor_rollout_ref.ref.fsdp_config.param_dtype=bf16",
-            "trainer.emulated_bf16=allow",  # bf16 on a CPU without native bf16 too (the default switches to float32)
+            "trainer.emulated_bf16=allow",  # bf16 without native bf16 too (the default: float32)
             f"actor_rollout_ref.rollout.{key}=true",
             f"trainer.default_local_dir={tmp_path / 'run'}",
         ]
