@@ -6,7 +6,9 @@ The fused worker's roles (`ActorRole`, `RefRole`, FSDP2 over a real gloo group o
 15-35 real tokens left-padded to 64; responses of up to ``--response-length`` tokens, three quarters at
 full length as from a random model). No Ray, no vLLM: only the passes. Reported per phase: seconds,
 GFLOP/s (FLOPs counted by ``torch.utils.flop_counter`` on the real tokens' forward/backward), and the
-top operators by self CPU time (``torch.profiler``) on rank 0. The ranks run with the allocator a fused worker
+top operators by self CPU time (``torch.profiler``) on rank 0. The bf16 ceiling is measured only where the CPU
+multiplies bf16 natively or the run asks for bf16 (`ceiling_dtypes`; emulated, it takes minutes a round); the
+output says when it was left out. The ranks run with the allocator a fused worker
 gets: tcmalloc preloaded where the machine has it (`fusedrl.trainer.runtime.tcmalloc_path`;
 ``FUSEDRL_TCMALLOC=0``: glibc's malloc), each bound to ``T`` cores of its own (``FUSEDRL_BIND_CPUS=0``: unbound).
 
@@ -97,6 +99,18 @@ def matmul_ceiling(dtype: torch.dtype, reps: int = 5) -> float:
             a @ b
         best = min(best, (time.perf_counter() - t0) / 10)
     return 2 * 2048 * 512 * 1408 / best / 1e9
+
+
+def ceiling_dtypes(param_dtype: str | None, variants: list[str], native: bool) -> tuple[list[str], str]:
+    """The dtypes whose matmul ceiling a run measures, and a note for its output when bf16 is left out.
+
+    float32 always; bfloat16 where the CPU multiplies bf16 in hardware (``native``,
+    `fusedrl.utils.hardware.native_bf16`) or the run asks for bf16 (``--param-dtype bfloat16`` or a ``bf16``
+    variant). Without native bf16 the ceiling's matmul is emulated: ~4.7 s each on an AVX2-only EPYC, 31 of
+    them a round, minutes that a float32 run does not need."""
+    if native or param_dtype in ("bfloat16", "bf16") or any(v.startswith("bf16") for v in variants):
+        return ["float32", "bfloat16"], ""
+    return ["float32"], "bf16 not measured (no native bf16 and no bf16 pass asked for)"
 
 
 def _count_flops(model, batch, micro: int) -> dict[str, float]:
@@ -294,7 +308,7 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
 
     phases = {"old_log_prob": old, "ref": run_ref, "update": update, "hf_fwd_bwd": hf_pass}
     times: dict[str, dict[str, list[float]]] = {v: {p: [] for p in phases} for v in variants}
-    ceilings: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+    ceilings: dict[str, list[float]] = {name: [] for name in args["ceiling_dtypes"]}
     warmup: dict[str, float] = {}  # the first passes of each variant: compiles, if any, happen here
     for variant in variants:
         apply(variant)
@@ -314,9 +328,9 @@ def _measure(rank: int, world: int, args: dict, out: str) -> None:
                 dist.barrier()
                 times[variant][name].append(time.perf_counter() - t0)
         # The ceiling in the same processes, threads and load as the passes (every rank at once, as they run)
-        for dt_name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        for dt_name in ceilings:
             dist.barrier()
-            ceilings[dt_name].append(matmul_ceiling(dt, reps=3))
+            ceilings[dt_name].append(matmul_ceiling(getattr(torch, dt_name), reps=3))
     profiles = {}
     if args["profile"]:
         from torch.profiler import ProfilerActivity, profile
@@ -403,6 +417,7 @@ def main() -> None:
     from fusedrl.trainer.runtime import tcmalloc_preload
     from fusedrl.utils.hardware import native_bf16
 
+    args["ceiling_dtypes"], bf16_note = ceiling_dtypes(a.param_dtype, args["variants"], native_bf16()[0])
     # The ranks get the allocator a fused worker gets (tcmalloc where the machine has it; glibc's malloc
     # faults large activation buffers back in on every allocation: 8-9% of a bf16 update here).
     if "tcmalloc" not in os.environ.get("LD_PRELOAD", ""):
@@ -420,24 +435,31 @@ def main() -> None:
         flops = {"old_log_prob": res["fwd_gflop_per_rank"], "ref": res["fwd_gflop_per_rank"]}
         flops["update"] = flops["hf_fwd_bwd"] = res["fwd_bwd_gflop_per_rank"]
         ceil = {k: statistics.median(v) / threads for k, v in res["ceiling_gflops_per_rank"].items()}
-        ceil_text.append(f"{layout}: fp32 {ceil['float32']:.0f}, bf16 {ceil['bfloat16']:.0f}")
+        bf16_text = f"bf16 {ceil['bfloat16']:.0f}" if "bfloat16" in ceil else bf16_note
+        ceil_text.append(f"{layout}: fp32 {ceil['float32']:.0f}, {bf16_text}")
         for variant, per_phase in res["times"].items():
             cells = []
             for phase in PHASES:
                 t = statistics.median(per_phase[phase])
                 rate = flops[phase] / t / threads  # GFLOP/s per thread, all ranks run alike
                 cells.append(f"{t:.2f} s ({rate:.0f})")
-            dtype = "bfloat16" if variant.startswith("bf16") else (a.param_dtype or "float32")
+            bf16 = variant.startswith("bf16") or a.param_dtype in ("bfloat16", "bf16")
+            dtype = "bfloat16" if bf16 else (a.param_dtype or "float32")
             train = ("old_log_prob", "ref", "update")
             rate = (
                 sum(flops[p] for p in train) / sum(statistics.median(per_phase[p]) for p in train) / threads
             )
-            share = f"{rate:.0f} = {100 * rate / ceil[dtype]:.0f}% of {dtype} {ceil[dtype]:.0f}"
+            if dtype in ceil:
+                share = f"{rate:.0f} = {100 * rate / ceil[dtype]:.0f}% of {dtype} {ceil[dtype]:.0f}"
+            else:
+                share = f"{rate:.0f} (no {dtype} ceiling measured)"
             if a.samples_per_prompt > 1 and "_unshared" not in variant and "packed" in variant:
                 held = {"old_log_prob": res["fwd_gflop_held_per_rank"], "ref": res["fwd_gflop_held_per_rank"]}
                 held["update"] = res["fwd_bwd_gflop_held_per_rank"]
                 executed = sum(held.values()) / sum(statistics.median(per_phase[p]) for p in train) / threads
-                share += f"; executed {executed:.0f} = {100 * executed / ceil[dtype]:.0f}%"
+                share += f"; executed {executed:.0f}" + (
+                    f" = {100 * executed / ceil[dtype]:.0f}%" if dtype in ceil else ""
+                )
             warm = f"{res['warmup_s'][variant]:.1f}"
             rows.append(f"| {layout} | {variant} | " + " | ".join(cells) + f" | {share} | {warm} |")
         for key, table in res["profiles"].items():
