@@ -61,7 +61,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     if group is None:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
-    local = [g.to_local() for g in grads]  # type: ignore[union-attr]
+    local = [g.to_local() for g in grads if isinstance(g, DTensor)]  # all are (`_shard_group`)
     if local[0].device.type == "cpu":  # on CPU a loop of the same per-tensor kernel, in one call
         norms = list(torch._foreach_norm(local, 2.0))
     else:  # elsewhere a foreach kernel may sum in another order: the per-tensor norms DTensor takes
