@@ -43,6 +43,8 @@ def test_completion_refuses_missing_log_probs_and_names_the_finish_reason():
     assert completion(out) == ([5, 9], [-0.25, -1.5], "length")
     out.outputs[0].finish_reason = "stop"
     assert completion(out)[2] == "stop"
-    out.outputs[0].logprobs = None
-    with pytest.raises(RuntimeError, match="0 log-probs for 2 tokens"):
+    out.outputs[0].logprobs = _flat([[(5, -0.25, 1)]])  # asked for (a container), one short
+    with pytest.raises(RuntimeError, match="1 log-probs for 2 tokens"):
         completion(out)
+    out.outputs[0].logprobs = None  # not asked for (SampleParams.log_probs=False): none, no error
+    assert completion(out) == ([5, 9], [], "stop")
