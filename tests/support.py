@@ -23,6 +23,16 @@ FLOAT32_TRAINING = (
 )
 
 
+def typed_run(*overrides: str) -> Any:
+    """The typed sections (`fusedrl.role_config.run_config`) of a command line that needs no files (not
+    validated: a model path and a data file are named only), with ``rollout.n=2`` and ``overrides``."""
+    from fusedrl.config import load_config
+    from fusedrl.role_config import run_config
+
+    base = ["data.train_files=x", "actor_rollout_ref.model.path=/m", "actor_rollout_ref.rollout.n=2"]
+    return run_config(load_config([*base, *overrides], validate_config=False))
+
+
 def varied_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
     """A reward that differs between samples of a random model, so advantages are not all 0."""
     return (len(solution_str) % 5) / 4.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import typed_run
 
 from fusedrl.config import ConfigError, load_config
 from fusedrl.trainer.step_plan import rollout_log_probs_wanted
@@ -13,41 +14,25 @@ from fusedrl.trainer.step_plan import rollout_log_probs_wanted
 HF = "actor_rollout_ref.rollout.name=hf"
 
 
-def _run(*overrides: str):
-    from fusedrl.role_config import run_config
-
-    return run_config(
-        load_config(
-            [
-                "data.train_files=x",
-                "actor_rollout_ref.model.path=/m",
-                "actor_rollout_ref.rollout.n=2",
-                *overrides,
-            ],
-            validate_config=False,
-        )
-    )
-
-
 def _steps(run, last: int = 31) -> list[int]:
     return [s for s in range(1, last + 1) if rollout_log_probs_wanted(run, s)]
 
 
 def test_auto_asks_on_the_rollout_checks_steps_only():
-    assert _steps(_run()) == [1, 2, 10, 20, 30]  # the default: steps 1, 2 and every 10th
-    assert _steps(_run("trainer.rollout_check_freq=4"), 13) == [1, 2, 4, 8, 12]
-    assert _steps(_run("trainer.rollout_check_freq=1"), 5) == [1, 2, 3, 4, 5]
+    assert _steps(typed_run()) == [1, 2, 10, 20, 30]  # the default: steps 1, 2 and every 10th
+    assert _steps(typed_run("trainer.rollout_check_freq=4"), 13) == [1, 2, 4, 8, 12]
+    assert _steps(typed_run("trainer.rollout_check_freq=1"), 5) == [1, 2, 3, 4, 5]
 
 
 def test_an_explicit_value_wins_and_the_rollout_correction_always_asks():
-    assert _steps(_run("actor_rollout_ref.rollout.calculate_log_probs=true"), 5) == [1, 2, 3, 4, 5]
-    assert _steps(_run("actor_rollout_ref.rollout.calculate_log_probs=false"), 5) == []
+    assert _steps(typed_run("actor_rollout_ref.rollout.calculate_log_probs=true"), 5) == [1, 2, 3, 4, 5]
+    assert _steps(typed_run("actor_rollout_ref.rollout.calculate_log_probs=false"), 5) == []
     for correction in (
         "algorithm.rollout_correction.rollout_is=token",
         "algorithm.rollout_correction.rollout_rs=geometric",
         "algorithm.rollout_correction.bypass_mode=true",
     ):
-        assert _steps(_run(correction), 5) == [1, 2, 3, 4, 5], correction
+        assert _steps(typed_run(correction), 5) == [1, 2, 3, 4, 5], correction
 
 
 def test_a_rollout_without_log_probs_has_none():
@@ -83,46 +68,31 @@ def test_a_turn_without_log_probs_keeps_the_trajectory_aligned():
     assert traj.log_probs == [0.0, 0.0, 0.0] and len(traj.log_probs) == len(traj.response_ids)
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, str]:
-    from fusedrl.data.arithmetic import write_arithmetic_parquet
-    from fusedrl.utils.tiny_model import build_tiny_model
-
-    root = tmp_path_factory.mktemp("log_prob_files")
-    model = build_tiny_model(str(root / "model"))
-    train, _ = write_arithmetic_parquet(str(root / "data"), n_train=16, n_test=4, seed=0)
-    return {"model": model, "train": train}
+@pytest.fixture
+def base(tiny_model_dir, arithmetic_data) -> list[str]:
+    return [f"data.train_files={arithmetic_data[0]}", f"actor_rollout_ref.model.path={tiny_model_dir}", HF]
 
 
-def _problems(files, *overrides: str) -> list[str]:
+def _problems(base: list[str], *overrides: str) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        load_config(
-            [
-                f"data.train_files={files['train']}",
-                f"actor_rollout_ref.model.path={files['model']}",
-                HF,
-                *overrides,
-            ]
-        )
+        load_config([*base, *overrides])
     return info.value.problems
 
 
-def test_the_keys_values_are_checked(files):
-    (bad,) = _problems(files, "actor_rollout_ref.rollout.calculate_log_probs=sometimes")
+def test_the_keys_values_are_checked(base):
+    (bad,) = _problems(base, "actor_rollout_ref.rollout.calculate_log_probs=sometimes")
     assert bad.startswith("`actor_rollout_ref.rollout.calculate_log_probs`='sometimes'") and "auto" in bad
-    (freq,) = _problems(files, "trainer.rollout_check_freq=0")
+    (freq,) = _problems(base, "trainer.rollout_check_freq=0")
     assert freq.startswith("`trainer.rollout_check_freq`=0") and ">= 1" in freq
 
 
-def test_false_is_refused_where_something_reads_them(files):
+def test_false_is_refused_where_something_reads_them(base):
     off = "actor_rollout_ref.rollout.calculate_log_probs=false"
     found = _problems(
-        files, off, "trainer.rollout_check_tol=1e-3", "algorithm.rollout_correction.rollout_is=token"
+        base, off, "trainer.rollout_check_tol=1e-3", "algorithm.rollout_correction.rollout_is=token"
     )
     assert len(found) == 2, found
     assert any("rollout_check_tol`=0.001" in p and "rollout_check_tol=null" in p for p in found)
     assert any("rollout_correction" in p and "calculate_log_probs=auto" in p for p in found)
     # auto's check and no correction: nothing reads them, false is taken (the check is then off).
-    load_config(
-        [f"data.train_files={files['train']}", f"actor_rollout_ref.model.path={files['model']}", HF, off]
-    )
+    load_config([*base, off])

@@ -4,6 +4,7 @@ sequence rewards, checked by hand."""
 from __future__ import annotations
 
 import torch
+from support import typed_run
 
 from fusedrl.batch import last_sampled_index, on_last_sampled_token
 from fusedrl.trainer.step_plan import due, sample_seeds
@@ -31,29 +32,15 @@ def test_sequence_value_lands_on_the_last_sampled_token():
     assert out.tolist() == [[0.0, 0.0, 2.5, 0.0], [0.0, 0.0, 0.0, 0.0]]
 
 
-def _cfg(*overrides):
-    from fusedrl.config import load_config
-    from fusedrl.role_config import run_config
-
-    return run_config(
-        load_config(
-            [
-                "data.train_files=x",
-                "actor_rollout_ref.model.path=/m",
-                "actor_rollout_ref.rollout.n=2",
-                *overrides,
-            ],
-            validate_config=False,
-        )
-    )
-
-
 def test_optimal_token_baseline_keeps_the_old_log_prob_pass_and_gets_its_inputs():
     from fusedrl.batch import RolloutBatch
     from fusedrl.trainer.step_plan import advantage_inputs, old_log_probs_reusable
 
     # ppo_mini_batch_size 8 x n 2 = 16 rows per mini-batch on 1 worker: GRPO reuses the update's forward.
-    grpo, otb = _cfg("algorithm.adv_estimator=grpo"), _cfg("algorithm.adv_estimator=optimal_token_baseline")
+    grpo, otb = (
+        typed_run("algorithm.adv_estimator=grpo"),
+        typed_run("algorithm.adv_estimator=optimal_token_baseline"),
+    )
     assert old_log_probs_reusable(grpo, world=1, num_samples=16, actor_trains=True)
     assert not old_log_probs_reusable(otb, world=1, num_samples=16, actor_trains=True)
 
@@ -72,7 +59,7 @@ def test_optimal_token_baseline_keeps_the_old_log_prob_pass_and_gets_its_inputs(
     inputs = advantage_inputs(otb, batch)
     assert inputs["index"] == ["a", "a"] and inputs["sum_pi_squared"] is batch.sum_pi_squared
     assert "rollout_is_weights" not in inputs
-    corrected = _cfg(
+    corrected = typed_run(
         "algorithm.adv_estimator=optimal_token_baseline",
         "algorithm.rollout_correction.rollout_is=token",
         "algorithm.rollout_correction.rollout_is_threshold=1.5",
@@ -117,11 +104,11 @@ def test_rollout_correction_reuses_the_update_forward_unless_batch_normalized():
         (f"{rc}.bypass_mode=true", f"{rc}.rollout_rs=token", f"{rc}.rollout_rs_threshold=2.0"): False,
     }
     for overrides, reusable in cases.items():
-        run = _cfg("algorithm.adv_estimator=grpo", *overrides)
+        run = typed_run("algorithm.adv_estimator=grpo", *overrides)
         assert old_log_probs_reusable(run, world=1, num_samples=16, actor_trains=True) is reusable, overrides
         assert not old_log_probs_reusable(run, world=1, num_samples=32, actor_trains=True)  # 2 mini-batches
         if reusable:
             assert update_fields(run, old_from_forward=True) == ["advantages", "rollout_log_probs"]
             assert update_fields(run, old_from_forward=False) == ["old_log_probs", "advantages"]
-    plain = _cfg("algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true")
+    plain = typed_run("algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true")
     assert update_fields(plain, old_from_forward=True) == ["advantages", "ref_log_probs"]
