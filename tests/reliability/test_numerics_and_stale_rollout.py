@@ -82,14 +82,17 @@ def test_stale_rollout_weights_stop_the_run(tiny_model_dir, arithmetic_data, tmp
         def sync_weights(self):
             return {}
 
-    cfg = _config(tiny_model_dir, arithmetic_data[0], tmp_path, [])
+    # The check runs on the steps whose rollout computes log-probs (calculate_log_probs=auto: 1, 2 and every
+    # rollout_check_freq-th); step 1's update may leave the weights as they were (a group of equal scores).
+    cfg = _config(tiny_model_dir, arithmetic_data[0], tmp_path, ["trainer.rollout_check_freq=3"])
     init_ray(cfg)
     trainer = ForgetsToSync(cfg, compute_score=_score)
     try:
         trainer.init_workers()
         with pytest.raises(RuntimeError, match="stale or corrupt weights"):
             trainer.fit()
-        assert trainer.global_step >= 2  # step 1 is fine (engine built from the same files); then it diverges
+        # step 1 is fine (engine built from the same files); then it diverges, seen on a check step
+        assert trainer.global_step in (2, 3, 6), trainer.global_step
     finally:
         trainer.close()
         ray.shutdown()
