@@ -136,7 +136,7 @@ def no_log_probs_problems(run: Any) -> list[str]:
     rollout correction, a numeric rollout check, the asynchronous and partial-rollout trainers."""
     key, rc = "`actor_rollout_ref.rollout.calculate_log_probs`=false", run.algorithm.rollout_correction
     found: list[str] = []
-    if rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None:
+    if rc.reads_rollout_log_probs:
         found.append(
             f"{key} with algorithm.rollout_correction (rollout_is / rollout_rs / bypass_mode): the correction "
             "reads the rollout's log-probs of every sample. Set calculate_log_probs=auto (or true)."

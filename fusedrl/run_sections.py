@@ -32,6 +32,17 @@ class RolloutCorrectionConfig:
     bypass_mode: bool
     loss_type: str
 
+    @property
+    def weighs(self) -> bool:
+        """Whether the correction weights or rejects samples (``rollout_is`` / ``rollout_rs`` set)."""
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    @property
+    def reads_rollout_log_probs(self) -> bool:
+        """Whether every training step reads every sample's rollout log-probs: a weighing correction, or
+        bypass mode (they are the old log-probs)."""
+        return self.bypass_mode or self.weighs
+
 
 @dataclass(frozen=True, kw_only=True)
 class FilterGroupsConfig:

