@@ -147,8 +147,9 @@ def no_log_probs_problems(run: Any) -> list[str]:
             f"{key} with `trainer.rollout_check_tol`={tol}: the check compares the rollout's log-probs with the "
             "actor's. Set calculate_log_probs=auto (the check's steps) or rollout_check_tol=null."
         )
-    staleness = run.async_training.max_staleness
-    if run.async_training.partial_rollout is True or (isinstance(staleness, int) and staleness > 0):
+    from fusedrl.async_config import max_staleness
+
+    if run.async_training.partial_rollout is True or max_staleness(run) > 0:
         found.append(
             f"{key} with asynchronous training / partial rollout (async_training.*): their updates weight each "
             "sample by the policy that generated it, from the rollout's log-probs. Set calculate_log_probs=auto."

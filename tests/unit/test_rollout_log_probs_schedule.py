@@ -94,5 +94,7 @@ def test_false_is_refused_where_something_reads_them(base):
     assert len(found) == 2, found
     assert any("rollout_check_tol`=0.001" in p and "rollout_check_tol=null" in p for p in found)
     assert any("rollout_correction" in p and "calculate_log_probs=auto" in p for p in found)
+    stale = _problems(base, off, "async_training.max_staleness=1")  # (and what async training itself needs)
+    assert any(p.startswith(f"`{off.split('=')[0]}`=false with asynchronous training") for p in stale), stale
     # auto's check and no correction: nothing reads them, false is taken (the check is then off).
     load_config([*base, off])
