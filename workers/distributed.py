@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fusedrl.workers.carried_moves import MoveCarrier
 from fusedrl.workers.device import local_device_index
 from fusedrl.workers.fsdp import device_type
 
@@ -62,7 +63,7 @@ def join_process_group(
     )
 
 
-class DistributedWorker:
+class DistributedWorker(MoveCarrier):
     """What every worker kind shares: who it is, and the two-phase join of its group's process group.
 
     ``config`` is the run's typed role configs (`fusedrl.role_config.RoleConfigs` / ``SFTRoleConfigs``):

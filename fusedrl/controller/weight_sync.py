@@ -26,13 +26,15 @@ def run_together(parts: Sequence[tuple[WorkerGroup, Sequence[int], Call]]) -> li
     for group, ranks, call in parts:
         method: list[str] = []
 
-        def named(handle: Any, call: Call = call, method: list[str] = method) -> ray.ObjectRef:
-            recorder = CallRecorder(handle)
+        def named(
+            rank: int, group: WorkerGroup = group, call: Call = call, method: list[str] = method
+        ) -> ray.ObjectRef:
+            recorder = CallRecorder(group.workers[rank], group._carried[rank])  # with the rank's unsent moves
             ref = call(recorder)
             method.append(recorder.method)
             return ref
 
-        refs = [named(group.workers[r]) for r in ranks]
+        refs = [named(r) for r in ranks]
         submitted.append((group, list(ranks), refs, method[0] if method else "?"))
     # Same failure handling as a group's own calls (a dead rank stops its group, a silent one is named).
     return [group._get(refs, ranks, phase) for group, ranks, refs, phase in submitted]

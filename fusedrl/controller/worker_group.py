@@ -8,12 +8,14 @@ a worker can be found with grep; this module only decides *which* workers get *w
     group.run_split(lambda w, shard: w.rollout_generate.remote(shard, s), batch)  # DP split, gather
 
 Every call waits for its answers, except the memory moves between phases (`WorkerGroup.send_all`: load,
-offload, wake, sleep; no answer) of a run whose roles all share one group: those are sent and the group's
-next awaited call answers for them too. One caller's calls to an actor run in the order they were sent (a
-Ray actor with one thread for its default concurrency group; the health methods run on a thread of their
-own), so a worker still moves its memory before the call after the move, and a round trip per move is
-saved (a GRPO step waited on 20 calls, 11 of them moves). With several groups every call waits: a move on one
-group must not overlap another group's phase on the same devices.
+offload, wake, sleep; no answer) of a run whose roles all share one group: those are kept on the driver and
+travel with the rank's next call (`fusedrl.workers.carried_moves`: the worker runs them, in the order sent,
+before the call; a worker class that cannot carry them gets them as calls of their own, answered by the next
+wait). One caller's calls to an actor run in the order they were sent (a Ray actor with one thread for its
+default concurrency group; the health methods run on a thread of their own), so a worker still moves its
+memory before the call after the move, and a round trip per move is saved (a GRPO step waited on 20 calls, 11
+of them moves). With several groups every call waits: a move on one group must not overlap another group's
+phase on the same devices.
 
 Several groups may share one pool (one worker of each per slot, e.g. the reference apart from the fused
 actor/rollout worker); each group is its own torch.distributed world.
@@ -40,6 +42,7 @@ from fusedrl.controller.preemption import Preempted, PreemptionGuard
 from fusedrl.ragged import RaggedRows
 from fusedrl.resident import ResidentShard
 from fusedrl.rollout_request import RequestShard, RolloutRequest, expand_answer
+from fusedrl.workers.carried_moves import Move, MoveCarrier
 
 HEALTH_GROUP = "health"  # the workers' concurrency group for health_report / dump_stacks (workers/health.py)
 POLL_S = 1.0  # how often a remote wait wakes up to check the watchdog and the preemption deadline
@@ -110,15 +113,57 @@ class TensorTraffic:
 
 
 class CallRecorder:
-    """Stands in for a worker handle in a call-site lambda and remembers which method it called."""
+    """Stands in for a worker handle in a call-site lambda and remembers which method it called. ``carried``:
+    that rank's memory moves still to send (`WorkerGroup.send_all`); the call takes them along
+    (`fusedrl.workers.carried_moves`) and the list is emptied."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, carried: list[Move] | None = None) -> None:
         self._handle = handle
+        self._carried = carried
         self.method = "?"
 
     def __getattr__(self, name: str) -> Any:
         self.method = name
-        return getattr(self._handle, name)
+        if not self._carried:
+            return getattr(self._handle, name)
+        moves = list(self._carried)
+        self._carried.clear()
+        return _Carrying(self._handle, moves, name)
+
+
+@dataclass
+class _Carrying:
+    """``handle.<method>`` with moves to run first: ``.remote`` sends one `MoveCarrier.after_moves` call. A call
+    whose arguments hold object references (which Ray resolves only at the top level) sends the moves as calls
+    of their own first."""
+
+    handle: Any
+    moves: list[Move]
+    method: str
+
+    def remote(self, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        if any(isinstance(a, ray.ObjectRef) for a in (*args, *kwargs.values())):
+            for m in self.moves:
+                getattr(self.handle, m.method).remote(*m.args, **m.kwargs)
+            return getattr(self.handle, self.method).remote(*args, **kwargs)
+        return self.handle.after_moves.remote(self.moves, self.method, args, kwargs)
+
+
+class _MoveRecorder:
+    """Stands in for a worker handle in a `send_all` lambda: ``w.<method>.remote(...)`` records a `Move`."""
+
+    def __init__(self, into: list[Move]) -> None:
+        self._into = into
+
+    def __getattr__(self, name: str) -> Any:
+        into = self._into
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any, **kwargs: Any) -> None:
+                into.append(Move(name, args, kwargs))
+
+        return _Method
 
 
 @dataclass
@@ -231,6 +276,9 @@ class WorkerGroup:
         # `send_all` leaves its calls unawaited only where this is the run's one group (`RoleGroups`).
         self.defer_moves = False
         self._unawaited: list[tuple[ray.ObjectRef, int, str]] = []  # (answer, rank, method) of sent moves
+        # Deferred moves travel with each rank's next call where the worker class can carry them.
+        self.carries = issubclass(worker_cls, MoveCarrier)
+        self._carried: list[list[Move]] = [[] for _ in range(pool.world_size)]
         pg = pool.pg if pool.pg is not None else pool.create()
         # The health methods run on a thread of their own, so a busy or hung worker still answers them.
         remote_cls: Any = (
@@ -276,9 +324,13 @@ class WorkerGroup:
         return len(self.workers)
 
     # ------------------------------------------------------------------ calls
+    def _recorders(self) -> list[CallRecorder]:
+        """One `CallRecorder` per rank, each with the moves its rank has yet to be sent."""
+        return [CallRecorder(w, carried) for w, carried in zip(self.workers, self._carried, strict=True)]
+
     def run_all(self, call: Callable[[Any], ray.ObjectRef]) -> list[Any]:
         """Call every rank with the same arguments; results in rank order."""
-        recorders = [CallRecorder(w) for w in self.workers]
+        recorders = self._recorders()
         refs = [call(r) for r in recorders]
         return self._get(refs, list(range(len(refs))), recorders[0].method if recorders else "?")
 
@@ -288,13 +340,18 @@ class WorkerGroup:
         if not self.defer_moves:
             self.run_all(call)
             return
+        if self.carries:
+            for carried in self._carried:
+                call(_MoveRecorder(carried))
+            return
         sent = self.submit_all(call)
         self._unawaited += [(ref, rank, sent.phase) for rank, ref in enumerate(sent.refs)]
 
     def run_rank0(self, call: Callable[[Any], ray.ObjectRef]) -> Any:
         """Call rank 0 only; its result."""
-        recorder = CallRecorder(self.workers[0])
-        return self._get([call(recorder)], [0], recorder.method)[0]
+        recorder = self._recorders()[0]
+        ref = call(recorder)
+        return self._get([ref], [0], recorder.method)[0]
 
     def _get(self, refs: list[ray.ObjectRef], ranks: list[int], phase: str) -> list[Any]:
         """Results of one call per rank (``ranks[i]`` answers ``refs[i]``; ``phase``: the method), failing fast.
@@ -443,7 +500,7 @@ class WorkerGroup:
         if self.world_size % replicas:
             raise ValueError(f"replicas={replicas} does not divide the world size {self.world_size}")
         shards = _split(batch, self.world_size // replicas)
-        recorders = [CallRecorder(w) for w in self.workers]
+        recorders = self._recorders()
         refs = [call(w, shards[r // replicas]) for r, w in enumerate(recorders)]
         phase = recorders[0].method if recorders else "?"
         self.traffic.add([shards[r // replicas] for r in range(self.world_size)], f"{phase} out")
@@ -451,7 +508,7 @@ class WorkerGroup:
 
     def submit_all(self, call: Callable[[Any], ray.ObjectRef]) -> Submitted:
         """`run_all` without waiting (see `submit_split`)."""
-        recorders = [CallRecorder(w) for w in self.workers]
+        recorders = self._recorders()
         refs = [call(r) for r in recorders]
         return Submitted(refs=refs, phase=recorders[0].method if recorders else "?")
 
@@ -464,7 +521,7 @@ class WorkerGroup:
         """Call rank ``r`` with ``shards[r]`` (one per rank, already split); results in rank order."""
         if len(shards) != self.world_size:
             raise ValueError(f"{len(shards)} shards for {self.world_size} workers")
-        recorders = [CallRecorder(w) for w in self.workers]
+        recorders = self._recorders()
         refs = [call(w, shard) for w, shard in zip(recorders, shards)]
         phase = recorders[0].method if recorders else "?"
         self.traffic.add(shards, f"{phase} out")

@@ -16,11 +16,12 @@ pytestmark = pytest.mark.integration
 ray = pytest.importorskip("ray")
 
 
-def recorder_class() -> type:
+def recorder_class(carrier: bool = False) -> type:
     """Defined in a function so that Ray ships the class by value (the tests folder is no package the
-    workers import)."""
+    workers import). ``carrier``: the class takes moves along with its next call, as the fused workers do."""
+    from fusedrl.workers.carried_moves import MoveCarrier
 
-    class Recorder:
+    class Recorder(MoveCarrier if carrier else object):  # type: ignore[misc]
         """A worker that logs its calls; ``slow_move`` takes a while so a call not waiting for it would overtake it."""
 
         def __init__(self, config, rank: int, world_size: int) -> None:
@@ -42,13 +43,14 @@ def recorder_class() -> type:
     return Recorder
 
 
-@pytest.fixture
-def group():
+@pytest.fixture(params=[False, True], ids=["sent", "carried"])
+def group(request):
     from fusedrl.controller.worker_group import ResourcePool, WorkerGroup
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = SimpleNamespace(trainer=SimpleNamespace(step_timeout_s=None, default_local_dir=None))
-    g = WorkerGroup(recorder_class(), ResourcePool(slots_per_node=2, cpus_per_slot=0.5), config)
+    g = WorkerGroup(recorder_class(request.param), ResourcePool(slots_per_node=2, cpus_per_slot=0.5), config)
+    assert g.carries == request.param
     try:
         yield g
     finally:
@@ -64,7 +66,13 @@ def test_sent_moves_run_in_order_before_the_next_call(group):
     sent_s = time.monotonic() - start
     assert sent_s < 0.3  # not awaited: the moves take 0.6 s a worker
     assert group.run_all(lambda w: w.compute.remote()) == [["load", "wake", "compute"]] * 2
-    assert group._unawaited == []
+    assert group._unawaited == [] and group._carried == [[], []]
+    # Carried: no call of their own (the moves were kept on the driver and went with `compute`).
+    group.send_all(lambda w: w.slow_move.remote("sleep"))
+    assert bool(group._unawaited) != group.carries
+    assert group.run_rank0(lambda w: w.compute.remote()) == ["load", "wake", "sleep", "compute"]
+    # Rank 1 still has its move to run (carried) or has run it (sent) before its next call.
+    assert group.run_all(lambda w: w.compute.remote())[1] == ["load", "wake", "sleep", "compute"]
 
 
 def test_a_failed_move_is_reported_by_the_next_wait(group):
@@ -72,11 +80,16 @@ def test_a_failed_move_is_reported_by_the_next_wait(group):
 
     group.defer_moves = True
     group.send_all(lambda w: w.failing_move.remote())  # returns at once
-    with pytest.raises(WorkerDiedError, match=r"rank [01] .*raised an error in `failing_move`") as err:
+    # Sent, the move's own call fails; carried, the call it went with fails, naming the move.
+    where = "compute" if group.carries else "failing_move"
+    with pytest.raises(WorkerDiedError, match=rf"rank [01] .*raised an error in `{where}`") as err:
         group.run_all(lambda w: w.compute.remote())
     assert "ran out of memory" in str(err.value)
+    if group.carries:
+        assert "the memory move `failing_move` (sent before `compute`) failed" in str(err.value)
 
 
+@pytest.mark.parametrize("group", [False], ids=["sent"], indirect=True)
 def test_moves_are_awaited_where_the_run_has_several_groups(group):
     assert not group.defer_moves  # the default; `RoleGroups.start_placed` sets it for a run's only group
     start = time.monotonic()
