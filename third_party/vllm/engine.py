@@ -46,6 +46,7 @@ import torch
 
 from fusedrl.third_party.vllm import direct_reload
 from fusedrl.third_party.vllm.direct_reload import NameRecorder
+from fusedrl.third_party.vllm.iteration_fastpath import install_iteration_fastpath
 from fusedrl.third_party.vllm.moe import (
     check_cpu_experts_reloadable,
     expert_blocks,
@@ -313,6 +314,7 @@ class VLLMEngine:
         self.llm = LLM(**kwargs)
         torch.set_num_threads = original_set_num_threads
         install_sampler_fastpath(self.llm)  # CPU only: cheaper seed draw and rank count, same tokens
+        install_iteration_fastpath(self.llm)  # CPU only: the decode step's slot allocation answered at once
         if cpu_tp:
             torch.distributed.barrier()  # every rank has mapped every segment of its group
             _unlink_own_cpu_shm()

