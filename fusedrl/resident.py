@@ -31,7 +31,8 @@ class ResidentShard:
     ``rows``: per row of the shard, ``(generation, engine, row)``: the engine that made it and its row in that
     engine's shard; ``local``: fields read from the worker's store; ``sent``: the other fields' ``[b, ...]``
     tensors; ``keep``: store the call's ``[b, ...]`` answer under that field name and answer None; ``fetch``:
-    object references to rows made by other engines (exported by their workers), added to the store first;
+    rows made by other engines, added to the store first: ``(export, rank)`` pairs, ``export`` the object reference
+    to a `WorkerDict.resident_export` call's answer (``{rank: reference to the rows}``) on the worker that holds them;
     ``gap``: answer the `fusedrl.log_prob_gap.GapStats` of the held ``rollout_log_probs`` against the call's
     ``[b, Tr]`` answer over the first ``gap`` rows (the rest are a split's padding) instead of the answer;
     ``per_row``: sent fields given as ``[b]``, one number per row, and how `on_mask` rebuilds them."""

@@ -4,7 +4,7 @@
 each and which fields its workers keep, stamps the generated batch's ``resident_rows``, and sends a call's
 shards as `ResidentShard` s (only the fields the workers do not hold are sent; rows a rank needs from
 another engine are first exported by that engine's first rank, `WorkerDict.resident_export`, and fetched by
-reference, once per rank and row) or, for a batch it cannot place, as the rows themselves
+reference, once per rank and row; the export is sent, not awaited, just before the call that reads it) or, for a batch it cannot place, as the rows themselves
 (`WorkerGroup.run_split`, the transfer path). A field kept on the workers (the reference's log-probs) is
 held by the rank that computed it: a later call that splits the rows otherwise is refused, by name.
 Fields may stay on the workers only (``stay``, set by `staying` around a training step's generation: the
@@ -176,10 +176,13 @@ class ResidentRows:
         if (
             exports
         ):  # worker to worker: each source puts the rows, the ranks that need them fetch by reference
-            wanted = [exports.get(rank, {}) for rank in range(group.world_size)]
-            for per_rank in group.run_shards(lambda w, rows: w.resident_export.remote(rows), wanted):
-                for rank, ref in per_rank.items():
-                    shards[rank].fetch.append(ref)
+            sources = sorted(exports)  # the export is not awaited here: the call's wait answers for it
+            sent = group.send_shards(
+                lambda w, rows: w.resident_export.remote(rows), sources, [exports[s] for s in sources]
+            )
+            for export, per_rank in zip(sent, (exports[s] for s in sources), strict=True):
+                for rank in per_rank:
+                    shards[rank].fetch.append((export, rank))
         results = group.run_shards(call, shards)[::replicas]
         if keep is not None:
             for g in set(batch.resident_rows[:, 0].tolist()):

@@ -124,8 +124,8 @@ class ResidentStore:
         """The batch a role computes on: ``batch`` itself, or a resident shard's rows read and merged."""
         if not isinstance(batch, ResidentShard):
             return batch
-        for ref in batch.fetch:
-            self.fetch(ray.get(ref))
+        for export, rank in batch.fetch:  # the exporting worker ran its export before its own call
+            self.fetch(ray.get(ray.get(export)[rank]))
         batch.fetch = []  # fetched once (the call may resolve its shard again)
         values = {name: self.read(batch.rows, name) for name in batch.local}
         values.update(batch.sent)

@@ -517,6 +517,18 @@ class WorkerGroup:
         results = self._get(submitted.refs, list(range(len(submitted.refs))), submitted.phase)
         return results[:: submitted.replicas]
 
+    def send_shards(
+        self, call: Callable[[Any, Any], ray.ObjectRef], ranks: Sequence[int], shards: Sequence[Any]
+    ) -> list[ray.ObjectRef]:
+        """Call rank ``ranks[i]`` with ``shards[i]`` without waiting; the answers' references (a later call
+        may pass them to other ranks). The group's next wait also answers for these calls."""
+        recorders = self._recorders()
+        refs = [call(recorders[rank], shard) for rank, shard in zip(ranks, shards, strict=True)]
+        method = recorders[ranks[0]].method if ranks else "?"
+        self.traffic.add(list(shards), f"{method} out")
+        self._unawaited += [(ref, rank, method) for ref, rank in zip(refs, ranks, strict=True)]
+        return refs
+
     def run_shards(self, call: Callable[[Any, Any], ray.ObjectRef], shards: Sequence[Any]) -> list[Any]:
         """Call rank ``r`` with ``shards[r]`` (one per rank, already split); results in rank order."""
         if len(shards) != self.world_size:
