@@ -7,7 +7,9 @@ path again. Every scheduler output (tokens scheduled, new and cached requests' b
 finished requests), the sampled tokens, the KV block pool's free count and the global RNG state must be
 identical. The prompts end a little before a block boundary, so decoding crosses it (a new block and a newly
 full block to cache: vLLM's own path), and share prefixes (prefix-cache hits at admission: vLLM's own path);
-the fast path must answer most decode calls itself (counted). Runs in a spawned process: the engine joins (and
+the fast path must answer most decode calls itself (counted). The slot mapping without vLLM's launcher is also
+checked on rows written by hand: the same slots as vLLM's launch and as block * 128 + offset. Runs in a spawned
+process: the engine joins (and
 on teardown destroys) that process's process group.
 """
 
@@ -146,8 +148,22 @@ def _body(port: int, model_dir: str, out: str) -> None:
     plain = run()
     again = install_iteration_fastpath(engine.llm)
     fast_again = run()
+    # the slot mapping, both ways, on rows written here (after the runs: the engine's buffers are free now)
+    table = engine.llm.collective_rpc(lambda worker: worker.model_runner)[0].input_batch.block_table[0]
+    table.block_table.cpu[:2, :3] = torch.tensor([[5, 7, 9], [11, 2, 0]], dtype=torch.int32)
+    starts = torch.tensor([0, 4, 6], dtype=torch.int32)
+    positions = torch.tensor([0, 127, 128, 300, 5, 129], dtype=torch.int64)
+    mappings = {}
+    for name, fn in (
+        ("vllm", type(table).compute_slot_mapping.__get__(table)),
+        ("fast", table.compute_slot_mapping),
+    ):
+        table.slot_mapping.cpu.fill_(-7)
+        fn(2, starts, positions)
+        mappings[name] = table.slot_mapping.cpu[:8].clone()
     torch.save(
         {
+            "mappings": mappings,
             "block": kv_manager.coordinator.block_size,
             "at_start": at_start,
             "removed": removed,
@@ -164,9 +180,13 @@ def _body(port: int, model_dir: str, out: str) -> None:
 def test_fast_scheduler_bookkeeping_schedules_bit_for_bit_as_vllm(tiny_model_dir, tmp_path):
     r = spawned_result(_body, tiny_model_dir, tmp_path, 300)
     assert r["block"] == BLOCK  # the prompts were sized for it
-    assert r["at_start"] == {"allocate": True}  # VLLMEngine installed it
-    assert r["removed"] == {"allocate": False}
-    assert r["again"] == {"allocate": True}
+    assert r["at_start"] == {"allocate": True, "slot_mapping": True}  # VLLMEngine installed it
+    assert r["removed"] == {"allocate": False, "slot_mapping": False}
+    assert r["again"] == {"allocate": True, "slot_mapping": True}
+    # block * 128 + offset: row 0 (blocks 5, 7, 9) at 0, 127, 128, 300; row 1 (blocks 11, 2) at 5, 129
+    slots = [5 * 128, 5 * 128 + 127, 7 * 128, 9 * 128 + 44, 11 * 128 + 5, 2 * 128 + 1]
+    assert r["mappings"]["fast"][:6].tolist() == slots
+    assert torch.equal(r["mappings"]["fast"], r["mappings"]["vllm"])  # what lies past the tokens too
     plain = r["plain"]
     for fast in (r["fast"], r["fast_again"]):
         assert fast["tokens"] == plain["tokens"]

