@@ -1,5 +1,5 @@
-"""vLLM-cpu's cheaper scheduler bookkeeping (third_party/vllm/iteration_fastpath.py) schedules and samples bit for
-bit as vLLM.
+"""vLLM-cpu's cheaper scheduler and runner bookkeeping (third_party/vllm/iteration_fastpath.py) schedules and
+samples bit for bit as vLLM.
 
 One tiny float32 engine, built as fusedrl builds it (so the fast path is installed by ``VLLMEngine``), runs the
 same seeded prompts with the fast path, with vLLM's own methods (`remove_iteration_fastpath`), and with the fast
@@ -9,8 +9,7 @@ identical. The prompts end a little before a block boundary, so decoding crosses
 full block to cache: vLLM's own path), and share prefixes (prefix-cache hits at admission: vLLM's own path);
 the fast path must answer most decode calls itself (counted). The slot mapping without vLLM's launcher is also
 checked on rows written by hand: the same slots as vLLM's launch and as block * 128 + offset. Runs in a spawned
-process: the engine joins (and
-on teardown destroys) that process's process group.
+process: the engine joins (and on teardown destroys) that process's process group.
 """
 
 from __future__ import annotations

