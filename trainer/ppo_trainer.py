@@ -546,6 +546,9 @@ class PPOTrainer(RewardModelScoring):
         Moves, in order: the engine's allocator is prepared -> the actor's shards are on the device ->
         the engine's weights wake -> one full tensor at a time into the engine -> the shards leave again.
         """
+        in_place = self.groups.sync_in_place(force)  # the engines in the actor's workers: one call, or none
+        if in_place is not None:
+            return in_place
         needed, version = self.groups.engines_need_stream()
         if not (needed or force):
             return {"sync/streamed": 0.0}

@@ -63,6 +63,18 @@ def join_process_group(
     )
 
 
+def agreed_by_ranks(value: Any, what: str) -> Any:
+    """``value``, which every rank of the default process group must hold alike (collective); a clear error
+    on every rank where they differ (``what``: what the value says, for the message)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    if any(v != value for v in every):
+        raise RuntimeError(f"the ranks disagree {what}: {every} (rank order)")
+    return value
+
+
 class DistributedWorker(MoveCarrier):
     """What every worker kind shares: who it is, and the two-phase join of its group's process group.
 

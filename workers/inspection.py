@@ -166,3 +166,52 @@ class InspectionHooks:
             "equal": bool(torch.equal(head.detach(), embed.detach())),
             "embed": embed.detach().cpu().clone(),
         }
+
+
+class InspectionMethods:
+    """The fused worker's remote methods for tests and benchmarks, each answered by its `InspectionHooks`
+    (``self.inspection``)."""
+
+    inspection: InspectionHooks
+
+    def get_events(self) -> list[str]:
+        return self.inspection.get_events()
+
+    def actor_state(self) -> dict[str, torch.Tensor]:
+        return self.inspection.actor_state()
+
+    def ref_state(self) -> dict[str, torch.Tensor]:
+        return self.inspection.ref_state()
+
+    def cpu_affinity(self) -> list[int]:
+        return self.inspection.cpu_affinity()
+
+    def expert_parallel_modules(self) -> dict[str, list[str]]:
+        return self.inspection.expert_parallel_modules()
+
+    def measure_weight_stream(self, hoard: bool) -> dict[str, float]:
+        return self.inspection.measure_weight_stream(hoard)
+
+    def actor_training_bytes(self) -> dict[str, float]:
+        return self.inspection.actor_training_bytes()
+
+    def compute_dtypes(self) -> dict[str, str]:
+        return self.inspection.compute_dtypes()
+
+    def torch_threads(self) -> int:
+        return self.inspection.torch_threads()
+
+    def ping(self) -> int:
+        return self.inspection.ping()
+
+    def pid(self) -> int:
+        return self.inspection.pid()
+
+    def echo_rows(self, batch: RolloutBatch) -> int:
+        return self.inspection.echo_rows(batch)
+
+    def actor_tied_embeddings(self) -> dict[str, Any]:
+        return self.inspection.actor_tied_embeddings()
+
+    def rollout_tied_embeddings(self) -> dict[str, Any]:
+        return self.inspection.rollout_tied_embeddings()

@@ -43,11 +43,11 @@ from fusedrl.utils.hardware import bind_process_cpus
 from fusedrl.workers.actor import ActorRole, RefRole
 from fusedrl.workers.checkpoint_io import load_role_shards, save_role_shards
 from fusedrl.workers.critic import CriticRole
-from fusedrl.workers.distributed import DistributedWorker
+from fusedrl.workers.distributed import DistributedWorker, agreed_by_ranks
 from fusedrl.workers.export import export_policy
 from fusedrl.workers.fsdp import device_type
 from fusedrl.workers.health import HEALTH_GROUP, HealthReporter
-from fusedrl.workers.inspection import InspectionHooks
+from fusedrl.workers.inspection import InspectionHooks, InspectionMethods
 from fusedrl.workers.logprob import token_budget
 from fusedrl.workers.lora import LoraRefView
 from fusedrl.workers.memory import (
@@ -87,7 +87,7 @@ def _pin_torch_threads() -> int:
     return torch.get_num_threads()
 
 
-class WorkerDict(DistributedWorker):
+class WorkerDict(InspectionMethods, DistributedWorker):
     """The roles of one device slot. ``config`` is the run's typed role configs, built once by the driver
     (`fusedrl.role_config.build_role_configs`); ``roles`` the subset of `ROLES` this worker holds (the HF
     rollout generates with the actor's own module, so it needs the actor in the same worker)."""
@@ -359,6 +359,21 @@ class WorkerDict(DistributedWorker):
         if self.critic_mem is not None:
             self.critic_mem.offload_all()
 
+    def sync_engine(self, force: bool = False) -> dict[str, float]:
+        """`PPOTrainer.sync_weights` in place as one call (`RoleGroups.sync_in_place`): whether this engine needs
+        the actor's weights (`EnginePhase.wants`), agreed by every rank (one collective stream or none); where it
+        does, or with ``force``, the sync's moves in their order: `prepare_weight_update` -> `load_actor` ->
+        `rollout_wake_up` (weights) -> `update_weights` -> `offload_actor` (parameters)."""
+        self._need(self.rollout, "rollout", "sync_engine")
+        if not (agreed_by_ranks(self.phase.wants(), "whether their engines need a stream") or force):
+            return {"sync/streamed": 0.0}
+        self.prepare_weight_update()
+        self.load_actor()
+        self.rollout_wake_up(["weights"])
+        metrics = self.update_weights()
+        self.offload_actor(params=True, optimizer=False)
+        return {**metrics, "sync/streamed": 1.0}
+
     def prepare_weight_update(self) -> None:
         """Before the engine allocates (a wake-up after a level-2 sleep): give it the cached blocks."""
         empty_cache()
@@ -554,46 +569,3 @@ class WorkerDict(DistributedWorker):
         assert self.actor is not None
         with self._resident(engine_sleeps=True):
             return export_policy(self.actor, out_dir, self.config.model.path, self.rank, adapter_dir)
-
-    # ------------------------------------------------------------------ inspection (tests, benchmarks)
-    def get_events(self) -> list[str]:
-        return self.inspection.get_events()
-
-    def actor_state(self) -> dict[str, torch.Tensor]:
-        return self.inspection.actor_state()
-
-    def ref_state(self) -> dict[str, torch.Tensor]:
-        return self.inspection.ref_state()
-
-    def cpu_affinity(self) -> list[int]:
-        return self.inspection.cpu_affinity()
-
-    def expert_parallel_modules(self) -> dict[str, list[str]]:
-        return self.inspection.expert_parallel_modules()
-
-    def measure_weight_stream(self, hoard: bool) -> dict[str, float]:
-        return self.inspection.measure_weight_stream(hoard)
-
-    def actor_training_bytes(self) -> dict[str, float]:
-        return self.inspection.actor_training_bytes()
-
-    def compute_dtypes(self) -> dict[str, str]:
-        return self.inspection.compute_dtypes()
-
-    def torch_threads(self) -> int:
-        return self.inspection.torch_threads()
-
-    def ping(self) -> int:
-        return self.inspection.ping()
-
-    def pid(self) -> int:
-        return self.inspection.pid()
-
-    def echo_rows(self, batch: RolloutBatch) -> int:
-        return self.inspection.echo_rows(batch)
-
-    def actor_tied_embeddings(self) -> dict[str, Any]:
-        return self.inspection.actor_tied_embeddings()
-
-    def rollout_tied_embeddings(self) -> dict[str, Any]:
-        return self.inspection.rollout_tied_embeddings()

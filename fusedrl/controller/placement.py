@@ -18,6 +18,7 @@ import torch
 from fusedrl.auto_defaults import announce_resolved
 from fusedrl.controller.weight_sync import BroadcastRoute
 from fusedrl.controller.worker_group import ResourcePool, WorkerGroup, cpus_for_cpu_slots
+from fusedrl.metrics import Metrics, mean_over_ranks
 from fusedrl.placement_config import Placement, PoolSpec, read_placement
 from fusedrl.role_config import RoleConfigs
 from fusedrl.utils.hardware import slot_cpu_sets
@@ -121,6 +122,7 @@ class RoleGroups:
         self.by_role: dict[str, WorkerGroup] = dict(by_role or {})
 
     weight_route: BroadcastRoute | None = None
+    _current_at: int | None = None  # the actor group's `calls` when an in-place sync left the engines current
     # What the workers' `auto` keys became (`fusedrl.auto_defaults`), by dotted key; empty before they start.
     auto_settings: dict[str, Any] = {}  # replaced by `start_placed`, never mutated
 
@@ -184,6 +186,20 @@ class RoleGroups:
         by_pool = {id(pool): pool_sets for pool, pool_sets in zip(pools.values(), sets, strict=True)}
         for group in self.unique():
             group.run_shards(lambda w, cpus: w.bind_cpus.remote(cpus), by_pool[id(group.pool)])
+
+    def sync_in_place(self, force: bool) -> Metrics | None:
+        """`PPOTrainer.sync_weights` where the engines live in the actor's workers (no weight route): one call,
+        `WorkerDict.sync_engine` (the workers decide, agree and stream); None where the rollout has a pool of
+        its own. Right after such a sync, with no call to the workers since (`WorkerGroup.calls`: the engines'
+        phase changes only by calls), the engines still hold the actor's weights: then no call at all."""
+        if self.weight_route is not None or "rollout" not in self.by_role:
+            return None
+        group = self.group_for("actor")
+        if not force and self._current_at == group.calls:
+            return {"sync/streamed": 0.0}
+        per_rank = group.run_all(lambda w: w.sync_engine.remote(force))
+        self._current_at = group.calls
+        return mean_over_ranks(per_rank)
 
     def engines_need_stream(self) -> tuple[bool, int | None]:
         """Whether the rollout engines need the actor's weights, as the rollout workers decide from their

@@ -278,6 +278,7 @@ class WorkerGroup:
         self._unawaited: list[tuple[ray.ObjectRef, int, str]] = []  # (answer, rank, method) of sent moves
         # Deferred moves travel with each rank's next call where the worker class can carry them.
         self.carries = issubclass(worker_cls, MoveCarrier)
+        self.calls = 0  # calls and moves sent to this group so far
         self._carried: list[list[Move]] = [[] for _ in range(pool.world_size)]
         pg = pool.pg if pool.pg is not None else pool.create()
         # The health methods run on a thread of their own, so a busy or hung worker still answers them.
@@ -325,7 +326,8 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ calls
     def _recorders(self) -> list[CallRecorder]:
-        """One `CallRecorder` per rank, each with the moves its rank has yet to be sent."""
+        """One `CallRecorder` per rank, each with the moves its rank has yet to be sent (a call is counted)."""
+        self.calls += 1
         return [CallRecorder(w, carried) for w, carried in zip(self.workers, self._carried, strict=True)]
 
     def run_all(self, call: Callable[[Any], ray.ObjectRef]) -> list[Any]:
@@ -340,6 +342,7 @@ class WorkerGroup:
         if not self.defer_moves:
             self.run_all(call)
             return
+        self.calls += 1
         if self.carries:
             for carried in self._carried:
                 call(_MoveRecorder(carried))
