@@ -82,8 +82,15 @@ def token_budget_bins(lengths: Sequence[int], budget: int, *, min_bins: int = 1)
         num_bins += 1
 
 
+LOCALITY_SLACK = 0.01  # rows may stay home when the fullest rank then carries <= 1% more than balancing gives
+HOME_SWAPS = 4  # at most this many group swaps from the home placement before balancing decides alone
+
+
 def balanced_rank_order(
-    lengths: Sequence[int], world_size: int, groups: Sequence[Sequence[int]] | None = None
+    lengths: Sequence[int],
+    world_size: int,
+    groups: Sequence[Sequence[int]] | None = None,
+    home: Sequence[int] | None = None,
 ) -> list[int]:
     """A row permutation after which equal contiguous per-rank chunks carry about equal tokens.
 
@@ -95,6 +102,11 @@ def balanced_rank_order(
     to one rank whole, heaviest group first onto the least-loaded rank with room for it, so a packed row
     can hold the group's prompt once (`fusedrl.workers.packing.pack_shared_prompts`); a group that fits
     no rank's remaining room is placed row by row as without ``groups``.
+
+    ``home`` (the rank already holding each row, where rows stay on the workers that made them,
+    `fusedrl.resident`): the rows stay there when that placement, or one at most `HOME_SWAPS` swaps of
+    equal-sized groups away (each lowering the fullest rank), carries no more than `LOCALITY_SLACK` above
+    the balanced placement's fullest rank: a moved row costs a worker-to-worker export.
     """
     n = len(lengths)
     if world_size <= 1 or n <= 1:
@@ -103,7 +115,7 @@ def balanced_rank_order(
     room = [max(0, min(chunk, n - r * chunk)) for r in range(world_size)]
     # Without groups every row is a group of its own: longest row first onto the least-loaded rank with room
     # (ties: lowest rank), the same greedy.
-    units = groups if groups is not None else [[i] for i in range(n)]
+    units = [list(g) for g in groups] if groups is not None else [[i] for i in range(n)]
     load = [0] * world_size
     ranks: list[list[int]] = [[] for _ in range(world_size)]
     loose: list[int] = []  # rows of groups that fit no rank whole
@@ -119,7 +131,51 @@ def balanced_rank_order(
         r = min((load[r], r) for r in range(world_size) if len(ranks[r]) < room[r])[1]
         ranks[r].append(i)
         load[r] += lengths[i]
+    if home is not None:
+        ranks = _near_home(lengths, units, room, home, max(load) * (1 + LOCALITY_SLACK)) or ranks
     return [i for rows in ranks for i in sorted(rows)]
+
+
+def _near_home(
+    lengths: Sequence[int], units: list[list[int]], room: list[int], home: Sequence[int], limit: float
+) -> list[list[int]] | None:
+    """Each rank's rows when the groups stay on their ``home`` rank, after at most `HOME_SWAPS` swaps that
+    each lower the fullest rank's tokens, if its fullest rank then carries at most ``limit``; else None (a
+    group split over ranks, a home placement of other sizes than ``room``, or no such placement)."""
+    world = len(room)
+    where: list[int] = []
+    for unit in units:
+        homes = {home[i] for i in unit}
+        if len(homes) != 1 or not 0 <= next(iter(homes)) < world:
+            return None
+        where.append(homes.pop())
+    members = [[k for k, r in enumerate(where) if r == rank] for rank in range(world)]
+    if [sum(len(units[k]) for k in m) for m in members] != room:
+        return None
+    weight = [sum(lengths[i] for i in unit) for unit in units]
+    load = [sum(weight[k] for k in m) for m in members]
+    for _ in range(HOME_SWAPS + 1):
+        if max(load) <= limit:
+            return [[i for k in m for i in units[k]] for m in members]
+        hi = max(range(world), key=lambda r: (load[r], -r))
+        best: tuple[int, int, int, int] | None = None  # (new peak of the two ranks, rank, out, in)
+        for lo in range(world):
+            for a in members[hi] if lo != hi else ():
+                for b in members[lo]:
+                    moved = weight[a] - weight[b]
+                    if len(units[a]) != len(units[b]) or moved <= 0:
+                        continue
+                    peak = max(load[hi] - moved, load[lo] + moved)
+                    if peak < load[hi] and (best is None or peak < best[0]):
+                        best = (peak, lo, a, b)
+        if best is None:
+            return None
+        _, lo, a, b = best
+        members[hi][members[hi].index(a)] = b
+        members[lo][members[lo].index(b)] = a
+        load[hi] += weight[b] - weight[a]
+        load[lo] += weight[a] - weight[b]
+    return None
 
 
 def rank_token_loads(lengths: Sequence[int], world_size: int) -> list[int]:
@@ -135,11 +191,17 @@ def apply_order(batch: RolloutBatch, order: Sequence[int]) -> RolloutBatch:
 
 
 def balance_over_ranks(
-    batch: RolloutBatch, world_size: int, *, reorder: bool, groups_whole: bool
+    batch: RolloutBatch,
+    world_size: int,
+    *,
+    reorder: bool,
+    groups_whole: bool,
+    home: Sequence[int] | None = None,
 ) -> tuple[RolloutBatch, float]:
     """``batch`` reordered so each of ``world_size`` contiguous shards carries about the same real tokens
     (when ``reorder``), and the largest shard's tokens over the mean. With ``groups_whole`` the rows of one
-    ``uid`` go to one rank together (packed rows hold their shared prompt once)."""
+    ``uid`` go to one rank together (packed rows hold their shared prompt once); ``home``: each row's rank
+    now (`balanced_rank_order` keeps rows there where that balances about as well)."""
     lengths = sequence_lengths(batch)
     if reorder and world_size > 1:
         groups = None
@@ -148,7 +210,7 @@ def balance_over_ranks(
             for row, uid in enumerate(batch.uid):
                 by_uid.setdefault(str(uid), []).append(row)
             groups = list(by_uid.values())
-        order = balanced_rank_order(lengths, world_size, groups)
+        order = balanced_rank_order(lengths, world_size, groups, home)
         batch = apply_order(batch, order)
         lengths = [lengths[i] for i in order]
     loads = rank_token_loads(lengths, world_size)

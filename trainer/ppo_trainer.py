@@ -326,13 +326,15 @@ class PPOTrainer(RewardModelScoring):
         (``trainer.balance_batch``). Content is unchanged; advantages are computed here on the whole
         batch by ``uid``, so a GRPO group split across ranks is fine; each epoch still uses every row once.
         With shared prompts in packed rows (`step_plan.prompt_groups_whole`) a ``uid``'s rows go to one rank
-        together."""
+        together; rows stay on the rank that generated them where that balances about as well (`rows_home`)."""
         whole = step_plan.prompt_groups_whole(self.run, self.groups.auto_settings)
+        same = batch.resident_rows is not None and self.group_for("rollout") is self.workers
         batch, spread = balance_over_ranks(
             batch,
             self.workers.world_size,
             reorder=self.run.trainer.balance_batch,
             groups_whole=whole,
+            home=step_plan.rows_home(self.run, batch, same_group=same),
         )
         metrics["balance/max_over_mean_rank_tokens"] = spread
         return batch

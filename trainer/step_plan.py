@@ -41,6 +41,18 @@ def prompt_groups_whole(run: RoleConfigs, settings: Mapping[str, Any]) -> bool:
     return packed in (True, AUTO) and run.model.share_prompt_prefix
 
 
+def rows_home(run: RoleConfigs, batch: Any, *, same_group: bool) -> list[int] | None:
+    """Each row's data-parallel rank now, where its rows stay on the workers that generated them
+    (``resident_rows``: the engine that made each) and an engine is one actor rank (the rollout on the actor's
+    workers, no tensor or sequence parallelism); else None (balancing then ignores where rows are)."""
+    rows = getattr(batch, "resident_rows", None)
+    if rows is None or not same_group or run.rollout.tensor_model_parallel_size != 1:
+        return None
+    if run.actor.ulysses_sequence_parallel_size != 1:
+        return None
+    return [int(e) for e in rows[:, 1].tolist()]
+
+
 def rollout_discards_weights(run: RoleConfigs, settings: Mapping[str, Any]) -> bool:
     """Whether the engines' post-rollout sleep discards their weights, so the next rollout needs a full stream:
     an engine whose level 2 does (`EngineTraits.level2_discards_weights`), ``free_cache_engine`` on, and

@@ -314,3 +314,47 @@ def test_trainer_keeps_a_prompts_samples_on_one_rank_when_packed_rows_share_it(
     split = set(uids[:4]) & set(uids[4:])
     assert (not split) if packed else split == {"u0", "u1", "u2", "u3"}
     assert metrics["balance/max_over_mean_rank_tokens"] == pytest.approx(1.0)  # 18 | 18 either way
+
+
+def test_rank_order_keeps_rows_home_where_that_balances_as_well():
+    """Rows that stay on the rank that generated them (``home``) are left there when that placement is as
+    balanced as balancing makes it (within `LOCALITY_SLACK`): no row moves, no export."""
+    lengths = [10, 10, 1, 1, 8, 8, 3, 3]  # groups [0,1] [2,3] on rank 0 (22), [4,5] [6,7] on rank 1 (22)
+    groups = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    home = [0, 0, 0, 0, 1, 1, 1, 1]
+    assert balanced_rank_order(lengths, 2, groups, home) == list(range(8))
+    # Generated the other way round (rank 0 holds groups 0 and 2: 36 vs 8 tokens): one swap of equal-sized
+    # groups gives 22 | 22, the balanced peak. The first swap found that lowers the peak most: group 0 (20)
+    # for group 3 (6); groups 2 and 1 stay home, 4 of 8 rows move.
+    home = [0, 0, 1, 1, 0, 0, 1, 1]
+    order = balanced_rank_order(lengths, 2, groups, home)
+    assert order == [4, 5, 6, 7, 0, 1, 2, 3]  # rank 0: groups 2 and 3; rank 1: groups 0 and 1
+    assert rank_token_loads([lengths[i] for i in order], 2) == [22, 22]
+    assert sum(home[row] != rank for rank, rows in enumerate((order[:4], order[4:])) for row in rows) == 4
+
+
+def test_rank_order_home_never_balances_worse_than_the_slack():
+    """Random groups and homes: whatever the home placement, the fullest rank carries at most
+    `LOCALITY_SLACK` more than without ``home``; rows of a split group or a placement of other sizes balance
+    as without ``home``."""
+    from fusedrl.balance import LOCALITY_SLACK
+
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(20, 90, (64,), generator=gen).tolist()
+        groups = [list(range(i, i + 4)) for i in range(0, 64, 4)]
+        home = [g // 8 for g in range(16) for _ in range(4)]  # ranks 0, 1 got 8 groups each, in order
+        perm = torch.randperm(16, generator=gen).tolist()
+        home = [home[4 * perm[i // 4]] for i in range(64)]  # groups' homes shuffled, 8 per rank
+        plain = balanced_rank_order(lengths, 2, groups)
+        near = balanced_rank_order(lengths, 2, groups, home)
+        assert sorted(near) == list(range(64))
+        peak = max(rank_token_loads([lengths[i] for i in plain], 2))
+        assert max(rank_token_loads([lengths[i] for i in near], 2)) <= peak * (1 + LOCALITY_SLACK)
+        for rank, rows in enumerate((near[:32], near[32:])):  # groups whole
+            assert {r // 4 for r in rows} == {g for g in range(16) if all(r in rows for r in groups[g])}
+    lengths = [5, 1, 5, 1]
+    assert balanced_rank_order(lengths, 2, [[0, 1], [2, 3]], [0, 1, 1, 1]) == balanced_rank_order(
+        lengths, 2, [[0, 1], [2, 3]]
+    )  # group 0 on two ranks: no home placement
+    assert balanced_rank_order(lengths, 2, None, [0, 0, 0, 1]) == balanced_rank_order(lengths, 2)  # 3 + 1
