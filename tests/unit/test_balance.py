@@ -351,7 +351,7 @@ def test_rank_order_home_never_balances_worse_than_the_slack():
         assert sorted(near) == list(range(64))
         peak = max(rank_token_loads([lengths[i] for i in plain], 2))
         assert max(rank_token_loads([lengths[i] for i in near], 2)) <= peak * (1 + LOCALITY_SLACK)
-        for rank, rows in enumerate((near[:32], near[32:])):  # groups whole
+        for rows in (near[:32], near[32:]):  # groups whole
             assert {r // 4 for r in rows} == {g for g in range(16) if all(r in rows for r in groups[g])}
     lengths = [5, 1, 5, 1]
     assert balanced_rank_order(lengths, 2, [[0, 1], [2, 3]], [0, 1, 1, 1]) == balanced_rank_order(
