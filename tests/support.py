@@ -203,6 +203,37 @@ def spawned_result(
     return torch.load(out)
 
 
+def fast_path_runs(
+    llm: Any,
+    run: Callable[[], Any],
+    install: Callable[[Any], Any],
+    remove: Callable[[Any], Any],
+    in_effect: Callable[[Any], Any],
+    *,
+    warm_up: bool = False,
+) -> dict[str, Any]:
+    """An A/B/A of one of fusedrl's vLLM fast paths on one engine (``llm``, built with it): ``run()`` with it,
+    after ``remove``, after ``install`` again; and ``in_effect`` at the start, after the removal and what the
+    reinstall answered. ``warm_up``: one run first, not compared."""
+    at_start = in_effect(llm)
+    if warm_up:
+        run()
+    fast = run()
+    remove(llm)
+    removed = in_effect(llm)
+    plain = run()
+    again = install(llm)
+    fast_again = run()
+    return {
+        "at_start": at_start,
+        "removed": removed,
+        "again": again,
+        "fast": fast,
+        "plain": plain,
+        "fast_again": fast_again,
+    }
+
+
 def sync_gap(trainer, prompts) -> float:
     """Max |rollout log-prob - actor log-prob| over the engine's own fresh samples."""
     batch = trainer.compute_log_probs(trainer.generate(prompts))

@@ -18,7 +18,7 @@ import os
 
 import pytest
 import torch
-from support import spawned_result, tiny_vllm_engine
+from support import fast_path_runs, spawned_result, tiny_vllm_engine
 
 pytestmark = pytest.mark.integration
 
@@ -139,14 +139,15 @@ def _body(port: int, model_dir: str, out: str) -> None:
             "asks": list(asks),
         }
 
-    at_start = fastpath_in_effect(engine.llm)
-    run()  # a warm-up: each compared run follows one (the first step lists the previous run's finished requests)
-    fast = run()
-    remove_iteration_fastpath(engine.llm)
-    removed = fastpath_in_effect(engine.llm)
-    plain = run()
-    again = install_iteration_fastpath(engine.llm)
-    fast_again = run()
+    # a warm-up: each compared run follows one (the first step lists the previous run's finished requests)
+    ab = fast_path_runs(
+        engine.llm,
+        run,
+        install_iteration_fastpath,
+        remove_iteration_fastpath,
+        fastpath_in_effect,
+        warm_up=True,
+    )
     # the slot mapping, both ways, on rows written here (after the runs: the engine's buffers are free now)
     table = engine.llm.collective_rpc(lambda worker: worker.model_runner)[0].input_batch.block_table[0]
     table.block_table.cpu[:2, :3] = torch.tensor([[5, 7, 9], [11, 2, 0]], dtype=torch.int32)
@@ -161,16 +162,7 @@ def _body(port: int, model_dir: str, out: str) -> None:
         fn(2, starts, positions)
         mappings[name] = table.slot_mapping.cpu[:8].clone()
     torch.save(
-        {
-            "mappings": mappings,
-            "block": kv_manager.coordinator.block_size,
-            "at_start": at_start,
-            "removed": removed,
-            "again": again,
-            "fast": fast,
-            "plain": plain,
-            "fast_again": fast_again,
-        },
+        {"mappings": mappings, "block": kv_manager.coordinator.block_size, **ab},
         out,
     )
     os._exit(0)  # skip the engine's teardown (it destroys the process group) and vLLM's atexit hooks

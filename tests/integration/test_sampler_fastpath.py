@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from support import spawned_result, tiny_vllm_engine
+from support import fast_path_runs, spawned_result, tiny_vllm_engine
 
 pytestmark = pytest.mark.integration
 
@@ -76,30 +76,16 @@ def _body(port: int, model_dir: str, out: str) -> None:
         got["rng"] = torch.get_rng_state()
         return got
 
-    fast_at_start = fastpath_in_effect(engine.llm)
-    fast = run()
-    remove_sampler_fastpath(engine.llm)
-    removed = fastpath_in_effect(engine.llm)
-    plain = run()
-    again = install_sampler_fastpath(engine.llm)
-    fast_again = run()
-    torch.save(
-        {
-            "fast_at_start": fast_at_start,
-            "removed": removed,
-            "again": again,
-            "fast": fast,
-            "plain": plain,
-            "fast_again": fast_again,
-        },
-        out,
+    ab = fast_path_runs(
+        engine.llm, run, install_sampler_fastpath, remove_sampler_fastpath, fastpath_in_effect
     )
+    torch.save(ab, out)
     os._exit(0)  # skip the engine's teardown (it destroys the process group) and vLLM's atexit hooks
 
 
 def test_fast_sampler_bookkeeping_samples_bit_for_bit_as_vllm(tiny_model_dir, tmp_path):
     r = spawned_result(_body, tiny_model_dir, tmp_path, 300)
-    assert r["fast_at_start"] == {"seed_draw": True, "rank_count": True}  # VLLMEngine installed it
+    assert r["at_start"] == {"seed_draw": True, "rank_count": True}  # VLLMEngine installed it
     assert r["removed"] == {"seed_draw": False, "rank_count": False}
     assert r["again"] == {"seed_draw": True, "rank_count": True}
     for fast in (r["fast"], r["fast_again"]):
