@@ -63,6 +63,8 @@ from typing import Any
 
 import torch
 
+from fusedrl.third_party.vllm.inproc import engine_core, model_runner
+
 logger = logging.getLogger(__name__)
 
 READ_AGAINST = "0.32."  # the vLLM release the replaced functions were read in
@@ -83,15 +85,8 @@ _ALLOCATE_PARAMS = [
 ]
 
 
-def _core(llm: Any) -> Any:
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    if core is None:
-        raise RuntimeError("the vLLM engine core is not in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-    return core
-
-
 def _kv_cache_manager(llm: Any) -> Any:
-    return _core(llm).scheduler.kv_cache_manager
+    return engine_core(llm).scheduler.kv_cache_manager
 
 
 def _decode_allocate_slots(kv_manager: Any) -> Any:
@@ -195,9 +190,7 @@ def _allocate_unfit(kv_manager: Any) -> str | None:
 
 
 def _block_tables(llm: Any) -> list[Any]:
-    # The engine runs in this process (external_launcher): the worker's own model runner comes back.
-    runner = llm.collective_rpc(lambda worker: worker.model_runner)[0]
-    return list(runner.input_batch.block_table.block_tables)
+    return list(model_runner(llm).input_batch.block_table.block_tables)
 
 
 def _direct_slot_mapping(table: Any) -> Any:

@@ -17,17 +17,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from fusedrl.third_party.vllm.inproc import engine_core
+
 PHASES = ("schedule", "execute_model", "sample_tokens", "update_from_output", "process_outputs", "step")
 
 
 def _targets(llm: Any) -> dict[str, tuple[Any, str]]:
-    engine = llm.llm_engine
-    core = getattr(engine.engine_core, "engine_core", None)
-    if core is None:
-        raise RuntimeError(
-            "phase_timers needs the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), "
-            f"found a {type(engine.engine_core).__name__}"
-        )
+    engine, core = llm.llm_engine, engine_core(llm)
     return {
         "schedule": (core.scheduler, "schedule"),
         "execute_model": (core.model_executor, "execute_model"),

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from fusedrl.batch import RolloutBatch
+from fusedrl.third_party.vllm.inproc import model_runner
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class RoutedExpertsRecorder:
         self.num_experts = int(
             next(getattr(hf, a) for a in ("num_experts", "num_local_experts") if hasattr(hf, a))
         )
-        self.runner = engine.llm.collective_rpc(lambda worker: worker.model_runner)[0]
+        self.runner = model_runner(engine.llm)
         self.model = model
         self.active = False
         self.requests: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}

@@ -56,6 +56,8 @@ from typing import Any
 
 import torch
 
+from fusedrl.third_party.vllm.inproc import model_runner
+
 logger = logging.getLogger(__name__)
 
 READ_AGAINST = "0.32."  # the vLLM release the replaced functions were read in
@@ -97,8 +99,7 @@ def _eager_rank_count(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def _sampler(llm: Any) -> Any:
-    # The engine runs in this process (external_launcher): the worker's own sampler object comes back.
-    return llm.collective_rpc(lambda worker: worker.model_runner.sampler)[0]
+    return model_runner(llm).sampler
 
 
 def _params(fn: Any) -> list[str]:
