@@ -6,13 +6,16 @@ answer nothing. Where the run's roles share one worker group those need no round
 submission on the driver and a task on the worker each, and a worker that finished a phase waits for them
 to arrive before the next call can start (a GRPO step of a small model sent 11 of them). Instead the driver
 keeps them, per rank, as `Move` s and hands them to that rank's next call: `MoveCarrier.after_moves` runs
-them in the order sent, then the call. The order of what a worker runs is the same as with separate calls.
+them in the order sent, then the call (its top-level object references resolved, as Ray does for a direct
+call). The order of what a worker runs is the same as with separate calls.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import ray
 
 
 @dataclass(frozen=True)
@@ -42,4 +45,8 @@ class MoveCarrier:
                 raise MoveFailed(
                     f"the memory move `{move.method}` (sent before `{method}`) failed: {type(err).__name__}: {err}"
                 ) from err
+        # The call's arguments arrive inside a tuple, where Ray resolves no object reference: do it here, as Ray
+        # does for a direct call's top-level arguments.
+        args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
+        kwargs = {k: ray.get(v) if isinstance(v, ray.ObjectRef) else v for k, v in kwargs.items()}
         return getattr(self, method)(*args, **kwargs)

@@ -133,19 +133,13 @@ class CallRecorder:
 
 @dataclass
 class _Carrying:
-    """``handle.<method>`` with moves to run first: ``.remote`` sends one `MoveCarrier.after_moves` call. A call
-    whose arguments hold object references (which Ray resolves only at the top level) sends the moves as calls
-    of their own first."""
+    """``handle.<method>`` with moves to run first: ``.remote`` sends one `MoveCarrier.after_moves` call."""
 
     handle: Any
     moves: list[Move]
     method: str
 
     def remote(self, *args: Any, **kwargs: Any) -> ray.ObjectRef:
-        if any(isinstance(a, ray.ObjectRef) for a in (*args, *kwargs.values())):
-            for m in self.moves:
-                getattr(self.handle, m.method).remote(*m.args, **m.kwargs)
-            return getattr(self.handle, self.method).remote(*args, **kwargs)
         return self.handle.after_moves.remote(self.moves, self.method, args, kwargs)
 
 
