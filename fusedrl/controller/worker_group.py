@@ -336,8 +336,8 @@ class WorkerGroup:
         if not self.defer_moves:
             self.run_all(call)
             return
-        self.calls += 1
         if self.carries:
+            self.calls += 1  # (sent as calls, they are counted where they are sent)
             for carried in self._carried:
                 call(_MoveRecorder(carried))
             return
