@@ -35,16 +35,17 @@ def _collectives(rank: int, out: str) -> None:
 
     shm = sc.for_group(dist.group.WORLD)
     res: dict = {"active": shm is not None, "left_in_shm": [], "mismatch": []}
+    res["shm_barrier"] = shm._flags is not None
     # Rank 0 reads late after every barrier: with one buffer instead of two, rank 1 would already be
     # writing its next call's data over what rank 0 is about to read.
-    real_barrier = dist.barrier
+    real_barrier = shm.barrier
 
-    def late_barrier(*args, **kwargs):
-        real_barrier(*args, **kwargs)
+    def late_barrier():
+        real_barrier()
         if rank == 0:
             time.sleep(0.01)
 
-    dist.barrier = late_barrier
+    shm.barrier = late_barrier
     gen = torch.Generator().manual_seed(100 + rank)
     # Sizes grow (new segments) and shrink (reuse). The shared-memory calls run back to back, with nothing
     # else synchronising the ranks in between; gloo's results on the same inputs are computed afterwards.
@@ -65,7 +66,7 @@ def _collectives(rank: int, out: str) -> None:
             shm.reduce_scatter(reduced[average], full, average=average)
         res["left_in_shm"] += [n for n in os.listdir("/dev/shm") if n.startswith("fusedrl-coll-")]
         cases.append((numel, dtype, full, shard, gathered, reduced))
-    dist.barrier = real_barrier
+    del shm.barrier  # the class's again
     for numel, dtype, full, shard, gathered, reduced in cases:
         theirs = torch.empty(2 * numel, dtype=dtype)
         dist.all_gather_single(theirs, shard)
@@ -142,10 +143,132 @@ def _grouped_stream(mesh, res: dict) -> None:
 def test_shared_memory_collectives_equal_gloo(tmp_path):
     for r in _spawn(_collectives, tmp_path):
         assert r["active"], "two ranks on one host must get the shared-memory path"
+        assert r["shm_barrier"], "and the shared-memory barrier (x86)"
         assert r["mismatch"] == []
         assert r["left_in_shm"] == []  # every segment's name is unlinked once all ranks mapped it
         assert r["generations"] >= 2  # the segment grew at least once
         assert r["grouped_gathers"] == [4, 4, 4, 4]  # each layer's 4 tensors in one gather, 2 streams
+
+
+# ------------------------------------------------------------------------------------------- the barrier
+def _out_of_step(rank: int, out: str) -> None:
+    """Many small gathers and reduce-scatters back to back, each rank pausing at random (0-300 us) before
+    its calls: every result must still be the right one (a barrier that let a rank through early, or a
+    count read before the data, would show here as another call's or a half-written value)."""
+    import torch.distributed as dist
+
+    from fusedrl.workers import shm_collectives as sc
+
+    shm = sc.for_group(dist.group.WORLD)
+    rng = torch.Generator().manual_seed(rank)
+    wrong = []
+    for i in range(600):
+        if torch.rand((), generator=rng) < 0.5:
+            time.sleep(float(torch.rand((), generator=rng)) * 3e-4)
+        numel = 1 + i % 7 if i % 50 else 50_000  # now and then a copy large enough for streaming stores
+        gathered = torch.empty(2 * numel, dtype=torch.float64)
+        shm.all_gather(gathered, torch.full((numel,), float(1000 * i + rank), dtype=torch.float64))
+        want = torch.cat([torch.full((numel,), float(1000 * i + r), dtype=torch.float64) for r in range(2)])
+        if not torch.equal(gathered, want):
+            wrong.append(("all_gather", i))
+        summed = torch.empty(numel, dtype=torch.float64)
+        shm.reduce_scatter(
+            summed, torch.full((2 * numel,), float(i + rank), dtype=torch.float64), average=False
+        )
+        if not torch.equal(summed, torch.full((numel,), float(2 * i + 1), dtype=torch.float64)):
+            wrong.append(("reduce_scatter", i))
+    torch.save(
+        {"wrong": wrong, "arrivals": shm.arrivals, "shm_barrier": shm._flags is not None},
+        Path(out) / f"rank{rank}.pt",
+    )
+
+
+@pytest.mark.timeout(300)
+def test_the_shared_memory_barrier_keeps_ranks_in_step(tmp_path):
+    for r in _spawn(_out_of_step, tmp_path):
+        assert r["shm_barrier"] and r["wrong"] == []
+        assert r["arrivals"] == 1200  # one barrier per collective
+
+
+def _peer_exits(rank: int, out: str, stuck: bool) -> None:
+    """Rank 1 exits (or, ``stuck``, sleeps past a 1 s timeout) instead of reaching the barrier; rank 0's
+    barrier must raise, naming it, instead of waiting forever."""
+    import torch.distributed as dist
+
+    from fusedrl.workers import shm_collectives as sc
+
+    shm = sc.for_group(dist.group.WORLD)
+    shm.barrier()  # both arrive once
+    if rank == 1:
+        if stuck:
+            time.sleep(4)
+        os._exit(0)  # gone: no barrier, no clean-up
+    sc.BARRIER_TIMEOUT_S = 1.0
+    started = time.monotonic()
+    try:
+        shm.barrier()
+        res = {"raised": None}
+    except (sc.PeerGone, sc.BarrierTimeout) as exc:
+        res = {"raised": type(exc).__name__, "message": str(exc)}
+    res["seconds"] = time.monotonic() - started
+    torch.save(res, Path(out) / f"rank{rank}.pt")
+    os._exit(0)  # the group has lost a rank: leave without destroying it
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stuck", [False, True])
+def test_the_shared_memory_barrier_names_a_rank_that_died_or_hangs(tmp_path, stuck):
+    mp.spawn(gloo_rank, args=(2, free_port(), _peer_exits, (str(tmp_path), stuck)), nprocs=2, join=True)
+    r = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    if stuck:
+        assert r["raised"] == "BarrierTimeout" and "ranks [1] did not reach" in r["message"]
+        assert 1.0 <= r["seconds"] < 3.5
+    else:
+        assert r["raised"] == "PeerGone" and "rank 1 (pid" in r["message"] and "exited" in r["message"]
+        assert r["seconds"] < 3.0
+
+
+def _no_flags(rank: int, out: str) -> None:
+    """Where the barrier's segment cannot be made, one warning and gloo's barrier: the same results."""
+    import logging
+
+    import torch.distributed as dist
+
+    from fusedrl.workers import shm_collectives as sc
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    sc.logger.addHandler(handler)
+    real = os.posix_fallocate
+
+    def full_tmpfs(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    sc._BY_GROUP.clear()
+    os.posix_fallocate = full_tmpfs
+    try:
+        shm = sc.for_group(dist.group.WORLD)
+    finally:
+        os.posix_fallocate = real
+    gathered = torch.empty(4)
+    shm.all_gather(gathered, torch.full((2,), float(rank + 1)))
+    torch.save(
+        {"flags": shm._flags, "gathered": gathered.tolist(), "calls": shm.calls, "warnings": records},
+        Path(out) / f"rank{rank}.pt",
+    )
+
+
+@pytest.mark.timeout(300)
+def test_the_barrier_falls_back_to_gloo(tmp_path):
+    for r in _spawn(_no_flags, tmp_path):
+        assert r["flags"] is None and r["calls"] == 1  # the collective itself still went through memory
+        assert r["gathered"] == [1.0, 1.0, 2.0, 2.0]
+        assert (
+            len(r["warnings"]) == 1
+            and "barrier off" in r["warnings"][0]
+            and "No space left" in r["warnings"][0]
+        )
 
 
 # -------------------------------------------------------------------------------------------- fallbacks
