@@ -132,40 +132,52 @@ class ShmCollectives:
         dist.broadcast_object_list(token, group=self.group, group_src=0)
         return str(token[0])
 
-    def _make_flags(self) -> None:
-        """The barrier's segment (collective). Leaves ``_flags`` None, and the barrier gloo's, where it
-        cannot be made or the machine's store order is not x86's."""
-        pids: list[int | None] = [None] * self.world
-        dist.all_gather_object(pids, os.getpid(), group=self.group)
-        path = os.path.join(_SHM_DIR, f"fusedrl-coll-{self.token}-flags")
-        size = self.world * _LINE * 8
-        reason: list[str | None] = [None]
-        if self.rank == 0:
-            if platform.machine().lower() not in ("x86_64", "amd64"):
-                reason = [f"{platform.machine()} (the flags rely on x86's store order)"]
-            else:
+    def _map_segment(self, path: str, size: int, refused: str | None = None) -> mmap.mmap | str:
+        """A ``size``-byte segment at ``path`` made by rank 0 and mapped by every rank (collective), its name
+        unlinked once all have it; or, the same on every rank, why not (``refused``: rank 0's own reason not
+        to make it). The pages are reserved up front: a full tmpfs fails here, not with a SIGBUS mid-copy."""
+        reason: list[str | None] = [refused]
+        if self.rank == 0 and refused is None:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 try:
-                    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                    try:
-                        os.posix_fallocate(fd, 0, size)  # zeros: no rank has reached a barrier
-                    finally:
-                        os.close(fd)
-                except OSError as exc:
-                    reason = [f"cannot make {path} ({exc})"]
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
+                    os.posix_fallocate(fd, 0, size)  # zero pages
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                reason = [f"cannot reserve {size:,} bytes in {_SHM_DIR} ({exc})"]
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         dist.broadcast_object_list(reason, group=self.group, group_src=0)
         if reason[0] is not None:
-            logger.warning("shared-memory barrier off, using gloo's: %s", reason[0])
-            return
+            return reason[0]
         fd = os.open(path, os.O_RDWR)
         try:
-            self._flags_mmap = mmap.mmap(fd, size)
+            mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         dist.barrier(group=self.group)  # everyone mapped it
         if self.rank == 0:
             os.unlink(path)
+        return mm
+
+    def _make_flags(self) -> None:
+        """The barrier's segment (collective). Leaves ``_flags`` None, and the barrier gloo's, where it
+        cannot be made or the machine's store order is not x86's."""
+        pids: list[int | None] = [None] * self.world
+        dist.all_gather_object(pids, os.getpid(), group=self.group)
+        machine = platform.machine()
+        refused = (
+            None
+            if machine.lower() in ("x86_64", "amd64")
+            else f"{machine}: the flags rely on x86's store order"
+        )
+        path = os.path.join(_SHM_DIR, f"fusedrl-coll-{self.token}-flags")
+        made = self._map_segment(path, self.world * _LINE * 8, refused)
+        if isinstance(made, str):
+            logger.warning("shared-memory barrier off, using gloo's: %s", made)
+            return
+        self._flags_mmap = made
         self._flags = memoryview(self._flags_mmap).cast("q")
         self._peers = [(r, int(pid)) for r, pid in enumerate(pids) if r != self.rank]  # type: ignore[arg-type]
 
@@ -224,32 +236,11 @@ class ShmCollectives:
         total = 2 * self.world * want
         self.generation += 1
         path = os.path.join(_SHM_DIR, f"fusedrl-coll-{self.token}-{self.generation}")
-        reason: list[str | None] = [None]
-        if self.rank == 0:
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                try:
-                    # Reserve the pages now: a full tmpfs fails here, not with a SIGBUS mid-copy.
-                    os.posix_fallocate(fd, 0, total)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                reason = [f"cannot reserve {total >> 20} MiB in {_SHM_DIR} ({exc})"]
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-        dist.broadcast_object_list(reason, group=self.group, group_src=0)
-        if reason[0] is not None:
-            self.disabled_reason = reason[0]
+        mm = self._map_segment(path, total)
+        if isinstance(mm, str):
+            self.disabled_reason = mm
             logger.warning("shared-memory collectives off, using gloo: %s", self.disabled_reason)
             return False
-        fd = os.open(path, os.O_RDWR)
-        try:
-            mm = mmap.mmap(fd, total)
-        finally:
-            os.close(fd)
-        dist.barrier(group=self.group)  # everyone mapped it
-        if self.rank == 0:
-            os.unlink(path)
         self.buffer = None  # drop the old segment's tensor before closing its mapping
         if self._mmap is not None:
             self._mmap.close()

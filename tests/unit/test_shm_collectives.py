@@ -10,6 +10,8 @@ unevenly sharded DTensors, and one actor update with FSDP2 routed through shared
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import time
 from pathlib import Path
@@ -18,6 +20,27 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from support import free_port, gloo_rank, padded_batch
+
+
+@contextlib.contextmanager
+def _full_tmpfs(records: list[str]):
+    """Inside the block ``/dev/shm`` is full (``posix_fallocate`` fails); the collectives' warnings, then
+    and later, go to ``records``."""
+    from fusedrl.workers import shm_collectives as sc
+
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    sc.logger.addHandler(handler)
+    real = os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    os.posix_fallocate = full
+    try:
+        yield
+    finally:
+        os.posix_fallocate = real
 
 
 def _spawn(body, tmp_path: Path, *args) -> list[dict]:
@@ -230,27 +253,14 @@ def test_the_shared_memory_barrier_names_a_rank_that_died_or_hangs(tmp_path, stu
 
 def _no_flags(rank: int, out: str) -> None:
     """Where the barrier's segment cannot be made, one warning and gloo's barrier: the same results."""
-    import logging
-
     import torch.distributed as dist
 
     from fusedrl.workers import shm_collectives as sc
 
     records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    sc.logger.addHandler(handler)
-    real = os.posix_fallocate
-
-    def full_tmpfs(fd, offset, length):
-        raise OSError(28, "No space left on device")
-
     sc._BY_GROUP.clear()
-    os.posix_fallocate = full_tmpfs
-    try:
+    with _full_tmpfs(records):
         shm = sc.for_group(dist.group.WORLD)
-    finally:
-        os.posix_fallocate = real
     gathered = torch.empty(4)
     shm.all_gather(gathered, torch.full((2,), float(rank + 1)))
     torch.save(
@@ -273,8 +283,6 @@ def test_the_barrier_falls_back_to_gloo(tmp_path):
 
 # -------------------------------------------------------------------------------------------- fallbacks
 def _fallbacks(rank: int, out: str) -> None:
-    import logging
-
     import torch.distributed as dist
 
     from fusedrl.workers import shm_collectives as sc
@@ -287,16 +295,7 @@ def _fallbacks(rank: int, out: str) -> None:
     sc._BY_GROUP.clear()
     shm = sc.for_group(dist.group.WORLD)
     records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    sc.logger.addHandler(handler)
-    real = os.posix_fallocate
-
-    def full_tmpfs(fd, offset, length):
-        raise OSError(28, "No space left on device")
-
-    os.posix_fallocate = full_tmpfs
-    try:
+    with _full_tmpfs(records):
         shard = torch.full((3,), float(rank + 1))
         ours = torch.empty(6)
         shm.all_gather(ours, shard)  # falls back to gloo
@@ -304,8 +303,6 @@ def _fallbacks(rank: int, out: str) -> None:
         summed = torch.empty(2)
         shm.reduce_scatter(summed, torch.arange(4.0) * (rank + 1), average=False)
         res["fallback_scatter"] = summed.tolist()
-    finally:
-        os.posix_fallocate = real
     res["warnings"] = records
     torch.save(res, Path(out) / f"rank{rank}.pt")
 
