@@ -44,6 +44,7 @@ import socket
 import threading
 import time
 import uuid
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,10 +98,10 @@ def for_group(group: dist.ProcessGroup | None = None) -> ShmCollectives | None:
         return _BY_GROUP[group]
     result: ShmCollectives | None = None
     if not torch.cuda.is_available() and dist.get_world_size(group) > 1:
-        hosts: list[str | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, (_host_key(), os.path.isdir(_SHM_DIR)), group=group)
-        if all(h == hosts[0] for h in hosts) and hosts[0][1]:  # type: ignore[index]
-            result = ShmCollectives(group)
+        ranks: list[Any] = [None] * dist.get_world_size(group)  # (host, has /dev/shm, pid) of each rank
+        dist.all_gather_object(ranks, (_host_key(), os.path.isdir(_SHM_DIR), os.getpid()), group=group)
+        if all(r[:2] == ranks[0][:2] for r in ranks) and ranks[0][1]:
+            result = ShmCollectives(group, [int(r[2]) for r in ranks])
     _BY_GROUP[group] = result
     return result
 
@@ -108,7 +109,8 @@ def for_group(group: dist.ProcessGroup | None = None) -> ShmCollectives | None:
 class ShmCollectives:
     """All-gather and reduce-scatter of flat contiguous CPU tensors between the ranks of ``group``."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, pids: list[int]) -> None:
+        """``pids``: each rank's process id, in rank order (the ranks share this host)."""
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -124,7 +126,7 @@ class ShmCollectives:
         self._flags_mmap: mmap.mmap | None = None
         self._peers: list[tuple[int, int]] = []  # (rank, pid) of the others
         self._fence = threading.Lock()
-        self._make_flags()
+        self._make_flags(pids)
 
     # ------------------------------------------------------------------ segment
     def _agree_token(self) -> str:
@@ -161,11 +163,9 @@ class ShmCollectives:
             os.unlink(path)
         return mm
 
-    def _make_flags(self) -> None:
+    def _make_flags(self, pids: list[int]) -> None:
         """The barrier's segment (collective). Leaves ``_flags`` None, and the barrier gloo's, where it
         cannot be made or the machine's store order is not x86's."""
-        pids: list[int | None] = [None] * self.world
-        dist.all_gather_object(pids, os.getpid(), group=self.group)
         machine = platform.machine()
         refused = (
             None
@@ -179,7 +179,7 @@ class ShmCollectives:
             return
         self._flags_mmap = made
         self._flags = memoryview(self._flags_mmap).cast("q")
-        self._peers = [(r, int(pid)) for r, pid in enumerate(pids) if r != self.rank]  # type: ignore[arg-type]
+        self._peers = [(r, pid) for r, pid in enumerate(pids) if r != self.rank]
 
     def barrier(self) -> None:
         """Return once every rank of the group has reached this barrier (its ``arrivals``-th)."""
@@ -195,7 +195,7 @@ class ShmCollectives:
         waiting = [(r * _LINE, r, pid) for r, pid in self._peers]
         spins = 0
         started = check_at = 0.0
-        while waiting:
+        while True:
             waiting = [w for w in waiting if flags[w[0]] < n]
             if not waiting:
                 return
